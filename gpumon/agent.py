@@ -1,0 +1,163 @@
+"""Assembles one gpumon instance from a Config: hardware, inventory, profile, runner.
+
+Used by every CLI command. Startup failures are ``StartupError`` (exit 3);
+nothing here exits the process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpumon.check import Check, KernelLog
+from gpumon.config import Config
+from gpumon.errors import NvmlUnavailable, StartupError
+from gpumon.hw import Hardware
+from gpumon.hw.inventory import Inventory, collect
+from gpumon.hw.kmsg import KernelLogFollower
+from gpumon.hw.nvrm import NvrmParser
+from gpumon.model import Phase
+from gpumon.profiles import Profile, all_profiles, select_profile
+from gpumon.runner import CheckRun, Runner
+from gpumon.sim.render import SimNode
+from gpumon.sim.scenario import Scenario
+
+
+@dataclass
+class Simulation:
+    """A simulated node rendered into a directory, with the NVML injection library loaded."""
+
+    scenario: Scenario
+    node: SimNode
+    lib_dir: Path
+    at_s: float
+    tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @classmethod
+    def start(cls, scenario: Scenario, at_s: float | None, workdir: Path | None = None) -> Simulation:
+        from gpumon.sim import nvml_inject
+        tmp = None
+        if workdir is None:
+            tmp = tempfile.TemporaryDirectory(prefix="gpumon-sim-")
+            workdir = Path(tmp.name)
+        node = SimNode(scenario, workdir)
+        t = scenario.horizon_s if at_s is None else at_s
+        node.render(t)
+        lib_dir = nvml_inject.build_library()
+        os.environ[nvml_inject.STATE_ENV] = str(node.nvml_state_path)
+        # Children (tools) find the library through LD_LIBRARY_PATH like any
+        # program would; this process read LD_LIBRARY_PATH at startup, so it
+        # loads the library by path and pynvml then binds to it by soname.
+        paths = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+        if str(lib_dir) not in paths:
+            os.environ["LD_LIBRARY_PATH"] = ":".join([str(lib_dir), *paths])
+        nvml_inject.preload(lib_dir)
+        return cls(scenario, node, lib_dir, t, tmp)
+
+    def advance(self, t: float) -> None:
+        self.at_s = t
+        self.node.render(t)
+
+    def close(self) -> None:
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+@dataclass
+class Agent:
+    config: Config
+    checks: dict[str, type[Check]]
+    simulation: Simulation | None = None
+    hw: Hardware = field(init=False)
+    inventory: Inventory = field(init=False)
+    profile: Profile = field(init=False)
+    node: str = field(init=False)
+    runner: Runner = field(init=False)
+
+    def start(self) -> None:
+        host_root = Path(self.config.host_root)
+        if self.simulation is not None:
+            host_root = self.simulation.node.host_root
+        if not host_root.is_dir():
+            raise StartupError(f"host root {host_root} is not a directory")
+        if not (host_root / "sys").is_dir() and not (host_root / "proc").is_dir():
+            raise StartupError(f"host root {host_root} has neither sys/ nor proc/: is the host "
+                               "mounted there?")
+        t = self.config.timeouts
+        self.hw = Hardware(host_root, nvml_timeout=t.nvml_call_s, fs_timeout=t.sysfs_read_s,
+                           tool_timeout=t.tool_default_s, simulated=self.simulation is not None)
+        try:
+            self.hw.nvml.init()
+        except NvmlUnavailable:
+            raise
+        self.inventory = collect(self.hw.nvml, self.hw.fs)
+        if self.inventory.nvml_error and not self.inventory.gpus:
+            raise NvmlUnavailable(self.inventory.nvml_error)
+        profiles = all_profiles([Path(d) for d in self.config.profile_dirs])
+        self.profile = select_profile(profiles, self.inventory.gpu_names, self.config.profile)
+        self.node = self.config.node_name or (
+            f"sim-{self.simulation.scenario.name}" if self.simulation else socket.gethostname())
+        self.runner = Runner(self.hw, self.inventory, self.profile, self.config, node=self.node)
+
+    def stop(self) -> None:
+        self.hw.nvml.shutdown()
+
+    @property
+    def kmsg_path(self) -> Path:
+        if self.simulation is not None:
+            return self.simulation.node.kmsg_path
+        if self.config.kmsg_path:
+            return Path(self.config.kmsg_path)
+        return self.hw.host_root / "dev" / "kmsg"
+
+    def open_kernel_log(self) -> KernelLogFollower:
+        return KernelLogFollower(self.kmsg_path, boot_time=self.hw.fs.boot_time(),
+                                 poll_interval=self.config.daemon.kernel_log_poll_s)
+
+    def kernel_log_snapshot(self) -> KernelLog:
+        """Everything the kernel log holds for the current boot, parsed."""
+        path = self.kmsg_path
+        if not path.exists():
+            return KernelLog(available=False, error=f"{path} does not exist", source=str(path))
+        if not os.access(path, os.R_OK):
+            return KernelLog(available=False, error=f"{path} is not readable (permission denied)",
+                             source=str(path))
+        follower = self.open_kernel_log()
+        try:
+            records = follower.read_available()
+            lost = follower.lost_records
+        except OSError as exc:
+            return KernelLog(available=False, error=f"reading {path}: {exc.strerror or exc}",
+                             source=str(path))
+        finally:
+            follower.close()
+        parser = NvrmParser()
+        events: list[object] = []
+        for rec in records:
+            events.extend(parser.feed(rec))
+        events.extend(parser.flush())
+        return KernelLog(events=events, available=True, source=str(path), records_read=len(records),
+                         lost_records=lost, boot_time=self.hw.fs.boot_time())
+
+    def selected(self, phase: Phase, names: Sequence[str] = ()) -> list[Check]:
+        chosen = []
+        for name, cls in self.checks.items():
+            if names and name not in names:
+                continue
+            if not names and (cls.phase is not phase or not self.config.settings(cls).enabled):
+                continue
+            chosen.append(cls())
+        return chosen
+
+    def run_once(self, checks: Sequence[Check]) -> list[CheckRun]:
+        log = self.kernel_log_snapshot() if any(c.uses_kernel_log for c in checks) else None
+        return self.runner.run(checks, log)
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,112 @@
+"""The Check protocol: what a check is, and what it is handed when it runs.
+
+A check knows nothing of exporters, cordons or other checks. It touches the
+machine only through ``ctx.hw`` and returns at least one finding for every
+component it examined (``ok`` included).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported, ToolMissing
+from gpumon.model import Action, Finding, Phase, Severity
+
+if TYPE_CHECKING:
+    from gpumon.hw import Hardware
+    from gpumon.hw.inventory import Inventory
+    from gpumon.profiles import Profile
+
+
+@dataclass
+class KernelLog:
+    """Kernel-log events handed to a check: NVRM events parsed by the hw layer.
+
+    ``available`` is False when the log could not be read; the check must then
+    say ``unknown`` with ``error`` rather than report a clean log.
+    """
+
+    events: Sequence[Any] = ()
+    available: bool = True
+    error: str | None = None
+    source: str = ""
+    records_read: int = 0
+    lost_records: int = 0
+    # epoch seconds of this boot, to date records that carry only kernel uptime
+    boot_time: float | None = None
+
+
+@dataclass
+class CheckContext:
+    hw: Hardware
+    inventory: Inventory
+    profile: Profile
+    params: Any
+    state: MutableMapping[str, Any]
+    kernel_log: KernelLog
+    clock: Callable[[], float] = time.time
+    node: str = "localhost"
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Check:
+    """Base class for checks. Subclasses set the class attributes and ``run``.
+
+    ``name`` is one string everywhere: entry point, CLI argument, config
+    section, JSON ``check`` and metric label.
+    """
+
+    name: ClassVar[str] = ""
+    phase: ClassVar[Phase] = Phase.CONTINUOUS
+    description: ClassVar[str] = ""
+    interval: ClassVar[float] = 60.0
+    timeout: ClassVar[float] = 30.0
+    # A dataclass of the check's own options (its YAML section), or None.
+    Config: ClassVar[type[Any] | None] = None
+    # Checks fed by kernel-log events run as soon as a new event arrives.
+    uses_kernel_log: ClassVar[bool] = False
+
+    def supported(self, inventory: Inventory) -> str | None:
+        """None if the check applies to this node, else the reason it does not."""
+        return None
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        raise NotImplementedError
+
+    # Helpers so that every check words common outcomes the same way.
+
+    def finding(self, component: str, severity: Severity, message: str,
+                action: Action = Action.NONE, **evidence: Any) -> Finding:
+        return Finding(check=self.name, component=component, severity=severity,
+                       message=message, action=action, evidence=evidence)
+
+    def ok(self, component: str, message: str, **evidence: Any) -> Finding:
+        return self.finding(component, Severity.OK, message, **evidence)
+
+    def from_condition(self, cond: HwCondition, component: str | None = None) -> Finding:
+        return condition_finding(self.name, cond, component)
+
+
+def condition_finding(check: str, cond: HwCondition, component: str | None = None) -> Finding:
+    """The one place where a hardware condition becomes a finding."""
+    comp = component or cond.component
+    if isinstance(cond, GpuLost):
+        return Finding(check, comp, Severity.FAIL, f"GPU lost ({cond.call}): {cond}",
+                       Action.REBOOT_NODE, {"call": cond.call})
+    if isinstance(cond, HwTimeout):
+        # A GPU whose driver calls hang needs a reset before it takes work;
+        # elsewhere (a tool, a file) the hang is reported without a remedy.
+        action = Action.RESET_GPU if comp.startswith("gpu/") else Action.NONE
+        return Finding(check, comp, Severity.FAIL,
+                       f"hung after {cond.seconds:g} s in {cond.call}", action,
+                       {"call": cond.call, "timeout_s": cond.seconds})
+    if isinstance(cond, ToolMissing):
+        return Finding(check, comp, Severity.SKIPPED, str(cond), Action.NONE, {"call": cond.call})
+    if isinstance(cond, NotSupported):
+        return Finding(check, comp, Severity.SKIPPED, f"not supported here: {cond}", Action.NONE,
+                       {"call": cond.call})
+    return Finding(check, comp, Severity.UNKNOWN, f"{cond.call} failed: {cond}", Action.NONE,
+                   {"call": cond.call})

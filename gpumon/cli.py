@@ -1,0 +1,172 @@
+"""The ``gpumon`` command. The only module that turns errors into exit codes.
+
+Exit codes (Nagios / NHC convention that Slurm health checks and
+node-problem-detector plugins read): 0 all OK, 1 warnings only, 2 at least one
+failure, 3 could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpumon import __version__
+from gpumon.agent import Agent, Simulation
+from gpumon.config import Config, load_config
+from gpumon.errors import ConfigError, GpumonError, StartupError
+from gpumon.model import Phase, Status
+from gpumon.registry import load_checks
+from gpumon.report import json_report, print_table
+from gpumon.sim.scenario import load_scenario
+
+EXIT_OK = 0
+EXIT_WARN = 1
+EXIT_FAIL = 2
+EXIT_CANNOT_RUN = 3
+
+log = logging.getLogger("gpumon")
+
+
+def _global_options(suppress: bool = False) -> argparse.ArgumentParser:
+    # Global flags are accepted before and after the command. The command's
+    # copy must not reset a value given before it, hence SUPPRESS there.
+    p = argparse.ArgumentParser(add_help=False,
+                                argument_default=argparse.SUPPRESS if suppress else None)
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="config file (default /etc/gpumon/gpumon.yaml if present)")
+    p.add_argument("--host-root", metavar="DIR", help="where the host's /sys, /proc, /dev are (default /)")
+    p.add_argument("--profile", metavar="NAME", help="SKU profile (default: chosen from the GPU name)")
+    p.add_argument("--simulate", metavar="SCENARIO",
+                   help="run on a simulated node: a shipped scenario name or a scenario YAML file")
+    p.add_argument("--sim-at", type=float, metavar="SECONDS",
+                   help="one-shot commands: render the scenario at this time "
+                        "(default: after every fault has started)")
+    p.add_argument("--sim-dir", type=Path, metavar="DIR",
+                   help="render the simulated node here instead of a temporary directory")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpumon", parents=[_global_options()],
+                                     description="GPU node health-check agent")
+    parser.add_argument("--version", action="version", version=f"gpumon {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = _global_options(suppress=True)
+
+    p = sub.add_parser("check", parents=[common], help="one-shot run of the continuous checks")
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these checks")
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.add_argument("-v", "--verbose", action="store_true", help="show ok findings too")
+
+    p = sub.add_parser("run-bootstrap", parents=[common], help="run the bootstrap suite")
+    p.add_argument("--only", metavar="N,..", help="run only these checks")
+    p.add_argument("--skip", metavar="N,..", help="skip these checks")
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.add_argument("-v", "--verbose", action="store_true", help="show ok findings too")
+
+    p = sub.add_parser("daemon", parents=[common], help="run as the node agent")
+    p.add_argument("--duration", type=float, metavar="SECONDS",
+                   help="stop after this long (tests, demos); default: until SIGTERM")
+
+    sub.add_parser("list-checks", parents=[common], help="list the registered checks")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    return {"host_root": args.host_root, "profile": args.profile}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s gpumon %(levelname)s %(message)s")
+    try:
+        checks = load_checks()
+        config = load_config(args.config, checks, overrides=_overrides(args))
+        logging.getLogger().setLevel(config.log_level.upper())
+        if args.command == "list-checks":
+            return _list_checks(checks, config)
+        simulation = None
+        if args.simulate:
+            scenario = load_scenario(args.simulate)
+            at = args.sim_at if args.command != "daemon" else 0.0
+            simulation = Simulation.start(scenario, at, args.sim_dir)
+        agent = Agent(config, checks, simulation)
+        try:
+            agent.start()
+            if args.command == "check":
+                return _check(agent, args)
+            if args.command == "run-bootstrap":
+                return _bootstrap(agent, args)
+            if args.command == "daemon":
+                from gpumon.daemon import Daemon
+                return Daemon(agent).serve(duration=args.duration)
+        finally:
+            if simulation is not None:
+                simulation.close()
+    except ConfigError as exc:
+        print(f"gpumon: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except StartupError as exc:
+        print(f"gpumon: cannot run: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except GpumonError as exc:
+        print(f"gpumon: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    parser.error(f"unknown command {args.command}")
+    return EXIT_CANNOT_RUN
+
+
+def _list_checks(checks: dict[str, type], config: Config) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title="gpumon checks", title_justify="left")
+    for col in ("name", "phase", "interval", "timeout", "enabled", "description"):
+        table.add_column(col, overflow="fold")
+    for name, cls in checks.items():
+        s = config.settings(cls)
+        table.add_row(name, cls.phase.value, f"{s.interval_s:g}s", f"{s.timeout_s:g}s",
+                      "yes" if s.enabled else "no", cls.description)
+    Console(highlight=False).print(table)
+    return EXIT_OK
+
+
+def _emit(agent: Agent, runs: list, args: argparse.Namespace) -> int:  # type: ignore[type-arg]
+    extra = {"simulated": agent.simulation.scenario.name} if agent.simulation else None
+    if args.json:
+        doc = json_report(runs, node=agent.node, profile=agent.profile.name, verbose=args.verbose,
+                          extra=extra)
+        print(json.dumps(doc, indent=2))
+        return Status(doc["status"]).exit_code
+    return print_table(runs, node=agent.node, profile=agent.profile.name, verbose=args.verbose).exit_code
+
+
+def _check(agent: Agent, args: argparse.Namespace) -> int:
+    unknown = [n for n in args.names if n not in agent.checks]
+    if unknown:
+        raise ConfigError(f"unknown check {unknown[0]!r} (registered: {', '.join(agent.checks)})",
+                          key="check")
+    checks = agent.selected(Phase.CONTINUOUS, args.names)
+    runs = agent.run_once(checks)
+    return _emit(agent, runs, args)
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _bootstrap(agent: Agent, args: argparse.Namespace) -> int:
+    only, skip = _split(args.only), _split(args.skip)
+    for name in (*only, *skip):
+        if name not in agent.checks:
+            raise ConfigError(f"unknown check {name!r}", key="--only/--skip")
+    checks = [c for c in agent.selected(Phase.BOOTSTRAP, only) if c.name not in skip]
+    if not checks:
+        raise StartupError("no bootstrap checks to run (none registered or all skipped)")
+    runs = agent.run_once(checks)
+    return _emit(agent, runs, args)

@@ -1,0 +1,146 @@
+"""Layered, strict configuration.
+
+Layers, later wins: the defaults shipped in ``config/gpumon.yaml``, then the
+site file (``/etc/gpumon/gpumon.yaml``, or ``--config FILE`` instead), then
+command-line flags. Each file is validated on its own before merging, so an
+error names the file and line where the bad key was written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from gpumon.check import Check
+from gpumon.errors import ConfigError
+from gpumon.schema import Source, build, deep_merge, load_yaml, load_yaml_file
+
+SITE_CONFIG = Path("/etc/gpumon/gpumon.yaml")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    # NVML answers in microseconds-to-milliseconds when healthy; 5 s is far
+    # beyond that yet short enough that a hung call is reported within a cycle.
+    nvml_call_s: float = field(default=5.0, metadata={"min": 0.05, "max": 600})
+    sysfs_read_s: float = field(default=2.0, metadata={"min": 0.05, "max": 600})
+    tool_default_s: float = field(default=120.0, metadata={"min": 1, "max": 86400})
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    jitter: float = field(default=0.1, metadata={"min": 0.0, "max": 0.5})
+    kernel_log_poll_s: float = field(default=0.2, metadata={"min": 0.01, "max": 5})
+    shutdown_grace_s: float = field(default=5.0, metadata={"min": 0, "max": 300})
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """Settings every check has; the check's own options live in ``params``."""
+
+    enabled: bool = True
+    interval_s: float = 60.0
+    timeout_s: float = 30.0
+    params: Any = None
+
+
+@dataclass(frozen=True)
+class Config:
+    node_name: str | None = None
+    host_root: str = "/"
+    kmsg_path: str | None = None
+    state_dir: str = "/var/lib/gpumon"
+    profile: str = "auto"
+    profile_dirs: list[str] = field(default_factory=lambda: ["/etc/gpumon/profiles"])
+    log_level: str = field(default="info", metadata={"choices": ("debug", "info", "warning", "error")})
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    daemon: DaemonSettings = field(default_factory=DaemonSettings)
+    # raw per-check sections; validated against the registered checks by load_config
+    checks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    check_settings: dict[str, CheckSettings] = field(default_factory=dict, compare=False)
+    files: list[str] = field(default_factory=list, compare=False)
+
+    def settings(self, check: type[Check]) -> CheckSettings:
+        found = self.check_settings.get(check.name)
+        if found is not None:
+            return found
+        return CheckSettings(interval_s=check.interval, timeout_s=check.timeout,
+                             params=check.Config() if check.Config is not None else None)
+
+
+_COMMON = {"enabled", "interval_s", "timeout_s"}
+
+
+def _check_sections(data: Mapping[str, Any], src: Source, checks: Mapping[str, type[Check]]) -> None:
+    """Validate the ``checks:`` section of one file against the registered checks."""
+    sections = data.get("checks") or {}
+    for name, section in sections.items():
+        path = ("checks", name)
+        if name not in checks:
+            raise src.error(path, f"unknown check (registered: {', '.join(sorted(checks))})")
+        if section is None:
+            continue
+        if not isinstance(section, Mapping):
+            raise src.error(path, "expected a mapping of settings")
+        cls = checks[name]
+        common = {k: v for k, v in section.items() if k in _COMMON}
+        own = {k: v for k, v in section.items() if k not in _COMMON}
+        _validate_common(common, src, path)
+        if own and cls.Config is None:
+            key = next(iter(own))
+            raise src.error((*path, key), f"unknown key (check {name} takes only "
+                                          f"{', '.join(sorted(_COMMON))})")
+        if cls.Config is not None:
+            build(cls.Config, own, src, path)
+
+
+def _validate_common(common: Mapping[str, Any], src: Source, path: tuple[str, ...]) -> None:
+    for key, value in common.items():
+        if key == "enabled":
+            if not isinstance(value, bool):
+                raise src.error((*path, key), "expected true or false")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise src.error((*path, key), f"expected a positive number of seconds, got {value!r}")
+
+
+def _load_layer(data: Any, src: Source, checks: Mapping[str, type[Check]]) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise src.error((), "the config file must be a mapping of settings")
+    build(Config, data, src)  # strict validation of every non-check key, with lines
+    _check_sections(data, src, checks)
+    return dict(data)
+
+
+def load_config(path: Path | None, checks: Mapping[str, type[Check]], *,
+                overrides: Mapping[str, Any] | None = None, site_file: Path = SITE_CONFIG) -> Config:
+    """Defaults <- site file (or ``path``) <- ``overrides`` (from CLI flags)."""
+    text = resources.files("gpumon_config").joinpath("gpumon.yaml").read_text(encoding="utf-8")
+    data, src = load_yaml(text, "config/gpumon.yaml (built-in)")
+    merged = _load_layer(data, src, checks)
+    files = [src.file]
+    chosen = path if path is not None else (site_file if site_file.is_file() else None)
+    if path is not None and not path.is_file():
+        raise ConfigError("config file not found", file=str(path))
+    if chosen is not None:
+        data, src = load_yaml_file(chosen)
+        merged = deep_merge(merged, _load_layer(data, src, checks))
+        files.append(str(chosen))
+    if overrides:
+        merged = deep_merge(merged, {k: v for k, v in overrides.items() if v is not None})
+    final = build(Config, merged, Source("<merged>"))
+    settings: dict[str, CheckSettings] = {}
+    for name, cls in checks.items():
+        section = dict(final.checks.get(name) or {})
+        common = {k: section.pop(k) for k in list(section) if k in _COMMON}
+        params = build(cls.Config, section, Source("<merged>"), ("checks", name)) if cls.Config else None
+        settings[name] = CheckSettings(
+            enabled=bool(common.get("enabled", True)),
+            interval_s=float(common.get("interval_s", cls.interval)),
+            timeout_s=float(common.get("timeout_s", cls.timeout)),
+            params=params,
+        )
+    return dataclasses.replace(final, check_settings=settings, files=files)

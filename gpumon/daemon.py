@@ -1,0 +1,251 @@
+"""``gpumon daemon``: continuous checks on jittered schedules, kernel log event-driven.
+
+Startup -> main loop -> bounded shutdown, with signal handlers restored on
+the way out (uvicorn's server shape). Checks that read the kernel log run as
+soon as a new record arrives; the others run every ``interval_s`` +- jitter.
+A check still running from its previous turn is not started twice; a hung
+one is reported by the runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from gpumon.agent import Agent
+from gpumon.check import Check, KernelLog
+from gpumon.hw.kmsg import KernelLogFollower
+from gpumon.hw.nvrm import NvrmParser
+from gpumon.model import Phase, Severity
+from gpumon.report import json_report
+from gpumon.runner import CheckRun
+
+log = logging.getLogger("gpumon.daemon")
+
+
+def sd_notify(message: str) -> bool:
+    """Send a systemd notification (READY=1, WATCHDOG=1, STATUS=...) if NOTIFY_SOCKET is set."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        return True
+    except OSError as exc:
+        log.warning("sd_notify failed: %s", exc)
+        return False
+
+
+class KernelLogPump:
+    """Follows the kernel log on its own thread and hands parsed events out."""
+
+    def __init__(self, agent: Agent, wake: threading.Event) -> None:
+        self.agent = agent
+        self.wake = wake
+        self.lock = threading.Lock()
+        self.pending: list[Any] = []
+        self.records = 0
+        self.error: str | None = None
+        self.follower: KernelLogFollower | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="gpumon-kmsg", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _loop(self) -> None:
+        parser = NvrmParser()
+        while not self.stop.is_set():
+            if self.follower is None:
+                path = self.agent.kmsg_path
+                try:
+                    self.follower = self.agent.open_kernel_log()
+                    self.error = None
+                except OSError as exc:
+                    self.error = f"cannot open {path}: {exc.strerror or exc}"
+                    self.stop.wait(5.0)
+                    continue
+            try:
+                records = self.follower.wait(1.0)
+            except OSError as exc:
+                self.error = f"reading {self.agent.kmsg_path}: {exc.strerror or exc}"
+                self.follower.close()
+                self.follower = None
+                self.stop.wait(1.0)
+                continue
+            events: list[Any] = []
+            for rec in records:
+                events.extend(parser.feed(rec))
+            events.extend(parser.flush())
+            with self.lock:
+                self.records += len(records)
+                self.pending.extend(events)
+            if events:
+                self.wake.set()
+
+    def take(self) -> KernelLog:
+        with self.lock:
+            events, self.pending = self.pending, []
+            records = self.records
+        lost = self.follower.lost_records if self.follower is not None else 0
+        if self.error is not None and not events:
+            return KernelLog(available=False, error=self.error, source=str(self.agent.kmsg_path))
+        return KernelLog(events=events, available=True, source=str(self.agent.kmsg_path),
+                         records_read=records, lost_records=lost,
+                         boot_time=self.agent.hw.fs.boot_time())
+
+    def has_pending(self) -> bool:
+        with self.lock:
+            return bool(self.pending)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2.0)
+        if self.follower is not None:
+            self.follower.close()
+
+
+class Daemon:
+    def __init__(self, agent: Agent, *, rng: random.Random | None = None) -> None:
+        self.agent = agent
+        self.rng = rng or random.Random()
+        self.stop = threading.Event()
+        self.wake = threading.Event()
+        self.latest: dict[str, CheckRun] = {}
+        self._last_severity: dict[tuple[str, str], Severity] = {}
+        self._lock = threading.Lock()
+        self._workers: dict[str, threading.Thread] = {}
+
+    def next_delay(self, interval: float) -> float:
+        j = self.agent.config.daemon.jitter
+        return float(interval * (1.0 + self.rng.uniform(-j, j)))
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        def handle(signum: int, frame: FrameType | None) -> None:
+            log.info("signal %d: shutting down", signum)
+            self.stop.set()
+            self.wake.set()
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def serve(self, duration: float | None = None) -> int:
+        checks = self.agent.selected(Phase.CONTINUOUS)
+        pump = KernelLogPump(self.agent, self.wake)
+        sim_thread = self._start_simulation_clock()
+        start = time.monotonic()
+        due = {c.name: start for c in checks}
+        with self._signals():
+            pump.start()
+            log.info("gpumon daemon on %s: profile %s, %d GPUs, checks: %s", self.agent.node,
+                     self.agent.profile.name, len(self.agent.inventory.gpus),
+                     ", ".join(c.name for c in checks))
+            sd_notify("READY=1\nSTATUS=running checks")
+            last_watchdog = 0.0
+            while not self.stop.is_set():
+                now = time.monotonic()
+                if duration is not None and now - start >= duration:
+                    break
+                if now - last_watchdog >= 5.0:
+                    sd_notify("WATCHDOG=1")
+                    last_watchdog = now
+                kernel_events = pump.has_pending()
+                for check in checks:
+                    event_driven = check.uses_kernel_log and kernel_events
+                    if (now >= due[check.name] or event_driven) and self._idle(check.name):
+                        interval = self.agent.config.settings(type(check)).interval_s
+                        due[check.name] = now + self.next_delay(interval)
+                        klog = pump.take() if check.uses_kernel_log else None
+                        self._launch(check, klog)
+                wait = min(due.values(), default=now + 1.0) - time.monotonic()
+                self.wake.wait(timeout=max(0.01, min(wait, 1.0)))
+                self.wake.clear()
+            sd_notify("STOPPING=1")
+            grace = self.agent.config.daemon.shutdown_grace_s
+            deadline = time.monotonic() + grace
+            for worker in list(self._workers.values()):
+                worker.join(timeout=max(0.0, deadline - time.monotonic()))
+            pump.close()
+            if sim_thread is not None:
+                self.stop.set()
+                sim_thread.join(timeout=2.0)
+        self.agent.stop()
+        return 0
+
+    def _idle(self, name: str) -> bool:
+        worker = self._workers.get(name)
+        return worker is None or not worker.is_alive()
+
+    def _launch(self, check: Check, klog: KernelLog | None) -> None:
+        def work() -> None:
+            for run in self.agent.runner.run([check], klog):
+                self._record(run)
+
+        t = threading.Thread(target=work, name=f"gpumon-run-{check.name}", daemon=True)
+        self._workers[check.name] = t
+        t.start()
+
+    def _record(self, run: CheckRun) -> None:
+        with self._lock:
+            self.latest[run.check] = run
+            for f in run.findings:
+                key = (f.check, f.component)
+                before = self._last_severity.get(key)
+                if before != f.severity:
+                    self._last_severity[key] = f.severity
+                    if before is not None or f.severity is not Severity.OK:
+                        log.warning("%s %s: %s -> %s: %s (action %s)", f.check, f.component,
+                                    before.value if before else "new", f.severity.value, f.message,
+                                    f.action.value)
+            self._write_report()
+
+    def _write_report(self) -> None:
+        state_dir = Path(self.agent.config.state_dir)
+        if self.agent.simulation is not None:
+            state_dir = self.agent.simulation.node.root / "state"
+        doc = json_report(list(self.latest.values()), node=self.agent.node,
+                          profile=self.agent.profile.name)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            tmp = state_dir / "report.json.tmp"
+            tmp.write_text(json.dumps(doc, indent=2))
+            os.replace(tmp, state_dir / "report.json")
+        except OSError as exc:
+            log.debug("cannot write report to %s: %s", state_dir, exc)
+
+    def _start_simulation_clock(self) -> threading.Thread | None:
+        sim = self.agent.simulation
+        if sim is None:
+            return None
+
+        def tick() -> None:
+            start = time.monotonic()
+            while not self.stop.wait(0.25):
+                sim.advance(time.monotonic() - start)
+
+        t = threading.Thread(target=tick, name="gpumon-sim-clock", daemon=True)
+        t.start()
+        return t

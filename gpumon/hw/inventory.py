@@ -1,0 +1,102 @@
+"""What this node has: GPUs (NVML), NVIDIA PCI devices and RDMA NICs (sysfs).
+
+Capability gates (``Check.supported``) read this, never the hardware.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpumon.errors import GpuLost, HwCondition, NvmlUnavailable
+from gpumon.hw.hostfs import HostFs
+from gpumon.hw.nvml import GpuInfo, Nvml
+
+NVIDIA_VENDOR = "0x10de"
+
+
+@dataclass(frozen=True)
+class PciDevice:
+    bus_id: str
+    vendor: str
+    device: str
+    pci_class: str
+
+    @property
+    def is_gpu(self) -> bool:
+        # 0x0300xx VGA controller, 0x0302xx 3D controller (datacenter GPUs)
+        return self.vendor == NVIDIA_VENDOR and self.pci_class[:6] in ("0x0300", "0x0302")
+
+    @property
+    def is_nvswitch(self) -> bool:
+        # NVSwitches enumerate as bridges (class 0x0680) with NVIDIA's vendor id
+        return self.vendor == NVIDIA_VENDOR and self.pci_class.startswith("0x0680")
+
+
+@dataclass
+class Inventory:
+    gpus: list[GpuInfo] = field(default_factory=list)
+    # GPUs NVML counts but could not describe: index -> reason (e.g. "GPU is lost")
+    unreadable_gpus: dict[int, str] = field(default_factory=dict)
+    nvml_error: str | None = None
+    driver_version: str | None = None
+    cuda_driver_version: int | None = None
+    pci_devices: list[PciDevice] = field(default_factory=list)
+    ib_devices: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_names(self) -> list[str]:
+        return [g.name for g in self.gpus]
+
+    @property
+    def nvidia_pci_gpus(self) -> list[PciDevice]:
+        return [d for d in self.pci_devices if d.is_gpu]
+
+    def gpu_by_pci(self, bus_id: str) -> GpuInfo | None:
+        for g in self.gpus:
+            if g.pci_bus_id == bus_id:
+                return g
+        return None
+
+    @property
+    def has_nvlink(self) -> bool:
+        return any((g.nvlink_count or 0) > 0 for g in self.gpus)
+
+
+def _pci_devices(fs: HostFs) -> list[PciDevice]:
+    out: list[PciDevice] = []
+    for bus_id in fs.listdir("sys/bus/pci/devices"):
+        base = f"sys/bus/pci/devices/{bus_id}"
+        try:
+            vendor = fs.read_text(f"{base}/vendor").lower()
+            device = fs.read_text(f"{base}/device").lower()
+            pci_class = fs.read_text(f"{base}/class").lower()
+        except HwCondition:
+            continue
+        out.append(PciDevice(bus_id.lower(), vendor, device, pci_class))
+    return out
+
+
+def collect(nvml: Nvml | None, fs: HostFs, nvml_error: str | None = None) -> Inventory:
+    inv = Inventory(nvml_error=nvml_error)
+    inv.pci_devices = _pci_devices(fs)
+    inv.ib_devices = fs.listdir("sys/class/infiniband")
+    if nvml is None:
+        return inv
+    try:
+        inv.driver_version = nvml.driver_version()
+        inv.cuda_driver_version = nvml.cuda_driver_version()
+        count = nvml.device_count()
+    except NvmlUnavailable as exc:
+        inv.nvml_error = str(exc)
+        return inv
+    except HwCondition as exc:
+        inv.nvml_error = f"{exc.call}: {exc}"
+        return inv
+    for index in range(count):
+        try:
+            inv.gpus.append(nvml.info(index))
+        except GpuLost as exc:
+            inv.unreadable_gpus[index] = f"GPU is lost ({exc.call})"
+        except HwCondition as exc:
+            inv.unreadable_gpus[index] = f"{exc.call}: {exc}"
+    return inv

@@ -1,0 +1,262 @@
+"""NVML through nvidia-ml-py, every call bounded, every error mapped here.
+
+Only this module sees ``pynvml.NVMLError``. Checks get readings, or one of
+the typed conditions of ``gpumon.errors``: ``GpuLost`` (the GPU is gone: a
+``fail`` with reboot_node), ``NotSupported`` (the capability is off; it is
+remembered so the call is not repeated), ``HwTimeout``, ``HwFailure``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pynvml
+
+from gpumon.errors import GpuLost, HwFailure, HwTimeout, NotSupported, NvmlUnavailable
+from gpumon.hw.calls import BoundedCaller
+from gpumon.model import gpu as gpu_component
+
+T = TypeVar("T")
+
+NVML_NOT_FOUND_MESSAGE = "NVML not found — is the NVIDIA driver installed?"
+
+ARCHITECTURES = {
+    pynvml.NVML_DEVICE_ARCH_KEPLER: "kepler",
+    pynvml.NVML_DEVICE_ARCH_MAXWELL: "maxwell",
+    pynvml.NVML_DEVICE_ARCH_PASCAL: "pascal",
+    pynvml.NVML_DEVICE_ARCH_VOLTA: "volta",
+    pynvml.NVML_DEVICE_ARCH_TURING: "turing",
+    pynvml.NVML_DEVICE_ARCH_AMPERE: "ampere",
+    pynvml.NVML_DEVICE_ARCH_ADA: "ada",
+    pynvml.NVML_DEVICE_ARCH_HOPPER: "hopper",
+    pynvml.NVML_DEVICE_ARCH_BLACKWELL: "blackwell",
+}
+
+# Clock event ("throttle") reason bits, NVML nvmlClocksEventReason*.
+CLOCK_EVENT_REASONS = {
+    "gpu_idle": pynvml.nvmlClocksEventReasonGpuIdle,
+    "applications_clocks_setting": pynvml.nvmlClocksEventReasonApplicationsClocksSetting,
+    "sw_power_cap": pynvml.nvmlClocksEventReasonSwPowerCap,
+    "hw_slowdown": pynvml.nvmlClocksEventReasonHwSlowdown,
+    "sync_boost": pynvml.nvmlClocksEventReasonSyncBoost,
+    "sw_thermal_slowdown": pynvml.nvmlClocksEventReasonSwThermalSlowdown,
+    "hw_thermal_slowdown": pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+    "hw_power_brake_slowdown": pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown,
+    "display_clock_setting": pynvml.nvmlClocksEventReasonDisplayClockSetting,
+}
+
+PERF_POLICIES = {
+    "power": pynvml.NVML_PERF_POLICY_POWER,
+    "thermal": pynvml.NVML_PERF_POLICY_THERMAL,
+    "sync_boost": pynvml.NVML_PERF_POLICY_SYNC_BOOST,
+    "board_limit": pynvml.NVML_PERF_POLICY_BOARD_LIMIT,
+    "low_utilization": pynvml.NVML_PERF_POLICY_LOW_UTILIZATION,
+    "reliability": pynvml.NVML_PERF_POLICY_RELIABILITY,
+}
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def canonical_nvml_bus_id(bus_id: str) -> str:
+    """NVML's ``00000000:18:00.0`` -> sysfs's ``0000:18:00.0`` (lower case)."""
+    bus_id = bus_id.strip().lower()
+    domain, _, rest = bus_id.partition(":")
+    if len(domain) > 4:
+        domain = domain[-4:]
+    return f"{domain}:{rest}"
+
+
+class NvmlError(HwFailure):
+    """An NVML return code with no more specific meaning for gpumon."""
+
+    def __init__(self, message: str, *, call: str, component: str, code: int) -> None:
+        self.code = code
+        super().__init__(message, call=call, component=component)
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    serial: str | None
+    pci_bus_id: str
+    name: str
+    architecture: str
+    nvlink_count: int | None
+    minor_number: int | None
+
+
+class Nvml:
+    """One NVML session. ``init`` raises ``NvmlUnavailable`` when there is no NVML."""
+
+    def __init__(self, caller: BoundedCaller, timeout: float, *, simulated: bool = False) -> None:
+        self._caller = caller
+        self._timeout = timeout
+        self._simulated = simulated
+        self._handles: dict[int, Any] = {}
+        self._unsupported: set[tuple[int, str]] = set()
+        self._lock = threading.Lock()
+        self.initialized = False
+
+    # -- plumbing --------------------------------------------------------
+
+    def _map_error(self, exc: pynvml.NVMLError, call: str, component: str) -> Exception:
+        code = exc.value
+        msg = _text(exc)
+        if code == pynvml.NVML_ERROR_GPU_IS_LOST:
+            return GpuLost("GPU is lost", call=call, component=component)
+        if code == pynvml.NVML_ERROR_NOT_SUPPORTED:
+            return NotSupported(msg, call=call, component=component)
+        if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+            if self._simulated:
+                # In simulation a missing entry point is our bug, not an old driver.
+                return HwFailure(f"the NVML injection library does not implement {call}",
+                                 call=call, component=component)
+            return NotSupported(f"driver's NVML lacks {call}", call=call, component=component)
+        if code == pynvml.NVML_ERROR_TIMEOUT:
+            return HwTimeout(f"NVML reported a timeout: {msg}", call=call, component=component,
+                             seconds=self._timeout)
+        if code in (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,):
+            return NvmlUnavailable(NVML_NOT_FOUND_MESSAGE)
+        if code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+            return NvmlUnavailable(f"NVIDIA driver not loaded ({msg}) — is the NVIDIA driver installed?")
+        return NvmlError(f"NVML error {code}: {msg}", call=call, component=component, code=code)
+
+    def _call(self, lane: str, label: str, component: str, fn: Callable[[], T]) -> T:
+        def guarded() -> T:
+            try:
+                return fn()
+            except pynvml.NVMLError as exc:
+                raise self._map_error(exc, label, component) from None
+        return self._caller.call(lane, label, guarded, self._timeout, component)
+
+    def _handle(self, index: int) -> Any:
+        with self._lock:
+            handle = self._handles.get(index)
+        if handle is None:
+            handle = self._call(f"gpu{index}", f"nvmlDeviceGetHandleByIndex({index})",
+                                gpu_component(index), lambda: pynvml.nvmlDeviceGetHandleByIndex(index))
+            with self._lock:
+                self._handles[index] = handle
+        return handle
+
+    def device(self, index: int, function: str, *args: Any) -> Any:
+        """Call ``pynvml.<function>(handle, *args)`` for GPU ``index``, bounded and mapped."""
+        component = gpu_component(index)
+        label = f"{function}({component})"
+        if (index, function) in self._unsupported:
+            raise NotSupported(f"{function} not supported (remembered)", call=label, component=component)
+        handle = self._handle(index)
+        fn = getattr(pynvml, function)
+        try:
+            return self._call(f"gpu{index}", label, component, lambda: fn(handle, *args))
+        except NotSupported:
+            self._unsupported.add((index, function))
+            raise
+
+    def system(self, function: str, *args: Any) -> Any:
+        fn = getattr(pynvml, function)
+        return self._call("nvml-system", function, "node", lambda: fn(*args))
+
+    # -- session ---------------------------------------------------------
+
+    def init(self) -> None:
+        self._call("nvml-system", "nvmlInit", "node", pynvml.nvmlInit)
+        self.initialized = True
+
+    def shutdown(self) -> None:
+        if self.initialized:
+            self.initialized = False
+            try:
+                self._call("nvml-system", "nvmlShutdown", "node", pynvml.nvmlShutdown)
+            except (HwFailure, HwTimeout):
+                pass  # shutting down: nothing left to report to
+
+    # -- readings --------------------------------------------------------
+
+    def driver_version(self) -> str:
+        return _text(self.system("nvmlSystemGetDriverVersion"))
+
+    def cuda_driver_version(self) -> int:
+        return int(self.system("nvmlSystemGetCudaDriverVersion"))
+
+    def device_count(self) -> int:
+        return int(self.system("nvmlDeviceGetCount"))
+
+    def nvlink_count(self, index: int) -> int:
+        """Number of NVLinks the driver reports for this GPU (active or not); 0 when none."""
+        count = 0
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                self.device(index, "nvmlDeviceGetNvLinkState", link)
+            except NotSupported:
+                if link == 0:
+                    return 0
+                # a link past the last one: not supported on this one index only
+                self._unsupported.discard((index, "nvmlDeviceGetNvLinkState"))
+                break
+            except NvmlError as exc:
+                if exc.code == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+                    break
+                raise
+            count += 1
+        return count
+
+    def nvlink_state(self, index: int, link: int) -> bool:
+        return bool(self.device(index, "nvmlDeviceGetNvLinkState", link))
+
+    def info(self, index: int) -> GpuInfo:
+        name = _text(self.device(index, "nvmlDeviceGetName"))
+        uuid = _text(self.device(index, "nvmlDeviceGetUUID"))
+        pci = self.device(index, "nvmlDeviceGetPciInfo")
+        bus_id = canonical_nvml_bus_id(_text(pci.busId))
+        try:
+            serial: str | None = _text(self.device(index, "nvmlDeviceGetSerial"))
+        except NotSupported:
+            serial = None
+        try:
+            arch = ARCHITECTURES.get(int(self.device(index, "nvmlDeviceGetArchitecture")), "unknown")
+        except NotSupported:
+            arch = "unknown"
+        try:
+            minor: int | None = int(self.device(index, "nvmlDeviceGetMinorNumber"))
+        except NotSupported:
+            minor = None
+        return GpuInfo(index=index, uuid=uuid, serial=serial, pci_bus_id=bus_id, name=name,
+                       architecture=arch, nvlink_count=self.nvlink_count(index), minor_number=minor)
+
+    def clocks_event_reasons(self, index: int) -> int:
+        return int(self.device(index, "nvmlDeviceGetCurrentClocksEventReasons"))
+
+    def supported_clocks_event_reasons(self, index: int) -> int:
+        return int(self.device(index, "nvmlDeviceGetSupportedClocksEventReasons"))
+
+    def violation_ns(self, index: int, policy: int) -> int:
+        """Cumulative time (ns) clocks were held below requested by ``policy``."""
+        status = self.device(index, "nvmlDeviceGetViolationStatus", policy)
+        return int(status.violationTime)
+
+    def temperature_c(self, index: int) -> int:
+        return int(self.device(index, "nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU))
+
+    def memory_temperature_c(self, index: int) -> int:
+        values = self.device(index, "nvmlDeviceGetFieldValues", [pynvml.NVML_FI_DEV_MEMORY_TEMP])
+        value = values[0]
+        if value.nvmlReturn != pynvml.NVML_SUCCESS:
+            err = pynvml.NVMLError(value.nvmlReturn)
+            raise self._map_error(err, f"nvmlDeviceGetFieldValues(MEMORY_TEMP, gpu/{index})",
+                                  gpu_component(index))
+        return int(value.value.uiVal)
+
+    def sm_clock_mhz(self, index: int) -> int:
+        return int(self.device(index, "nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_SM))
+
+    def power_w(self, index: int) -> float:
+        return float(self.device(index, "nvmlDeviceGetPowerUsage")) / 1000.0

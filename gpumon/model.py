@@ -1,0 +1,207 @@
+"""Plain data that flows from checks to the health state and exporters.
+
+These types are the JSON contract of DESIGN.md: a Finding serialises to
+``{check, component, severity, action, message, evidence}``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Severity(enum.Enum):
+    """How bad a finding is. Ordered so that ``max()`` gives the worst.
+
+    ``skipped`` (the check does not apply here) and ``unknown`` (it should have
+    run but could not say) are never folded into ``ok``: a check that did not
+    run must not look healthy (NPD #407, gpud "NVML missing -> Healthy").
+    """
+
+    OK = "ok"
+    SKIPPED = "skipped"
+    UNKNOWN = "unknown"
+    WARN = "warn"
+    FAIL = "fail"
+
+    @property
+    def rank(self) -> int:
+        return _SEVERITY_RANK[self]
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Severity):
+            return NotImplemented
+        return self.rank < other.rank
+
+
+_SEVERITY_RANK = {
+    Severity.OK: 0,
+    Severity.SKIPPED: 1,
+    Severity.UNKNOWN: 2,
+    Severity.WARN: 3,
+    Severity.FAIL: 4,
+}
+
+
+class Action(enum.Enum):
+    """What an operator (or the remediator) should do. Fixed vocabulary; worst wins.
+
+    The order follows how much of the node a remedy takes away and how final it
+    is: inspecting hardware (RMA path) beats any reboot (gpud ranks
+    HardwareInspection above RebootSystem for the same reason).
+    """
+
+    NONE = "none"
+    RESTART_APP = "restart_app"
+    CHECK_CABLES = "check_cables"
+    RESET_GPU = "reset_gpu"
+    REBOOT_NODE = "reboot_node"
+    INSPECT_HARDWARE = "inspect_hardware"
+
+    @property
+    def rank(self) -> int:
+        return _ACTION_ORDER.index(self)
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Action):
+            return NotImplemented
+        return self.rank < other.rank
+
+
+_ACTION_ORDER = [
+    Action.NONE,
+    Action.RESTART_APP,
+    Action.CHECK_CABLES,
+    Action.RESET_GPU,
+    Action.REBOOT_NODE,
+    Action.INSPECT_HARDWARE,
+]
+
+
+class Phase(enum.Enum):
+    CONTINUOUS = "continuous"
+    BOOTSTRAP = "bootstrap"
+    PERIODIC = "periodic"
+    CANARY = "canary"
+
+
+# component = node | gpu/<index> | nvlink/<gpu>/<link> | ib/<device>/<port> | pci/<bus-id> | nvswitch/<index>
+_COMPONENT_RE = re.compile(
+    r"^(node"
+    r"|gpu/\d+"
+    r"|nvlink/\d+/\d+"
+    r"|ib/[A-Za-z0-9_.\-]+/\d+"
+    r"|pci/[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
+    r"|nvswitch/\d+)$"
+)
+
+NODE = "node"
+
+
+def gpu(index: int) -> str:
+    return f"gpu/{index}"
+
+
+def nvlink(gpu_index: int, link: int) -> str:
+    return f"nvlink/{gpu_index}/{link}"
+
+
+def ib(device: str, port: int) -> str:
+    return f"ib/{device}/{port}"
+
+
+def pci(bus_id: str) -> str:
+    return f"pci/{bus_id}"
+
+
+def nvswitch(index: int) -> str:
+    return f"nvswitch/{index}"
+
+
+def is_component(name: str) -> bool:
+    return bool(_COMPONENT_RE.match(name))
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    component: str
+    severity: Severity
+    message: str
+    action: Action = Action.NONE
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not is_component(self.component):
+            raise ValueError(f"bad component name {self.component!r} (check {self.check})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "check": self.check,
+            "component": self.component,
+            "severity": self.severity.value,
+            "action": self.action.value,
+            "message": self.message,
+            "evidence": _jsonable(self.evidence),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Finding:
+        return cls(
+            check=str(data["check"]),
+            component=str(data["component"]),
+            severity=Severity(data["severity"]),
+            action=Action(data.get("action", "none")),
+            message=str(data["message"]),
+            evidence=dict(data.get("evidence") or {}),
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def worst_severity(findings: Iterable[Finding]) -> Severity:
+    return max((f.severity for f in findings), default=Severity.OK)
+
+
+def worst_action(findings: Iterable[Finding]) -> Action:
+    return max((f.action for f in findings), default=Action.NONE)
+
+
+class Status(enum.Enum):
+    """Overall status of a run, the JSON ``status`` field and the exit code (NHC / Nagios)."""
+
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+    ERROR = "error"
+
+    @property
+    def exit_code(self) -> int:
+        return {Status.OK: 0, Status.WARN: 1, Status.FAIL: 2, Status.ERROR: 3}[self]
+
+
+def overall_status(findings: Iterable[Finding]) -> Status:
+    """ok/skipped -> ok; unknown or warn -> warn; fail -> fail.
+
+    An ``unknown`` finding is a warning, not ok: a check that could not say is
+    something an operator must see, but it is not proof of a fault either.
+    """
+    worst = worst_severity(findings)
+    if worst is Severity.FAIL:
+        return Status.FAIL
+    if worst in (Severity.WARN, Severity.UNKNOWN):
+        return Status.WARN
+    return Status.OK

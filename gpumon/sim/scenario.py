@@ -1,0 +1,149 @@
+"""Simulated-node scenarios: a SKU, a GPU count and faults on a timeline.
+
+```yaml
+name: faulty-8xh100
+sku: h100-sxm            # a profile name: GPU name, PCI ids, NVLink count come from it
+gpus: 8
+faults:
+  - {at_s: 30, kind: xid, gpu: 3, code: 79}
+  - {at_s: 10, kind: throttle, gpu: 1, reasons: [hw_slowdown]}
+  - {at_s: 60, kind: ib_down, device: mlx5_2, port: 1, duration_s: 9}
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from gpumon.errors import ConfigError
+from gpumon.schema import Source, build, load_yaml, load_yaml_file
+
+FAULT_KINDS = ("xid", "throttle", "ib_down", "nvml_error", "nvml_hang", "aer", "kernel_line",
+               "temperature")
+
+# Which optional fields each kind may use (besides at_s, duration_s, kind).
+_FIELDS = {
+    "xid": {"gpu", "code", "message"},
+    "throttle": {"gpu", "reasons"},
+    "ib_down": {"device", "port"},
+    "nvml_error": {"gpu", "function", "error"},
+    "nvml_hang": {"gpu", "function", "seconds"},
+    "aer": {"gpu", "severity", "count"},
+    "kernel_line": {"text"},
+    "temperature": {"gpu", "core_c", "hbm_c"},
+}
+_REQUIRED = {
+    "xid": {"gpu", "code"},
+    "throttle": {"gpu", "reasons"},
+    "ib_down": {"device"},
+    "nvml_error": {"gpu", "function", "error"},
+    "nvml_hang": {"gpu", "function", "seconds"},
+    "aer": {"gpu", "severity"},
+    "kernel_line": {"text"},
+    "temperature": {"gpu"},
+}
+THROTTLE_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
+                    "sw_thermal_slowdown", "sw_power_cap", "gpu_idle")
+NVML_ERRORS = {"gpu_is_lost": 15, "not_supported": 3, "unknown": 999, "timeout": 10,
+               "no_permission": 4}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str = field(metadata={"choices": FAULT_KINDS})
+    at_s: float = field(default=0.0, metadata={"min": 0})
+    duration_s: float | None = field(default=None, metadata={"min": 0})
+    gpu: int | None = field(default=None, metadata={"min": 0})
+    code: int | None = field(default=None, metadata={"min": 1})
+    message: str | None = None
+    reasons: list[str] = field(default_factory=list)
+    device: str | None = None
+    port: int = field(default=1, metadata={"min": 1})
+    function: str | None = None
+    error: str | None = field(default=None, metadata={"choices": (*NVML_ERRORS, None)})
+    seconds: float | None = field(default=None, metadata={"min": 0})
+    severity: str | None = field(default=None, metadata={"choices": ("correctable", "nonfatal", "fatal",
+                                                                      None)})
+    count: int = field(default=1, metadata={"min": 1})
+    text: str | None = None
+    core_c: float | None = None
+    hbm_c: float | None = None
+
+    def __post_init__(self) -> None:
+        allowed = _FIELDS[self.kind]
+        defaults = Fault.__dataclass_fields__
+        for name in ("gpu", "code", "message", "device", "function", "error", "seconds", "severity",
+                     "text", "core_c", "hbm_c"):
+            if getattr(self, name) is not None and name not in allowed:
+                raise ValueError(f"a {self.kind} fault takes no {name!r}")
+        if self.reasons and "reasons" not in allowed:
+            raise ValueError(f"a {self.kind} fault takes no 'reasons'")
+        if self.count != defaults["count"].default and "count" not in allowed:
+            raise ValueError(f"a {self.kind} fault takes no 'count'")
+        for name in _REQUIRED[self.kind]:
+            if name == "reasons":
+                if not self.reasons:
+                    raise ValueError("a throttle fault needs 'reasons'")
+            elif getattr(self, name) is None:
+                raise ValueError(f"a {self.kind} fault needs {name!r}")
+        for reason in self.reasons:
+            if reason not in THROTTLE_REASONS:
+                raise ValueError(f"unknown throttle reason {reason!r} "
+                                 f"(known: {', '.join(THROTTLE_REASONS)})")
+
+    @property
+    def end_s(self) -> float | None:
+        return None if self.duration_s is None else self.at_s + self.duration_s
+
+    def active(self, t: float) -> bool:
+        end = self.end_s
+        return self.at_s <= t and (end is None or t < end)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    sku: str
+    description: str = ""
+    gpus: int | None = field(default=None, metadata={"min": 1, "max": 64})
+    ib_devices: int | None = field(default=None, metadata={"min": 0, "max": 64})
+    driver_version: str = "550.90.07"
+    cuda_driver_version: int = 12040
+    faults: list[Fault] = field(default_factory=list)
+    file: str = field(default="", compare=False)
+
+    @property
+    def horizon_s(self) -> float:
+        """A time by which every fault has started and every timed fault has ended."""
+        t = 0.0
+        for f in self.faults:
+            t = max(t, f.at_s, f.end_s or 0.0)
+        return t + 1.0
+
+
+def builtin_scenarios() -> list[str]:
+    root = resources.files("gpumon_config").joinpath("scenarios")
+    return sorted(e.name.removesuffix(".yaml") for e in root.iterdir() if e.name.endswith(".yaml"))
+
+
+def load_scenario(spec: str) -> Scenario:
+    """``spec`` is a path to a YAML file or the name of a shipped scenario."""
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError("scenario file not found", file=spec)
+        data, src = load_yaml_file(path)
+    else:
+        res = resources.files("gpumon_config").joinpath("scenarios", f"{spec}.yaml")
+        if not res.is_file():
+            raise ConfigError(f"no scenario named {spec!r} (shipped: {', '.join(builtin_scenarios())})",
+                              key="--simulate")
+        data, src = load_yaml(res.read_text(encoding="utf-8"), f"config/scenarios/{spec}.yaml")
+    return _build(data, src)
+
+
+def _build(data: object, src: Source) -> Scenario:
+    scenario = build(Scenario, data, src)
+    return Scenario(**{**scenario.__dict__, "file": src.file})
