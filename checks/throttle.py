@@ -61,9 +61,11 @@ class ThrottleCheck(Check):
         params: ThrottleConfig = ctx.params or ThrottleConfig()
         out: list[Finding] = []
         for index in sorted(ctx.inventory.unreadable_gpus):
+            reason = ctx.inventory.unreadable_gpus[index]
+            lost = reason.startswith("GPU is lost")
             out.append(self.finding(gpu(index), Severity.FAIL,
-                                    f"GPU {index} unreadable: {ctx.inventory.unreadable_gpus[index]}",
-                                    Action.REBOOT_NODE))
+                                    f"GPU lost: {reason}" if lost else f"GPU unreadable: {reason}",
+                                    Action.REBOOT_NODE if lost else Action.RESET_GPU, nvml=reason))
         for info in ctx.inventory.gpus:
             comp = gpu(info.index)
             try:

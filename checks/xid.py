@@ -26,7 +26,7 @@ from gpumon.check import Check, CheckContext
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvrm import FallenOffBus, GpuIdentity, XidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci
-from gpumon_checks.xid_catalog import lookup
+from .xid_catalog import lookup
 
 # nvmlGpuRecoveryAction_t values as printed in Xid 154 lines
 _RECOVERY = {
@@ -158,7 +158,7 @@ class XidCheck(Check):
         info = lookup(code)
         severity = info.severity if info else Severity.WARN
         action = info.action if info else Action.NONE
-        label = f"Xid {code}" + (f" {info.mnemonic}" if info else " (not in NVIDIA's catalog)")
+        label = f"Xid {code}" + (f" {info.mnemonic.split(' / ')[0]}" if info else " (not in NVIDIA's catalog)")
         note = ""
         if code == 154:
             to = g["recovery_to"]

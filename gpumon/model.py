@@ -7,12 +7,14 @@ These types are the JSON contract of DESIGN.md: a Finding serialises to
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 
+@functools.total_ordering
 class Severity(enum.Enum):
     """How bad a finding is. Ordered so that ``max()`` gives the worst.
 
@@ -46,6 +48,7 @@ _SEVERITY_RANK = {
 }
 
 
+@functools.total_ordering
 class Action(enum.Enum):
     """What an operator (or the remediator) should do. Fixed vocabulary; worst wins.
 

@@ -65,6 +65,9 @@ def json_report(runs: Sequence[CheckRun], *, node: str, profile: str, verbose: b
 def print_table(runs: Sequence[CheckRun], *, node: str, profile: str, verbose: bool,
                 file: IO[str] | None = None) -> Status:
     console = Console(file=file, highlight=False, soft_wrap=False)
+    if not console.is_terminal:
+        # piped to a file or a pager: do not fold messages at 80 columns
+        console.width = 200
     status = overall_status(all_findings(runs))
     table = Table(title=f"gpumon on {node} (profile {profile}): {status.value.upper()}",
                   title_justify="left", show_lines=False)
