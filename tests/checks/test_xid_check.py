@@ -1,0 +1,195 @@
+"""The xid check on real kernel-log captures (tests/data/kmsg-xid, provenance in SOURCES.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumon.check import CheckContext, KernelLog
+from gpumon.hw import Hardware
+from gpumon.hw.inventory import Inventory, PciDevice
+from gpumon.hw.nvml import GpuInfo
+from gpumon.hw.nvrm import parse_file
+from gpumon.model import Finding, Severity
+from gpumon.profiles import GENERIC
+from gpumon_checks.xid import XidCheck, XidConfig
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "kmsg-xid"
+
+
+def _inventory(pcis: list[str], lost: list[str] = ()) -> Inventory:  # type: ignore[assignment]
+    """GPUs in NVML at ``pcis``; ``lost`` ones are on the bus and counted by NVML but unreadable."""
+    everything = sorted([*pcis, *lost])
+    gpus = [GpuInfo(i, f"GPU-{i}", None, bus, "NVIDIA H100 80GB HBM3", "hopper", 18, i)
+            for i, bus in enumerate(everything) if bus in pcis]
+    unreadable = {i: "GPU is lost" for i, bus in enumerate(everything) if bus in lost}
+    pci = [PciDevice(b, "0x10de", "0x2330", "0x030200") for b in everything]
+    return Inventory(gpus=gpus, unreadable_gpus=unreadable, pci_devices=pci)
+
+
+def _run(name: str, pcis: list[str], *, lost: list[str] = (), state: dict[str, Any] | None = None,  # type: ignore[assignment]
+         params: XidConfig | None = None, tmp_path: Path) -> list[Finding]:
+    events = parse_file(DATA / name)
+    times = [r.wall_time.timestamp() for e in events if (r := getattr(e, "record", None)) and r.wall_time]
+    now = (max(times) if times else 1_700_000_000.0) + 60
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=_inventory(pcis, lost), profile=GENERIC,
+                       params=params or XidConfig(), state=state if state is not None else {},
+                       kernel_log=KernelLog(events=events, source=name, boot_time=1_700_000_000.0),
+                       clock=lambda: now)
+    return XidCheck().run(ctx)
+
+
+def _by(findings: list[Finding]) -> dict[tuple[str, int], Finding]:
+    return {(f.component, f.evidence.get("code", 0)): f for f in findings}
+
+
+def _expect(f: Finding, severity: Severity, action: str, count: int) -> None:
+    assert (f.severity, f.action.value, f.evidence["count"]) == (severity, action, count), f
+
+
+def test_xid13_storm_is_one_finding_with_a_count_and_escalates_on_repeats(tmp_path: Path) -> None:
+    found = _by(_run("dmesg-decode-iso_xid13-storm_then_xid43.log", ["0000:38:00.0"], tmp_path=tmp_path))
+    assert set(found) == {("gpu/0", 13)}  # Xid 43 is NVIDIA's IGNORE: no finding of its own
+    storm = found[("gpu/0", 13)]
+    # nine separate bursts on one GPU in 2.5 h: NVIDIA's WORKFLOW_XID_13 says suspect hardware
+    _expect(storm, Severity.FAIL, "inspect_hardware", 629)
+    assert storm.evidence["bursts"] == 9 and storm.evidence["pci_bus_id"] == "0000:38:00.0"
+    assert "pids" not in storm.evidence  # pid='<unknown>'
+
+
+def test_xid13_single_burst_stays_an_application_error(tmp_path: Path) -> None:
+    found = _by(_run("issue_gpud-46_dmesg-ctime_xid13-then-xid109-ctxsw-timeout.log", ["0000:cb:00.0"],
+                     tmp_path=tmp_path))
+    _expect(found[("gpu/0", 13)], Severity.WARN, "restart_app", 3)
+    ctxsw = found[("gpu/0", 109)]
+    _expect(ctxsw, Severity.FAIL, "reset_gpu", 1)
+    assert ctxsw.evidence["pids"] == [1797828] and ctxsw.evidence["processes"] == ["pt_main_thread"]
+
+
+def test_legacy_format_without_pid_or_name(tmp_path: Path) -> None:
+    found = _by(_run("issue_dxvk-1027_geforce_xid31-xid13-xid32_legacy-format.log", ["0000:01:00.0"],
+                     tmp_path=tmp_path))
+    _expect(found[("gpu/0", 31)], Severity.WARN, "restart_app", 2)
+    _expect(found[("gpu/0", 13)], Severity.WARN, "restart_app", 4)
+    _expect(found[("gpu/0", 32)], Severity.WARN, "restart_app", 1)
+
+
+def test_journal_pid_without_name(tmp_path: Path) -> None:
+    found = _by(_run("issue_dxvk-1799_journalctl-k_xid31_450.80.02.log", ["0000:c1:00.0"], tmp_path=tmp_path))
+    f = found[("gpu/0", 31)]
+    _expect(f, Severity.WARN, "restart_app", 2)
+    assert f.evidence["pids"] == [12890] and "processes" not in f.evidence
+
+
+def test_modern_xid31_with_pid_and_name(tmp_path: Path) -> None:
+    found = _by(_run("issue_open-gpu-kernel-modules-1030_xid31-with-pid-name_595.71.05.log",
+                     ["0000:01:00.0"], tmp_path=tmp_path))
+    f = found[("gpu/0", 31)]
+    assert f.evidence["processes"] == ["UnrealEditor"] and f.evidence["uuid"] == \
+        "GPU-4e391288-897c-ba5d-6944-dfbea55ebcfa"
+
+
+def test_xid119_gsp_timeout_needs_gpu_reset_and_names_the_board(tmp_path: Path) -> None:
+    found = _by(_run("dmesg-ctime_xid119_gsp-rpc-timeout.log", ["0000:9b:00.0"], tmp_path=tmp_path))
+    f = found[("gpu/0", 119)]
+    _expect(f, Severity.FAIL, "reset_gpu", 5)
+    assert f.evidence["uuid"] == "GPU-509665ad-b600-ac93-3616-d754b23d636d"
+    assert f.evidence["serial"] == "1650124014249"
+    assert f.evidence["processes"] == ["nvidia-smi", "cache_mgr_main", "gpud"]
+
+
+def test_xid79_fallen_off_bus_needs_reboot_once_not_twice(tmp_path: Path) -> None:
+    # the lost GPU is on the bus but no longer in NVML: placed by PCI order
+    found = _by(_run("dmesg_xid79-fallen-off-bus_plus_sxid20034-ltssm-fault-up.log",
+                     ["0000:18:00.0", "0000:2a:00.0"], lost=["0000:91:00.0"], tmp_path=tmp_path))
+    assert set(found) == {("gpu/2", 79)}  # SXid lines belong to the nvswitch check
+    f = found[("gpu/2", 79)]
+    _expect(f, Severity.FAIL, "reboot_node", 1)
+    assert f.evidence["serial"] == "1653723052734"
+
+
+def test_gpu_missing_from_nvml_is_named_by_its_pci_address(tmp_path: Path) -> None:
+    # NVML no longer counts it, so NVML indexes shifted: do not guess an index
+    events = parse_file(DATA / "dmesg_xid79-fallen-off-bus_plus_sxid20034-ltssm-fault-up.log")
+    inv = _inventory(["0000:18:00.0", "0000:2a:00.0"])
+    inv.pci_devices.append(PciDevice("0000:91:00.0", "0x10de", "0x2330", "0x030200"))
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=XidConfig(),
+                       state={}, kernel_log=KernelLog(events=events), clock=lambda: 0.0)
+    [f] = XidCheck().run(ctx)
+    assert (f.component, f.action.value) == ("pci/0000:91:00.0", "reboot_node")
+
+
+def test_fallen_off_bus_without_any_xid_line_is_xid79(tmp_path: Path) -> None:
+    found = _by(_run("issue_nvsentinel-155_fallen-off-bus-no-xid_570.158.01.log", [], tmp_path=tmp_path))
+    f = found[("pci/0000:b3:00.0", 79)]
+    _expect(f, Severity.FAIL, "reboot_node", 1)
+
+
+def test_nvlink5_severity_from_the_fatal_word(tmp_path: Path) -> None:
+    found = _by(_run("gb200_xid145-rlw-xid149-netir_with-pid-name_nots.log",
+                     ["0008:01:00.0", "0009:01:00.0", "0018:01:00.0", "0019:01:00.0"], tmp_path=tmp_path))
+    _expect(found[("nvlink/0/12", 145)], Severity.WARN, "none", 1)       # RLW_SRC_TRACK Nonfatal
+    _expect(found[("gpu/0", 149)], Severity.FAIL, "reset_gpu", 1)        # NETIR Fatal Link -1
+    _expect(found[("nvlink/0/1", 149)], Severity.WARN, "check_cables", 1)  # NETIR_BER_EVENT Nonfatal
+    _expect(found[("nvlink/0/8", 149)], Severity.FAIL, "reset_gpu", 1)   # NETIR_LINK_EVT Fatal
+    rx = found[("nvlink/2/13", 145)]
+    assert rx.evidence["processes"] == ["ray::WorkerDict"]
+
+
+def test_xid154_acts_on_the_new_recovery_action(tmp_path: Path) -> None:
+    found = _by(_run("gb200_xid149-netir-link-evt_xid154-recovery-action.log",
+                     ["0008:01:00.0", "0009:01:00.0", "0018:01:00.0", "0019:01:00.0"], tmp_path=tmp_path))
+    drain = found[("gpu/1", 154)]
+    assert (drain.severity, drain.action.value) == (Severity.FAIL, "reset_gpu")
+    assert "Drain and Reset" in drain.message
+    reset = found[("gpu/3", 154)]
+    assert "GPU Reset Required" in reset.message and reset.action.value == "reset_gpu"
+    _expect(found[("nvlink/1/1", 149)], Severity.FAIL, "reset_gpu", 1)
+
+
+def test_xid45_acts_on_the_root_xid(tmp_path: Path) -> None:
+    pcis = ["0000:97:00.0", "0000:ba:00.0", "0000:dc:00.0", "0000:ed:00.0"]
+    found = _by(_run("issue_open-gpu-kernel-modules-1150_xid45-caused-by-xid149-145_590.48.01.log", pcis,
+                     tmp_path=tmp_path))
+    assert not [k for k in found if k[1] == 45]
+    root149 = found[("gpu/2", 149)]
+    _expect(root149, Severity.FAIL, "reset_gpu", 2)
+    assert root149.evidence["reported_via_xid"] == [45] and "via Xid 45" in root149.message
+    _expect(found[("gpu/0", 145)], Severity.FAIL, "reset_gpu", 1)
+    _expect(found[("gpu/3", 145)], Severity.FAIL, "reset_gpu", 2)
+
+
+def test_redacted_pci_still_reports_on_the_node(tmp_path: Path) -> None:
+    found = _by(_run("issue_nccl-2241_b200_xid145-rlw-rxpipe_xid137.log", [], tmp_path=tmp_path))
+    assert set(found) == {("node", 145)}  # 137 is NVIDIA's IGNORE
+    _expect(found[("node", 145)], Severity.WARN, "none", 1)
+
+
+@pytest.mark.parametrize("name", ["dmesg-decode-iso_boot_8gpu_nvswitch_550.90.07.log",
+                                  "journalctl-k-short-iso_peermem.log", "dev-kmsg-raw_nvswitch-open.log"])
+def test_healthy_logs_give_one_ok(name: str, tmp_path: Path) -> None:
+    findings = _run(name, ["0000:18:00.0"], tmp_path=tmp_path)
+    assert [(f.component, f.severity) for f in findings] == [("node", Severity.OK)]
+
+
+def test_incremental_runs_keep_counting_and_app_errors_expire(tmp_path: Path) -> None:
+    state: dict[str, Any] = {}
+    name = "issue_dxvk-1799_journalctl-k_xid31_450.80.02.log"
+    first = _by(_run(name, ["0000:c1:00.0"], state=state, tmp_path=tmp_path))
+    assert first[("gpu/0", 31)].evidence["count"] == 2
+    second = _by(_run(name, ["0000:c1:00.0"], state=state, tmp_path=tmp_path))
+    assert second[("gpu/0", 31)].evidence["count"] == 4
+    quiet = _run(name, ["0000:c1:00.0"], state=state, params=XidConfig(recent_window_s=0),
+                 tmp_path=tmp_path)
+    # count 6 now, but the newest line is 60 s old and the window is 0: quiet again
+    assert [(f.component, f.severity) for f in quiet] == [("node", Severity.OK)]
+
+
+def test_unreadable_kernel_log_is_unknown_not_ok(tmp_path: Path) -> None:
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=_inventory(["0000:18:00.0"]), profile=GENERIC,
+                       params=XidConfig(), state={},
+                       kernel_log=KernelLog(available=False, error="/dev/kmsg: permission denied"))
+    [f] = XidCheck().run(ctx)
+    assert f.severity is Severity.UNKNOWN and "permission denied" in f.message

@@ -1,0 +1,121 @@
+"""The CLI end to end, on simulated nodes: real nvidia-ml-py over the injection library."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from conftest import clean_env, run_gpumon
+
+
+def _findings(stdout: str) -> list[dict[str, object]]:
+    doc = json.loads(stdout)
+    assert doc["status"] in ("ok", "warn", "fail", "error")
+    return list(doc["findings"])
+
+
+def test_faulty_scenario_reports_xid79_and_hw_slowdown_and_exits_2() -> None:
+    proc = run_gpumon("check", "--simulate", "faulty-8xh100", "--json")
+    assert proc.returncode == 2, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "fail" and doc["profile"] == "h100-sxm"
+    found = {(f["check"], f["component"]): f for f in doc["findings"]}
+    xid79 = found[("xid", "gpu/3")]
+    assert (xid79["severity"], xid79["action"]) == ("fail", "reboot_node")
+    assert xid79["evidence"]["code"] == 79 and xid79["evidence"]["pci_bus_id"] == "0000:5d:00.0"
+    slow = found[("throttle", "gpu/1")]
+    assert (slow["severity"], slow["action"]) == ("fail", "inspect_hardware")
+    assert slow["evidence"]["active"] == ["hw_slowdown"]
+    lost = found[("throttle", "gpu/3")]
+    assert (lost["severity"], lost["action"]) == ("fail", "reboot_node")
+    assert "GPU lost" in lost["message"]
+    app = found[("xid", "gpu/5")]
+    assert (app["severity"], app["action"]) == ("warn", "restart_app")
+    # every check that ran appears at least once
+    assert {f["check"] for f in doc["findings"]} == {"xid", "throttle"}
+
+
+def test_healthy_scenario_exits_0_with_every_check_present() -> None:
+    proc = run_gpumon("check", "--simulate", "healthy-8xh100", "--json")
+    assert proc.returncode == 0, proc.stderr
+    findings = _findings(proc.stdout)
+    assert {f["check"] for f in findings} == {"xid", "throttle"}
+    assert {f["severity"] for f in findings} == {"ok"}
+
+
+def test_before_the_faults_start_the_node_is_healthy() -> None:
+    proc = run_gpumon("check", "--simulate", "faulty-8xh100", "--sim-at", "5", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_human_table_and_named_checks() -> None:
+    proc = run_gpumon("check", "throttle", "--simulate", "faulty-8xh100")
+    assert proc.returncode == 2
+    assert "hw_slowdown" in proc.stdout and "xid" not in proc.stdout.split("\n", 2)[2]
+    proc = run_gpumon("check", "nosuchcheck", "--simulate", "faulty-8xh100")
+    assert proc.returncode == 3 and "unknown check" in proc.stderr
+
+
+def test_no_driver_exits_3_with_nvml_not_found(tmp_path: Path) -> None:
+    (tmp_path / "sys").mkdir()
+    (tmp_path / "proc").mkdir()
+    proc = run_gpumon("--host-root", str(tmp_path), "check", "--json")
+    assert proc.returncode == 3
+    assert "NVML not found — is the NVIDIA driver installed?" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_unusable_host_root_exits_3(tmp_path: Path) -> None:
+    proc = run_gpumon("--host-root", str(tmp_path / "missing"), "check")
+    assert proc.returncode == 3 and "host root" in proc.stderr
+
+
+def test_bad_scenario_names_file_line_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("name: x\nsku: h100-sxm\nfaults:\n  - {at_s: 1, kind: xid, gpu: 3}\n")
+    proc = run_gpumon("check", "--simulate", str(path))
+    assert proc.returncode == 3
+    assert f"{path}:4: faults[0]" in proc.stderr and "needs 'code'" in proc.stderr
+    path.write_text("name: x\nsku: h100-sxm\nfaults:\n  - {at_s: 1, kind: xid, gpu: 9, code: 79}\n")
+    proc = run_gpumon("check", "--simulate", str(path))
+    assert proc.returncode == 3 and "gpu 9 does not exist" in proc.stderr
+
+
+def _scenario(tmp_path: Path, hang_s: float) -> Path:
+    path = tmp_path / "hang.yaml"
+    path.write_text(
+        "name: hang\nsku: h100-sxm\ngpus: 8\nfaults:\n"
+        f"  - {{kind: nvml_hang, gpu: 4, function: nvmlDeviceGetCurrentClocksEventReasons, "
+        f"seconds: {hang_s}}}\n")
+    return path
+
+
+def test_hung_nvml_call_is_a_finding_within_its_bound(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("timeouts:\n  nvml_call_s: 1\n")
+    start = time.monotonic()
+    proc = run_gpumon("--config", str(cfg), "check", "throttle", "--simulate",
+                      str(_scenario(tmp_path, 20)), "--json")
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    found = {f["component"]: f for f in _findings(proc.stdout)}
+    hung = found["gpu/4"]
+    assert hung["severity"] == "fail" and hung["action"] == "reset_gpu"
+    assert hung["message"] == "hung after 1 s in nvmlDeviceGetCurrentClocksEventReasons(gpu/4)"
+    assert elapsed < 15  # the 20 s hang was not waited out
+
+
+def test_hung_check_is_reported_within_timeout_plus_1s_while_others_finish(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("timeouts:\n  nvml_call_s: 60\nchecks:\n  throttle:\n    timeout_s: 2\n")
+    proc = run_gpumon("--config", str(cfg), "check", "--simulate", str(_scenario(tmp_path, 30)),
+                      "--json", "-v", env=clean_env())
+    assert proc.returncode == 2, proc.stderr
+    doc = json.loads(proc.stdout)
+    runs = {c["check"]: c for c in doc["checks"]}
+    assert runs["throttle"]["outcome"] == "hung"
+    assert runs["throttle"]["seconds"] < 3.0  # timeout + 1 s
+    assert runs["xid"]["outcome"] == "completed"
+    hung = [f for f in doc["findings"] if f["check"] == "throttle"]
+    assert hung[0]["message"] == "hung after 2 s in nvmlDeviceGetCurrentClocksEventReasons(gpu/4)"
