@@ -79,7 +79,7 @@ class ThrottleCheck(Check):
             failing = [r for r in active if r in params.fail_reasons]
             warning = [r for r in active if r in params.warn_reasons]
             if failing:
-                action = max((_ACTIONS.get(r, Action.INSPECT_HARDWARE) for r in failing))
+                action = max(_ACTIONS.get(r, Action.INSPECT_HARDWARE) for r in failing)
                 out.append(self.finding(comp, Severity.FAIL,
                                         f"GPU {info.index} clocks held down by {', '.join(failing)}",
                                         action, **evidence))

@@ -26,6 +26,7 @@ from gpumon.check import Check, CheckContext
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvrm import FallenOffBus, GpuIdentity, XidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci
+
 from .xid_catalog import lookup
 
 # nvmlGpuRecoveryAction_t values as printed in Xid 154 lines
@@ -160,7 +161,8 @@ class XidCheck(Check):
         info = lookup(code)
         severity = info.severity if info else Severity.WARN
         action = info.action if info else Action.NONE
-        label = f"Xid {code}" + (f" {info.mnemonic.split(' / ')[0]}" if info else " (not in NVIDIA's catalog)")
+        name = info.mnemonic.split(" / ")[0] if info else "(not in NVIDIA's catalog)"
+        label = f"Xid {code} {name}"
         note = ""
         if code == 154:
             to = g["recovery_to"]
@@ -215,7 +217,7 @@ def _when(record: Any, boot_time: float | None, now: float) -> float:
         return float(wall.timestamp())
     usec = getattr(record, "monotonic_us", None)
     if usec is not None and boot_time is not None:
-        return boot_time + usec / 1e6
+        return float(boot_time + usec / 1e6)
     return now
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gpumon import __version__
 from gpumon.agent import Agent, Simulation
+from gpumon.check import Check
 from gpumon.config import Config, load_config
 from gpumon.errors import ConfigError, GpumonError, StartupError
 from gpumon.model import Phase, Status
@@ -122,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_CANNOT_RUN
 
 
-def _list_checks(checks: dict[str, type], config: Config) -> int:
+def _list_checks(checks: dict[str, type[Check]], config: Config) -> int:
     from rich.console import Console
     from rich.table import Table
     table = Table(title="gpumon checks", title_justify="left")

@@ -92,7 +92,7 @@ def _convert(node: yaml.Node, path: KeyPath, src: Source) -> Any:
             if key in out:
                 raise ConfigError("duplicate key", file=src.file, line=key_node.start_mark.line + 1,
                                   key=dotted((*path, key)))
-            src.lines[(*path, key)] = key_node.start_mark.line + 1
+            src.lines[path + (key,)] = key_node.start_mark.line + 1  # noqa: RUF005 (3.10 syntax)
             out[key] = _convert(value_node, (*path, key), src)
         return out
     if isinstance(node, yaml.SequenceNode):

@@ -8,6 +8,7 @@ remembered so the call is not repeated), ``HwTimeout``, ``HwFailure``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,10 +175,8 @@ class Nvml:
     def shutdown(self) -> None:
         if self.initialized:
             self.initialized = False
-            try:
+            with contextlib.suppress(HwFailure, HwTimeout):  # shutting down: no one to tell
                 self._call("nvml-system", "nvmlShutdown", "node", pynvml.nvmlShutdown)
-            except (HwFailure, HwTimeout):
-                pass  # shutting down: nothing left to report to
 
     # -- readings --------------------------------------------------------
 

@@ -8,6 +8,7 @@ that hangs is an ``HwTimeout`` (a finding: NPD's plugin runner does the same).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -81,10 +82,8 @@ class ToolRunner:
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _decode(data: bytes | None) -> str:

@@ -264,9 +264,7 @@ class SimNode:
             for f in self._faults("nvml_hang", t):
                 if f.gpu == i and f.active(t) and f.function:
                     g.calls.append(InjectedCall(f.function, hang_s=float(f.seconds or 0)))
-            seq = 0
-            for f in self._faults("xid", t):
-                seq += 1
+            for seq, f in enumerate(self._faults("xid", t), start=1):
                 if f.gpu == i and f.code is not None:
                     g.xid_events.append((f.code, seq))
                     if f.code == 79:

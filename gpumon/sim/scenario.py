@@ -136,7 +136,7 @@ def load_scenario(spec: str) -> Scenario:
             raise ConfigError("scenario file not found", file=spec)
         data, src = load_yaml_file(path)
     else:
-        res = resources.files("gpumon_config").joinpath("scenarios", f"{spec}.yaml")
+        res = resources.files("gpumon_config").joinpath("scenarios").joinpath(f"{spec}.yaml")
         if not res.is_file():
             raise ConfigError(f"no scenario named {spec!r} (shipped: {', '.join(builtin_scenarios())})",
                               key="--simulate")

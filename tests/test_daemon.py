@@ -1,0 +1,76 @@
+"""``gpumon daemon`` on a simulated node: faults on a timeline, the kernel log followed live."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import clean_env
+
+
+def _scenario(tmp_path: Path) -> Path:
+    path = tmp_path / "live.yaml"
+    path.write_text(
+        "name: live\nsku: h100-sxm\ngpus: 8\nfaults:\n"
+        "  - {at_s: 2, kind: xid, gpu: 6, code: 48}\n"
+        "  - {at_s: 1, kind: throttle, gpu: 2, reasons: [hw_thermal_slowdown]}\n")
+    return path
+
+
+def test_daemon_sees_faults_as_they_happen(tmp_path: Path) -> None:
+    simdir = tmp_path / "sim"
+    cfg = tmp_path / "c.yaml"
+    # a long throttle interval: the Xid must arrive through the kernel-log path, not a poll
+    cfg.write_text("checks:\n  throttle:\n    interval_s: 2\n  xid:\n    interval_s: 3600\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpumon", "--config", str(cfg), "daemon", "--simulate",
+         str(_scenario(tmp_path)), "--sim-dir", str(simdir), "--duration", "6"],
+        capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((simdir / "state" / "report.json").read_text())
+    found = {(f["check"], f["component"]): f for f in report["findings"]}
+    dbe = found[("xid", "gpu/6")]
+    assert (dbe["severity"], dbe["action"], dbe["evidence"]["code"]) == ("fail", "reset_gpu", 48)
+    hot = found[("throttle", "gpu/2")]
+    assert hot["severity"] == "fail" and hot["evidence"]["active"] == ["hw_thermal_slowdown"]
+    assert "xid gpu/6: new -> fail" in proc.stderr
+    # the kernel log holds the line in /dev/kmsg record format
+    assert ";NVRM: Xid (PCI:0000:cb:00): 48," in (simdir / "host" / "dev" / "kmsg").read_text()
+
+
+def test_daemon_stops_on_sigterm(tmp_path: Path) -> None:
+    with subprocess.Popen(
+            [sys.executable, "-m", "gpumon", "daemon", "--simulate", "healthy-8xh100"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=clean_env()) as proc:
+        try:
+            deadline = time.monotonic() + 30
+            assert proc.stderr is not None
+            line = ""
+            while time.monotonic() < deadline and "gpumon daemon on" not in line:
+                line = proc.stderr.readline()
+            assert "gpumon daemon on" in line
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+        finally:
+            proc.kill()
+
+
+def test_jitter_spreads_intervals() -> None:
+    from gpumon.daemon import Daemon
+
+    class _Cfg:
+        class daemon:
+            jitter = 0.1
+
+    class _Agent:
+        config = _Cfg()
+
+    d = Daemon(_Agent(), rng=random.Random(7))  # type: ignore[arg-type]
+    delays = [d.next_delay(60) for _ in range(200)]
+    assert min(delays) >= 54 and max(delays) <= 66
+    assert max(delays) - min(delays) > 8  # not lockstep
