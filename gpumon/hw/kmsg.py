@@ -156,14 +156,22 @@ def _frac_us(frac: str | None) -> int:
 
 
 def _iso_datetime(m: re.Match[str]) -> datetime | None:
-    tz = _tz(m.group(8) or "")
+    frac, offset = m.group(7), m.group(8)
+    if (frac is None or len(frac) == 6) and offset is not None and len(offset) == 6 and offset[3] == ":":
+        # The common dmesg/journal shape; fromisoformat parses it the same on
+        # every Python >= 3.7 and is ~10x cheaper than building it by hand.
+        try:
+            return datetime.fromisoformat(m.string[m.start() : m.end(8)].replace(",", "."))
+        except ValueError:
+            return None
+    tz = _tz(offset or "")
     if tz is None:
         return None
     try:
         return datetime(
             int(m.group(1)), int(m.group(2)), int(m.group(3)),
             int(m.group(4)), int(m.group(5)), int(m.group(6)),
-            _frac_us(m.group(7)), tzinfo=tz,
+            _frac_us(frac), tzinfo=tz,
         )  # fmt: skip
     except (ValueError, OverflowError):
         return None

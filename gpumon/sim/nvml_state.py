@@ -387,6 +387,8 @@ def _gpu_lines(g: GpuState, position: int) -> Iterator[str]:
     yield from _map_lines("topology", g.topology, w, MAX_GPUS - 1, _U32)
     if len(g.xid_events) > MAX_XIDS:
         raise StateFormatError(f"{w}: more than {MAX_XIDS} xid events")
+    if len({seq for _, seq in g.xid_events}) != len(g.xid_events):
+        raise StateFormatError(f"{w}: xid seq numbers must be unique per GPU")
     for code, seq in g.xid_events:
         yield f"xid {_num(code, w + ' xid code', _U64)} {_num(seq, w + ' xid seq', _U64)}"
     yield from _call_lines(g.calls, w)
@@ -426,6 +428,7 @@ def write_state(state: NvmlNodeState, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp makes 0600; readers may run as another user
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -89,7 +89,8 @@ PYNVML_WRAPPERS = [
     "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth",
     "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors",
     "nvmlDeviceGetRemappedRows", "nvmlDeviceGetRowRemapperHistogram", "nvmlDeviceGetRetiredPages",
-    "nvmlDeviceGetRetiredPages_v2", "nvmlDeviceGetGpuFabricInfo", "nvmlDeviceGetGpuFabricInfoV",
+    "nvmlDeviceGetRetiredPages_v2", "nvmlDeviceGetRetiredPagesPendingStatus",
+    "nvmlDeviceGetGpuFabricInfo", "nvmlDeviceGetGpuFabricInfoV",
     "nvmlDeviceGetP2PStatus", "nvmlDeviceGetTopologyCommonAncestor", "nvmlEventSetCreate",
     "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents", "nvmlEventSetWait",
     "nvmlEventSetWait_v2", "nvmlEventSetFree",
@@ -293,6 +294,7 @@ def test_gpu_defaults_are_filled_from_index() -> None:
     lambda s: s.gpus[0].calls.append(InjectedCall("not an nvml symbol", 3)),
     lambda s: s.gpus[0].calls.append(InjectedCall("nvmlDeviceGetName", 3, -1.0)),
     lambda s: s.gpus[0].nvlink_remote_pci_bus_ids.append("00000000:01:00.0"),
+    lambda s: setattr(s.gpus[1], "xid_events", [(79, 1), (48, 1)]),
 ])
 def test_invalid_states_are_refused(mutate: object, tmp_path: Path) -> None:
     s = rich_state()
@@ -408,7 +410,8 @@ def test_clocks_thermals_power(node: Node) -> None:
     assert pynvml.nvmlDeviceGetMaxClockInfo(h(1), pynvml.NVML_CLOCK_SM) == g1.max_sm_clock_mhz
     assert pynvml.nvmlDeviceGetPowerUsage(h(1)) == 512345
     assert pynvml.nvmlDeviceGetEnforcedPowerLimit(h(1)) == 700000
-    pcie = [f(h(1)) for f in (pynvml.nvmlDeviceGetCurrPcieLinkGeneration, pynvml.nvmlDeviceGetMaxPcieLinkGeneration,
+    pcie = [f(h(1)) for f in (pynvml.nvmlDeviceGetCurrPcieLinkGeneration,
+                              pynvml.nvmlDeviceGetMaxPcieLinkGeneration,
                               pynvml.nvmlDeviceGetCurrPcieLinkWidth, pynvml.nvmlDeviceGetMaxPcieLinkWidth)]
     assert pcie == [5, 5, 8, 16]
     util = pynvml.nvmlDeviceGetUtilizationRates(h(1))
@@ -424,9 +427,10 @@ def test_memory_errors(node: Node) -> None:
     assert pynvml.nvmlDeviceGetRemappedRows(h(1)) == (1, 4, 1, 0)
     hist = pynvml.nvmlDeviceGetRowRemapperHistogram(h(1))
     assert (hist.max, hist.high, hist.partial, hist.low, hist.none) == (2550, 8, 0, 2, 0)
-    sbe = pynvml.nvmlDeviceGetRetiredPages(h(1), pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
+    sbe = pynvml.nvmlDeviceGetRetiredPages(h(1), 0)  # multiple SBE
     dbe = pynvml.nvmlDeviceGetRetiredPages_v2(h(1), pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
-    assert (len(sbe), len(dbe), len(set(sbe + dbe))) == (3, 1, 4)
+    assert (len(sbe), len(dbe), len(set(sbe) | {d["address"] for d in dbe})) == (3, 1, 4)
+    assert pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h(1)) == 1
     with pytest.raises(pynvml.NVMLError_NotSupported):  # Hopper default: page retirement is N/A
         pynvml.nvmlDeviceGetRetiredPages(h(0), 0)
     values = pynvml.nvmlDeviceGetFieldValues(h(1), [pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL,

@@ -1535,6 +1535,14 @@ EXPORT nvmlReturn_t nvmlDeviceGetRetiredPages_v2(nvmlDevice_t d, unsigned int ca
     return retired_impl(__func__, d, cause, count, addresses, timestamps);
 }
 
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, unsigned int *isPending) {
+    DEVICE_ENTER(device, g);
+    REQUIRE(isPending);
+    if (g->retired[0] < 0 && g->retired[1] < 0) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *isPending = g->retired_pending;
+    return leave(NVML_SUCCESS);
+}
+
 /* ------------------------------------------------------------------------------------ fabric, topology */
 
 EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabricInfo_t *info) {
