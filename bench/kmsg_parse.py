@@ -268,13 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with KernelLogFollower(path) as follower:
             records = follower.read_available()
             parser = NvrmParser()
-            events = [e for rec in records for e in parser.feed(rec)]
-            events.extend(parser.flush())
+            found_events = [e for rec in records for e in parser.feed(rec)]
+            found_events.extend(parser.flush())
         secs = time.perf_counter() - t
         print("    KernelLogFollower.read_available + NvrmParser (read, decode, split, parse): "
               f"{len(records) / secs:>10,.0f} lines/s ({len(records):,} records, "
-              f"{size / secs / 1e6:.0f} MB/s, {secs:.2f} s, {len(events):,} events)")  # fmt: skip
-        del records, events
+              f"{size / secs / 1e6:.0f} MB/s, {secs:.2f} s, {len(found_events):,} events)")  # fmt: skip
+        del records, found_events
 
     print()
     print("== parse_line + NvrmParser per wrapper, same synthetic messages (first 200,000)")

@@ -14,11 +14,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from gpumon.sim import nvml_inject
 from gpumon.sim.nvml_state import NvmlNodeState, write_state
 
 DATA = Path(__file__).parent / "data"
+
+# CI machines are slow and shared: no per-example deadline, and a fixed seed so
+# that a red CI run is reproducible (a found failure is still a failure).
+settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 @pytest.fixture(scope="session")

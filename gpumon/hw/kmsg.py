@@ -68,6 +68,8 @@ _MONO_RESET_US = 1_000_000
 # record from the first second of this boot can compare as up to 1 s early.
 _BOOT_TIME_SLACK_S = 1.0
 
+_MAX_POLL_S = 3600.0
+
 
 @dataclass(frozen=True, slots=True)
 class KernelRecord:
@@ -515,13 +517,17 @@ class KernelLogFollower:
 
     ``read_available()`` and ``wait()`` never raise for I/O problems: the last
     OSError is kept in ``last_error`` and the open is retried on the next call.
+    Not thread-safe: use it from one thread (``wait()`` returns within its
+    timeout, so that thread can check a stop flag and call ``close()`` itself).
+    If the log goes quiet, ``NvrmParser.flush()`` emits a block still waiting
+    for its next line.
     ``opener``/``reader`` default to ``os.open``/``os.read``; tests substitute
     them to hand in a socket or to inject EPIPE.
     """
 
     def __init__(
         self,
-        path: Path,
+        path: Path | str,
         *,
         boot_time: float | None = None,
         poll_interval: float = 0.2,
@@ -580,7 +586,8 @@ class KernelLogFollower:
                 return []
             if self._record_mode and self._poller is not None:
                 try:
-                    events = self._poller.poll(remaining * 1000.0)
+                    # capped so an infinite timeout cannot overflow poll()'s milliseconds
+                    events = self._poller.poll(min(remaining, _MAX_POLL_S) * 1000.0)
                 except InterruptedError:
                     events = []
                 if events:
@@ -711,9 +718,12 @@ class KernelLogFollower:
             self._close_fd()
             if self._open():
                 self._initial = False
-                more: list[str] = []
-                self._drain(more)
-                records.extend(self._assembler.add(more, initial=False))
+                if self._record_mode:  # the path now names a device (host root remounted)
+                    records.extend(self._read_records())
+                else:
+                    more: list[str] = []
+                    self._drain(more)
+                    records.extend(self._assembler.add(more, initial=False))
         return records
 
     def _drain(self, lines: list[str]) -> None:

@@ -140,9 +140,14 @@ _NVL5_RE = re.compile(
 )
 _HEX_WORD_RE = re.compile(r"0x([0-9a-fA-F]{1,16})")
 _CAUSE_RE = re.compile(r"caused by previous Xid (\d{1,9})")
-_RECOVERY_RE = re.compile(r"from (0x[0-9a-fA-F]{1,8}) \(([^)]*)\) to (0x[0-9a-fA-F]{1,8}) \(([^)]*)\)")
+# Names are bounded: an unbounded [^)]* rescans the rest of the line from every "from".
+_RECOVERY_RE = re.compile(
+    r"from (0x[0-9a-fA-F]{1,8}) \(([^)]{0,80})\) to (0x[0-9a-fA-F]{1,8}) \(([^)]{0,80})\)"
+)
 _XID74_LINK_RE = re.compile(r"\blink\s+(\d{1,6})", re.IGNORECASE)
-_XID74_WORDS_RE = re.compile(r"\(((?:\s*0x[0-9a-fA-F]{1,16}\s*,?)+)\)")
+# One way to match each separator: nested optional whitespace would backtrack
+# exponentially on an unterminated list.
+_XID74_WORDS_RE = re.compile(r"\(\s*(0x[0-9a-fA-F]{1,16}(?:(?:\s*,\s*|\s+)0x[0-9a-fA-F]{1,16})*)\s*\)")
 _SXID_RE = re.compile(r"nvidia-nvswitch(\d{1,6}): SXid \(([^)]*)\):\s*(\d{1,9})\b,?\s*")
 _SXID_SEV_RE = re.compile(r"(?i:(fatal)|non-?fatal)(?:,\s*Link\s+(-?\d{1,6}))?")
 _GPU_AT_RE = re.compile(r"GPU at PCI:([0-9a-fA-F:.]+?):\s+(\S+)")
@@ -159,7 +164,8 @@ _FALLEN = "fallen off the bus"
 
 def _pid(value: str) -> int | None:
     value = value.strip().strip("'\"")
-    return int(value) if value.isdigit() and len(value) < 12 else None
+    # isdecimal, not isdigit: "²" is a digit that int() rejects
+    return int(value) if value.isdecimal() and len(value) < 12 else None
 
 
 def _process(value: str) -> str | None:

@@ -7,7 +7,8 @@ calling :func:`write_state` again (the write is atomic: temp file + ``os.replace
 
 State file format (version 1)
 -----------------------------
-Plain ASCII text, one record per line, ``\\n`` line ends. The first line is the magic
+Printable ASCII text, one record per line, ``\\n`` line ends (control characters and non-ASCII bytes
+are rejected: real NVML strings are ASCII and pynvml decodes them). The first line is the magic
 ``gpumon-nvml-inject-state 1``; the last non-blank line is ``end`` (a truncated file is rejected).
 Blank lines and lines starting with ``#`` are ignored. Every other line is ``KEY VALUE``: the key is
 everything up to the first space. For string keys (``driver_version``, ``nvml_version``, ``name``,
@@ -294,11 +295,10 @@ def _text(key: str, value: str) -> str:
     limit = _STRING_LIMITS[key]
     if not isinstance(value, str):
         raise StateFormatError(f"{key}: {value!r} is not a string")
-    raw = value.encode("utf-8")
-    if len(raw) > limit:
-        raise StateFormatError(f"{key}: {value!r} is longer than {limit} bytes")
-    if any(c < 0x20 or c == 0x7F for c in raw):
-        raise StateFormatError(f"{key}: {value!r} contains a control character")
+    if len(value) > limit:
+        raise StateFormatError(f"{key}: {value!r} is longer than {limit} characters")
+    if not all(" " <= c <= "~" for c in value):
+        raise StateFormatError(f"{key}: {value!r} must be printable ASCII (as NVML strings are)")
     return f"{key} {value}"
 
 
@@ -560,7 +560,10 @@ def _build_gpu(index: int, fields: dict[str, object]) -> GpuState:
 
 def read_state(path: Path) -> NvmlNodeState:
     """Parse a state file written by :func:`write_state` (raises :class:`StateFormatError`)."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="ascii")
+    except UnicodeDecodeError as e:
+        raise StateFormatError(f"{path}: not ASCII text") from e
     lines = text.split("\n")
     if not text.endswith("\n") or lines[0] != FORMAT_MAGIC:
         raise StateFormatError(f"{path}: not a gpumon NVML injection state file")

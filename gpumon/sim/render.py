@@ -53,14 +53,6 @@ _XID_TEXT = {
     119: "pid=2024380, name=nvidia-smi, Timeout after 6s of waiting for RPC response from GPU GSP! "
          "Expected function 103 (GSP_RM_ALLOC) (0x2081 0x4).",
 }
-# Functions answered with GPU_IS_LOST once a GPU has fallen off the bus.
-LOST_GPU_FUNCTIONS = (
-    "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetSerial", "nvmlDeviceGetPciInfo_v3",
-    "nvmlDeviceGetArchitecture", "nvmlDeviceGetMinorNumber", "nvmlDeviceGetNvLinkState",
-    "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetViolationStatus",
-    "nvmlDeviceGetTemperature", "nvmlDeviceGetFieldValues", "nvmlDeviceGetClockInfo",
-    "nvmlDeviceGetPowerUsage",
-)
 UPTIME_AT_START_S = 3600.0
 
 
@@ -268,8 +260,8 @@ class SimNode:
                 if f.gpu == i and f.code is not None:
                     g.xid_events.append((f.code, seq))
                     if f.code == 79:
-                        g.calls += [InjectedCall(fn, error=NVML_ERRORS["gpu_is_lost"])
-                                    for fn in LOST_GPU_FUNCTIONS]
+                        # a GPU off the bus answers every NVML call with GPU_IS_LOST
+                        g.calls.append(InjectedCall("*", error=NVML_ERRORS["gpu_is_lost"]))
             gpus.append(g)
         return NvmlNodeState(driver_version=self.scenario.driver_version,
                              cuda_driver_version=self.scenario.cuda_driver_version, gpus=gpus)

@@ -231,7 +231,7 @@ def test_bad_dates_keep_the_message() -> None:
 
 def test_every_wrapper_in_the_captures_is_recognised() -> None:
     """Every non-blank line of every capture gets the metadata its wrapper carries."""
-    expect = {
+    expect: dict[str, Callable[[KernelRecord], bool]] = {
         "dev-kmsg-raw": lambda r: r.seq is not None and r.monotonic_us is not None and r.priority is not None,
         "dmesg-ctime": lambda r: r.wall_time is not None,
         "dmesg-decode-iso": lambda r: r.wall_time is not None and r.priority is not None,
@@ -290,6 +290,12 @@ def test_parse_line_never_raises(s: str) -> None:
     r = parse_line(s)
     assert isinstance(r.text, str)
     assert "\x00" not in r.text
+
+
+@given(st.binary(max_size=300))
+def test_records_from_arbitrary_bytes_never_raise(data: bytes) -> None:
+    for r in records_from_bytes(data):
+        assert "\x00" not in r.text
 
 
 @given(st.sampled_from(REAL_LINES), st.data())
@@ -655,11 +661,36 @@ def test_real_dev_kmsg() -> None:
     with KernelLogFollower(Path("/dev/kmsg")) as f:
         got = f.read_available()
         assert got, "the ring buffer always holds the boot messages"
-        seqs = [r.seq for r in got]
-        assert all(s is not None for s in seqs)
+        seqs = [r.seq for r in got if r.seq is not None]
+        assert len(seqs) == len(got)
         assert seqs == sorted(seqs)
         assert all(r.monotonic_us is not None and r.priority is not None for r in got)
         assert f.malformed_lines == 0
         t0 = time.monotonic()
         f.wait(0.1)
         assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "[" * MAX_LINE_BYTES,
+        "[ 1." + "1" * MAX_LINE_BYTES,
+        "<1>" * 20000,
+        "1,2," * 16000,
+        "6,1,2," + "-" * MAX_LINE_BYTES,
+        "6,1,2,-;" + "\\x0" * 20000 + "\\x0a" * 1000,
+        "kern  :" * 9000,
+        "Nov 29 11:28:11 " + "x" * MAX_LINE_BYTES,
+        "2025-01-17T17:10:43+0000 " + "h" * MAX_LINE_BYTES,
+        "host: kern: warning: [" + ": [" * 20000,
+        " " * MAX_LINE_BYTES + "x",
+        "-- " + "Logs begin at " * 4000,
+    ],
+)
+def test_adversarial_lines_parse_quickly(line: str) -> None:
+    """Lines up to the follower's cap must not make a wrapper regex backtrack for long."""
+    t0 = time.perf_counter()
+    parse_line(line)
+    records_from_bytes(line.encode() + b"\n" + line.encode())
+    assert time.perf_counter() - t0 < 0.5

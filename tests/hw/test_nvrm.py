@@ -7,6 +7,7 @@ source is named next to it.
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -382,6 +383,10 @@ def test_identity_block_cut_off_and_flush() -> None:
 
 
 def test_xid74_register_words() -> None:
+    (e,), _ = _feed(
+        "NVRM: Xid (PCI:0000:b9:00): 74, NVLink: fatal error detected on link 6(0x10000 ,0x0,  0x0)"
+    )
+    assert isinstance(e, XidEvent) and e.register_words == (0x10000, 0, 0) and e.nvlink_link == 6
     # NVIDIA/NVSentinel docs quote this Hopper Xid 74 line (xid-catalog.md WORKFLOW_NVLINK_ERR)
     (e,), parser = _feed(
         "[449410.332316] NVRM: Xid (PCI:0003:00:00): 74, pid='<unknown>', name=<unknown>, "
@@ -397,6 +402,7 @@ def test_xid_variants_and_damage() -> None:
     events, parser = _feed(
         "NVRM: Xid (0000:03:00): 14, Channel 00000001",  # pasted without "PCI:" (gpud kmsg_test.go)
         "NVRM: Xid (PCI:0000:04:00): 79",  # no message at all
+        "NVRM: Xid (PCI:0000:04:00): 13, pid=\u00b2, name=<unknown>, odd pid",  # "²".isdigit() is True
         "NVRM: Xid (PCI:0000:01:00): ",  # truncated before the code
         "NVRM: Xid (PCI:0000:01:00): 31x, junk",
         "NVRM: Xid (PCI:0008:01:00): 145, RLW_SRC_TRACK",  # NVLink5 detail cut off
@@ -408,6 +414,7 @@ def test_xid_variants_and_damage() -> None:
     assert got == [
         (14, "0000:03:00.0", "Channel 00000001"),
         (79, "0000:04:00.0", ""),
+        (13, "0000:04:00.0", "odd pid"),
         (145, "0008:01:00.0", "RLW_SRC_TRACK"),
         (154, "0009:01:00.0", "GPU recovery action changed from"),
         (13, "0000:38:00.0", "x"),
@@ -482,3 +489,28 @@ def test_parser_never_raises_on_truncated_real_lines(cuts: list[tuple[str, int, 
                 if isinstance(event, (XidEvent, SXidEvent)):
                     assert event.pci is None or canonical_pci(event.pci) == event.pci
     parser.flush()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "NVRM: Xid (PCI:0000:01:00): 74, NVLink: fatal error detected on link 1(" + "0x0 " * 8000,
+        "NVRM: Xid (PCI:0000:01:00): 74, NVLink: fatal error detected on link 1(" + "0x0, " * 8000,
+        "NVRM: Xid (PCI:0008:01:00): 145, " + "RLW " * 8000,
+        "NVRM: Xid (PCI:0008:01:00): 154, " + "from 0x1 (" * 5000,
+        "NVRM: Xid (" + "PCI:0" * 8000,
+        "nvidia-nvswitch1: SXid (PCI:0000:84:00.0): 12028, " + "Fatal, Link " * 4000,
+        "NVRM: GPU at PCI:" + "0:" * 16000,
+        "NVRM: GPU " + "0:" * 16000 + " GPU serial number is " + "9" * 1000,
+        "2025-01-17T17:10:43+0000 " + "x" * 30000 + " kernel: " + "NVRM: " * 3000,
+        "h: kern: warn: [" + "]: [" * 8000,
+    ],
+)
+def test_adversarial_long_lines_stay_linear(body: str) -> None:
+    """A 32-64 KiB line (the follower's cap) must not make a regex backtrack for long."""
+    t0 = time.perf_counter()
+    parser = NvrmParser()
+    parser.feed(parse_line(body))
+    parser.feed(KernelRecord(text=body, raw=body))
+    parser.flush()
+    assert time.perf_counter() - t0 < 0.5

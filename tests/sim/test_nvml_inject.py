@@ -285,6 +285,7 @@ def test_gpu_defaults_are_filled_from_index() -> None:
 @pytest.mark.parametrize("mutate", [
     lambda s: setattr(s.gpus[0], "name", "two\nlines"),
     lambda s: setattr(s.gpus[0], "serial", "x" * 30),
+    lambda s: setattr(s.gpus[0], "name", "NVIDIA H100 \u00e9"),
     lambda s: setattr(s.gpus[0], "pci_bus_id", "19:00"),
     lambda s: setattr(s.gpus[1], "index", 5),
     lambda s: setattr(s.gpus[0], "nvlink_states", [1] * 40),
@@ -618,6 +619,7 @@ MALFORMED = {
     "long-name": FORMAT_MAGIC + "\ngpu 0\nname " + "N" * 200 + "\nend\n",
     "nul": FORMAT_MAGIC + "\ngpu 0\nname a\0b\nend\n",
     "crlf": FORMAT_MAGIC + "\r\nend\r\n",
+    "non-ascii": FORMAT_MAGIC + "\ngpu 0\nname \x80\nend\n",
     "too-many-gpus": FORMAT_MAGIC + "\n" + "".join(f"gpu {i}\n" for i in range(65)) + "end\n",
     "double-space": FORMAT_MAGIC + "\ngpu 0\ncuda_cc 9  0\nend\n",
     "text-after-end": FORMAT_MAGIC + "\nend\ngpu 0\n",
@@ -629,7 +631,7 @@ def test_malformed_state_fails_init_cleanly(name: str, lib_dir: Path, tmp_path: 
                                             monkeypatch: pytest.MonkeyPatch,
                                             capfd: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / f"{name}.txt"
-    path.write_bytes(MALFORMED[name].encode())
+    path.write_bytes(MALFORMED[name].encode("latin-1"))
     monkeypatch.setenv(nvml_inject.STATE_ENV, str(path))
     for _ in range(2):
         with pytest.raises(pynvml.NVMLError_DriverNotLoaded):

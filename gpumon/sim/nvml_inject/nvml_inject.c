@@ -13,7 +13,8 @@
  * ----------
  * Path: $GPUMON_NVML_INJECT_STATE, looked up on every call. The file is re-read whenever its
  * (path, device, inode, size, mtime, ctime) changes; writers replace it atomically (gpumon.sim.nvml_state
- * .write_state). Format (version 1), plain ASCII, '\n' line ends, lines shorter than 1024 bytes:
+ * .write_state). Format (version 1): printable ASCII only, '\n' line ends, lines shorter than 1024
+ * bytes, at most 4 MiB:
  *
  *   gpumon-nvml-inject-state 1              mandatory first line
  *   # comment / blank lines                 ignored
@@ -655,8 +656,9 @@ static int parse_state(char *text, state_t *s, char *err) {
         if (!nl) return fail(&c, "last line is not terminated (truncated file?)");
         *nl = '\0';
         if (nl - line >= MAX_LINE) return fail(&c, "line too long");
-        for (char *q = line; *q; q++)
-            if ((unsigned char)*q < 0x20 && *q != '\t') return fail(&c, "control character in line");
+        for (char *q = line; *q; q++) /* printable ASCII only, like the strings real NVML returns */
+            if ((unsigned char)*q < 0x20 || (unsigned char)*q > 0x7E)
+                return fail(&c, "control character or non-ASCII byte in line");
         char *next = nl + 1;
         c.p = line;
         if (c.lineno == 1) {
@@ -692,7 +694,10 @@ static int parse_state(char *text, state_t *s, char *err) {
         }
         line = next;
     }
-    if (c.lineno == 0) return fail(&c, "empty file");
+    if (c.lineno == 0) {
+        snprintf(err, 512, "empty file");
+        return -1;
+    }
     if (!ended) return fail(&c, "missing 'end' line (truncated file?)");
     return 0;
 }
