@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gpumon.hw.calls import BoundedCaller
 from gpumon.hw.hostfs import HostFs
-from gpumon.hw.nvml import Nvml
+from gpumon.hw.nvml import NvmlReadings
 from gpumon.hw.tools import ToolRunner
 
 
@@ -22,7 +22,7 @@ class Hardware:
         self.caller = BoundedCaller()
         self.host_root = host_root
         self.fs = HostFs(host_root, self.caller, fs_timeout)
-        self.nvml = Nvml(self.caller, nvml_timeout, simulated=simulated)
+        self.nvml = NvmlReadings(self.caller, nvml_timeout, simulated=simulated)
         self.tools = ToolRunner(tool_timeout, tool_path)
         self.simulated = simulated
 

@@ -9,6 +9,7 @@ remembered so the call is not repeated), ``HwTimeout``, ``HwFailure``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -259,3 +260,170 @@ class Nvml:
 
     def power_w(self, index: int) -> float:
         return float(self.device(index, "nvmlDeviceGetPowerUsage")) / 1000.0
+
+
+@dataclass(frozen=True)
+class EccCounts:
+    volatile_corrected: int
+    volatile_uncorrected: int
+    aggregate_corrected: int
+    aggregate_uncorrected: int
+
+
+@dataclass(frozen=True)
+class RemappedRows:
+    corrected: int
+    uncorrected: int
+    pending: bool
+    failure: bool
+
+
+@dataclass(frozen=True)
+class RemapHistogram:
+    """Banks by how many spare rows they have left (NVML row remapper histogram)."""
+
+    max: int
+    high: int
+    partial: int
+    low: int
+    none: int
+
+
+@dataclass(frozen=True)
+class RetiredPages:
+    single_bit: int
+    double_bit: int
+    pending: bool
+
+
+@dataclass(frozen=True)
+class NvlinkErrors:
+    replay: int
+    recovery: int
+    crc_flit: int
+    crc_data: int
+
+
+@dataclass(frozen=True)
+class FabricInfo:
+    state: int  # NVML_GPU_FABRIC_STATE_*: 0 not supported, 1 not started, 2 in progress, 3 completed
+    status: int  # nvmlReturn_t of the registration
+    clique_id: int
+    cluster_uuid: str
+    health_mask: int
+
+
+@dataclass(frozen=True)
+class PcieLink:
+    generation: int
+    max_generation: int
+    width: int
+    max_width: int
+
+
+TEMPERATURE_THRESHOLDS = {
+    "shutdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN,
+    "slowdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,
+    "mem_max": pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX,
+    "gpu_max": pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX,
+}
+
+
+class NvmlReadings(Nvml):
+    """The typed readings checks use. Every method raises only gpumon's conditions."""
+
+    def ecc_errors(self, index: int) -> EccCounts:
+        def count(kind: int, counter: int) -> int:
+            return int(self.device(index, "nvmlDeviceGetTotalEccErrors", kind, counter))
+        corrected, uncorrected = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+                                  pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)
+        return EccCounts(count(corrected, pynvml.NVML_VOLATILE_ECC),
+                         count(uncorrected, pynvml.NVML_VOLATILE_ECC),
+                         count(corrected, pynvml.NVML_AGGREGATE_ECC),
+                         count(uncorrected, pynvml.NVML_AGGREGATE_ECC))
+
+    def remapped_rows(self, index: int) -> RemappedRows:
+        corr, unc, pending, failure = self.device(index, "nvmlDeviceGetRemappedRows")
+        return RemappedRows(int(corr), int(unc), bool(pending), bool(failure))
+
+    def remap_histogram(self, index: int) -> RemapHistogram:
+        h = self.device(index, "nvmlDeviceGetRowRemapperHistogram")
+        return RemapHistogram(int(h.max), int(h.high), int(h.partial), int(h.low), int(h.none))
+
+    def retired_pages(self, index: int) -> RetiredPages:
+        sbe = len(self.device(index, "nvmlDeviceGetRetiredPages",
+                              pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS))
+        dbe = len(self.device(index, "nvmlDeviceGetRetiredPages",
+                              pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
+        pending = self.device(index, "nvmlDeviceGetRetiredPagesPendingStatus")
+        return RetiredPages(sbe, dbe, bool(pending))
+
+    def nvlink_errors(self, index: int, link: int) -> NvlinkErrors:
+        def count(counter: int) -> int:
+            return int(self.device(index, "nvmlDeviceGetNvLinkErrorCounter", link, counter))
+        return NvlinkErrors(count(pynvml.NVML_NVLINK_ERROR_DL_REPLAY),
+                            count(pynvml.NVML_NVLINK_ERROR_DL_RECOVERY),
+                            count(pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
+                            count(pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA))
+
+    def fabric_info(self, index: int) -> FabricInfo:
+        info = pynvml.c_nvmlGpuFabricInfoV_t()
+        # pynvml hands the struct straight to C: it must be passed by reference
+        self.device(index, "nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info))
+        uuid = bytes(info.clusterUuid).hex()
+        return FabricInfo(int(info.state), int(info.status), int(info.cliqueId), uuid,
+                          int(info.healthMask))
+
+    def temperature_threshold_c(self, index: int, kind: str) -> int:
+        return int(self.device(index, "nvmlDeviceGetTemperatureThreshold", TEMPERATURE_THRESHOLDS[kind]))
+
+    def pcie_link(self, index: int) -> PcieLink:
+        return PcieLink(int(self.device(index, "nvmlDeviceGetCurrPcieLinkGeneration")),
+                        int(self.device(index, "nvmlDeviceGetMaxPcieLinkGeneration")),
+                        int(self.device(index, "nvmlDeviceGetCurrPcieLinkWidth")),
+                        int(self.device(index, "nvmlDeviceGetMaxPcieLinkWidth")))
+
+    def utilization_pct(self, index: int) -> int:
+        return int(self.device(index, "nvmlDeviceGetUtilizationRates").gpu)
+
+    def open_xid_events(self, indices: list[int]) -> XidEventSet:
+        return XidEventSet(self, indices)
+
+
+class XidEventSet:
+    """NVML Xid critical-error events for some GPUs (a second source beside the kernel log)."""
+
+    def __init__(self, nvml: Nvml, indices: list[int]) -> None:
+        self._nvml = nvml
+        self._set = nvml.system("nvmlEventSetCreate")
+        self._by_handle: dict[int, int] = {}
+        self.registered: list[int] = []
+        for index in indices:
+            handle = nvml._handle(index)
+            try:
+                nvml.device(index, "nvmlDeviceRegisterEvents", pynvml.nvmlEventTypeXidCriticalError,
+                            self._set)
+            except NotSupported:
+                continue
+            self._by_handle[ctypes.cast(handle, ctypes.c_void_p).value or 0] = index
+            self.registered.append(index)
+
+    def wait(self, timeout_s: float) -> list[tuple[int, int]]:
+        """(gpu index, Xid code) events that arrive within ``timeout_s``."""
+        out: list[tuple[int, int]] = []
+        # stay inside the call bound, so a real hang is not mistaken for a quiet wait
+        ms = max(0, int(min(timeout_s, self._nvml._timeout / 2) * 1000))
+        while True:
+            def wait_once(ms: int = ms) -> Any:
+                return pynvml.nvmlEventSetWait_v2(self._set, ms)
+            try:
+                data = self._nvml._call("nvml-events", "nvmlEventSetWait", "node", wait_once)
+            except HwTimeout:
+                return out  # NVML_ERROR_TIMEOUT: nothing (more) arrived
+            key = ctypes.cast(data.device, ctypes.c_void_p).value or 0
+            out.append((self._by_handle.get(key, -1), int(data.eventData)))
+            ms = 0
+
+    def close(self) -> None:
+        with contextlib.suppress(HwFailure, HwTimeout):
+            self._nvml.system("nvmlEventSetFree", self._set)
