@@ -18,8 +18,8 @@ from pathlib import Path
 
 from gpumon.errors import ConfigError
 from gpumon.profiles import Profile, builtin_profiles
-from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState, write_state
-from gpumon.sim.scenario import NVML_ERRORS, Fault, Scenario
+from gpumon.sim.nvml_state import GpuState, InjectedCall, NvLinkErrorCounters, NvmlNodeState, write_state
+from gpumon.sim.scenario import IB_COUNTERS, NVML_ERRORS, Fault, Scenario
 
 # NVML device names as the driver reports them (realdata/nvidia-smi-q "Product Name"
 # for H100; NVIDIA product names for the others).
@@ -35,6 +35,8 @@ ARCH_CODES = {"ampere": 7, "hopper": 9, "blackwell": 10}
 GPU_BUSES = ["19", "3b", "4c", "5d", "9b", "bb", "cb", "db"]
 NIC_BUSES = ["1a", "3c", "4d", "5e", "9c", "bc", "cc", "dc"]
 NVSWITCH_BUSES = ["83", "84", "85", "86"]
+PCIE_SPEEDS = {1: "2.5 GT/s PCIe", 2: "5.0 GT/s PCIe", 3: "8.0 GT/s PCIe", 4: "16.0 GT/s PCIe",
+               5: "32.0 GT/s PCIe", 6: "64.0 GT/s PCIe"}
 MELLANOX = "0x15b3"
 CX7_DEVICE = "0x1021"
 
@@ -54,6 +56,7 @@ _XID_TEXT = {
          "Expected function 103 (GSP_RM_ALLOC) (0x2081 0x4).",
 }
 UPTIME_AT_START_S = 3600.0
+IB_SPEED_NAMES = {400.0: "NDR", 200.0: "HDR", 100.0: "EDR", 56.0: "FDR"}
 
 
 @dataclass
@@ -114,6 +117,7 @@ class SimNode:
         self._pci(t)
         self._infiniband(t)
         self._kernel_log(t)
+        self._fm_log(t)
         write_state(self._nvml(t), self.nvml_state_path)
 
     def _write(self, rel: str, text: str) -> None:
@@ -131,39 +135,76 @@ class SimNode:
     def _faults(self, kind: str, t: float) -> list[Fault]:
         return [f for f in self.scenario.faults if f.kind == kind and f.at_s <= t]
 
-    def _pci(self, t: float) -> None:
-        pci_id = (self.profile.pci_device_ids or ["0x2330"])[0].lower()
-        devices: list[tuple[str, str, str, str, int | None]] = []
+    def _pci_layout(self) -> list[tuple[str, str, str, str, str, int | None]]:
+        """(sysfs device path, bus id, vendor, device, class, gpu index) of every rendered PCI function.
+
+        Shaped like an HGX board: each GPU and its NIC sit under one PCIe switch
+        (upstream port + two downstream ports) below a root port.
+        """
+        gpu_id = (self.profile.pci_device_ids or ["0x2330"])[0].lower()
+        out: list[tuple[str, str, str, str, str, int | None]] = []
         for i in range(self.gpu_count):
-            devices.append((self.gpu_bus(i), "0x10de", pci_id, "0x030200", i))
-        for i in range(min(self.nic_count, len(NIC_BUSES))):
-            devices.append((f"0000:{NIC_BUSES[i]}:00.0", MELLANOX, CX7_DEVICE, "0x020700", None))
+            g = int(GPU_BUSES[i], 16)
+            root_bus, up, down = f"{g - 4:02x}", f"0000:{g - 3:02x}:00.0", f"0000:{g - 2:02x}"
+            root = f"0000:{root_bus}:01.0"
+            base = f"sys/devices/pci0000:{root_bus}/{root}"
+            out.append((base, root, "0x8086", "0x352a", "0x060400", None))
+            out.append((f"{base}/{up}", up, "0x1000", "0xc030", "0x060400", None))
+            out.append((f"{base}/{up}/{down}:00.0", f"{down}:00.0", "0x1000", "0xc030", "0x060400", None))
+            gpu_bus = self.gpu_bus(i)
+            out.append((f"{base}/{up}/{down}:00.0/{gpu_bus}", gpu_bus, "0x10de", gpu_id, "0x030200", i))
+            if i < self.nic_count:
+                nic = f"0000:{NIC_BUSES[i]}:00.0"
+                out.append((f"{base}/{up}/{down}:01.0", f"{down}:01.0", "0x1000", "0xc030", "0x060400",
+                            None))
+                out.append((f"{base}/{up}/{down}:01.0/{nic}", nic, MELLANOX, CX7_DEVICE, "0x020700", None))
         if (self.profile.nvlink.links_per_gpu or 0) > 0 and self.gpu_count == 8:
             for bus in NVSWITCH_BUSES:
-                devices.append((f"0000:{bus}:00.0", "0x10de", "0x22a3", "0x068000", None))
-        for bus, vendor, device, cls, gpu_index in devices:
-            base = f"sys/bus/pci/devices/{bus}"
-            self._write(f"{base}/vendor", vendor + "\n")
-            self._write(f"{base}/device", device + "\n")
-            self._write(f"{base}/class", cls + "\n")
+                sw = f"0000:{bus}:00.0"
+                out.append((f"sys/devices/pci0000:80/0000:80:01.0/{sw}", sw, "0x10de", "0x22a3",
+                            "0x068000", None))
+        return out
+
+    def nic_path(self, index: int) -> str:
+        for path, bus, *_ in self._pci_layout():
+            if bus == f"0000:{NIC_BUSES[index]}:00.0":
+                return path
+        raise KeyError(index)
+
+    def _pci(self, t: float) -> None:
+        max_gen = self.profile.pcie.generation or 5
+        max_width = self.profile.pcie.width or 16
+        for path, bus, vendor, device, cls, gpu_index in self._pci_layout():
+            self._write(f"{path}/vendor", vendor + "\n")
+            self._write(f"{path}/device", device + "\n")
+            self._write(f"{path}/class", cls + "\n")
+            link = self.host_root / "sys/bus/pci/devices" / bus
+            if not link.is_symlink():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(f"../../../{path.removeprefix('sys/')}")
             counts = {"correctable": 0, "nonfatal": 0, "fatal": 0}
-            for f in self._faults("aer", t):
-                if gpu_index is not None and f.gpu == gpu_index and f.severity:
-                    counts[f.severity] += f.count
-            self._write(f"{base}/aer_dev_correctable",
-                        f"RxErr {counts['correctable']}\nBadTLP 0\nBadDLLP 0\nRollover 0\nTimeout 0\n"
-                        f"NonFatalErr 0\nCorrIntErr 0\nHeaderOF 0\nTOTAL_ERR_COR {counts['correctable']}\n")
-            self._write(f"{base}/aer_dev_nonfatal",
-                        f"Undefined 0\nDLP 0\nSDES 0\nTLP 0\nFCP 0\nCmpltTO {counts['nonfatal']}\n"
-                        f"CmpltAbrt 0\nUnxCmplt 0\nRxOF 0\nMalfTLP 0\nECRC 0\nUnsupReq 0\nACSViol 0\n"
-                        f"TOTAL_ERR_NONFATAL {counts['nonfatal']}\n")
-            self._write(f"{base}/aer_dev_fatal",
-                        f"Undefined 0\nDLP {counts['fatal']}\nSDES 0\nTLP 0\nFCP 0\nCmpltTO 0\n"
-                        f"TOTAL_ERR_FATAL {counts['fatal']}\n")
-            self._write(f"{base}/current_link_speed", "32.0 GT/s PCIe\n")
-            self._write(f"{base}/max_link_speed", "32.0 GT/s PCIe\n")
-            self._write(f"{base}/current_link_width", "16\n")
-            self._write(f"{base}/max_link_width", "16\n")
+            gen, width = max_gen, max_width
+            if gpu_index is not None:
+                for f in self._faults("aer", t):
+                    if f.gpu == gpu_index and f.severity:
+                        counts[f.severity] += f.amount(t)
+                for f in self._faults("pcie_link", t):
+                    if f.gpu == gpu_index and f.active(t):
+                        gen, width = f.gen or gen, f.width or width
+            c, n, fa = counts["correctable"], counts["nonfatal"], counts["fatal"]
+            self._write(f"{path}/aer_dev_correctable",
+                        f"RxErr {c}\nBadTLP 0\nBadDLLP 0\nRollover 0\nTimeout 0\nNonFatalErr 0\n"
+                        f"CorrIntErr 0\nHeaderOF 0\nTOTAL_ERR_COR {c}\n")
+            self._write(f"{path}/aer_dev_nonfatal",
+                        f"Undefined 0\nDLP 0\nSDES 0\nTLP 0\nFCP 0\nCmpltTO {n}\nCmpltAbrt 0\n"
+                        f"UnxCmplt 0\nRxOF 0\nMalfTLP 0\nECRC 0\nUnsupReq 0\nACSViol 0\n"
+                        f"TOTAL_ERR_NONFATAL {n}\n")
+            self._write(f"{path}/aer_dev_fatal",
+                        f"Undefined 0\nDLP {fa}\nSDES 0\nTLP 0\nFCP 0\nCmpltTO 0\nTOTAL_ERR_FATAL {fa}\n")
+            self._write(f"{path}/current_link_speed", PCIE_SPEEDS[gen] + "\n")
+            self._write(f"{path}/max_link_speed", PCIE_SPEEDS[max_gen] + "\n")
+            self._write(f"{path}/current_link_width", f"{width}\n")
+            self._write(f"{path}/max_link_width", f"{max_width}\n")
 
     def _infiniband(self, t: float) -> None:
         rate = self.profile.network.ib_rate_gbps or 400
@@ -177,22 +218,28 @@ class SimNode:
             port = f"{base}/ports/{p.port}"
             self._write(f"{port}/state", "1: DOWN\n" if down_now else "4: ACTIVE\n")
             self._write(f"{port}/phys_state", "2: Polling\n" if down_now else "5: LinkUp\n")
-            self._write(f"{port}/rate", f"{rate:g} Gb/sec (4X NDR)\n")
+            port_rate = rate
+            for f in self._faults("ib_rate", t):
+                if f.device == p.device and f.port == p.port and f.active(t) and f.rate_gbps is not None:
+                    port_rate = f.rate_gbps
+            self._write(f"{port}/rate", f"{port_rate:g} Gb/sec (4X {IB_SPEED_NAMES.get(port_rate, 'NDR')})\n")
             self._write(f"{port}/link_layer", "InfiniBand\n")
-            for counter in ("symbol_error", "link_error_recovery", "port_rcv_errors",
-                            "local_link_integrity_errors", "excessive_buffer_overrun_errors",
-                            "port_xmit_discards", "port_rcv_remote_physical_errors"):
-                self._write(f"{port}/counters/{counter}", "0\n")
-            self._write(f"{port}/counters/link_downed", f"{len(downs)}\n")
+            for counter in IB_COUNTERS:
+                value = len(downs) if counter == "link_downed" else 0
+                for f in self._faults("ib_errors", t):
+                    if f.device == p.device and f.port == p.port and f.counter == counter:
+                        value += f.amount(t)
+                self._write(f"{port}/counters/{counter}", f"{value}\n")
             link = self.host_root / base / "device"
             if not link.is_symlink():
-                link.symlink_to(f"../../../bus/pci/devices/0000:{p.bus}:00.0")
+                index = int(p.device.removeprefix("mlx5_"))
+                link.symlink_to(f"../../../{self.nic_path(index).removeprefix('sys/')}")
 
     def _kernel_log(self, t: float) -> None:
         self.kmsg_path.parent.mkdir(parents=True, exist_ok=True)
         lines: list[str] = []
         for i, f in enumerate(self.scenario.faults):
-            if i in self._emitted or f.at_s > t or f.kind not in ("xid", "kernel_line"):
+            if i in self._emitted or f.at_s > t or f.kind not in ("xid", "kernel_line", "sxid"):
                 continue
             self._emitted.add(i)
             usec = int((UPTIME_AT_START_S + f.at_s) * 1e6)
@@ -203,9 +250,35 @@ class SimNode:
             with open(self.kmsg_path, "a", encoding="utf-8") as fh:
                 fh.writelines(lines)
 
+    def _fm_log(self, t: float) -> None:
+        lines: list[str] = []
+        for i, f in enumerate(self.scenario.faults):
+            if i in self._emitted or f.at_s > t or f.kind != "fm_log":
+                continue
+            self._emitted.add(i)
+            stamp = time.strftime("%b %d %Y %H:%M:%S", time.gmtime(self.start_wall + f.at_s))
+            lines.append(f"[{stamp}] [ERROR] [tid 1374] {f.text}\n")
+        path = self.host_root / "var/log/fabricmanager.log"
+        if lines or not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.writelines(lines)
+
     def _messages(self, f: Fault) -> list[str]:
         if f.kind == "kernel_line":
             return [str(f.text)]
+        if f.kind == "sxid":
+            assert f.switch is not None and f.code is not None
+            bus = f"0000:{NVSWITCH_BUSES[f.switch % len(NVSWITCH_BUSES)]}:00.0"
+            head = f"nvidia-nvswitch{f.switch}: SXid (PCI:{bus}): {f.code}"
+            word = "Fatal" if f.fatal else "Non-fatal"
+            link = f.link if f.link is not None else 0
+            out = [f"{head}, {word}, Link {link:02d} {f.message or 'simulated NVSwitch error'}"]
+            if f.fatal:
+                out += [f"{head}, Severity 1 Engine instance {link:02d} Sub-engine instance 00",
+                        f"{head}, Data {{0x10000000, 0x10000000, 0x00000000, 0x10000000, 0x00000000, "
+                        "0x00000000, 0x00000000, 0x00000000, 0x00000000}"]
+            return out
         assert f.gpu is not None and f.code is not None
         bus = self.gpu_bus(f.gpu)[:-2]  # Xid lines carry no PCI function
         text = f.message or _XID_TEXT.get(f.code, f"pid='<unknown>', name=<unknown>, simulated Xid {f.code}")
@@ -232,7 +305,11 @@ class SimNode:
                          uuid=self._uuid(i), serial=self._serial(i),
                          pci_bus_id=f"0000{self.gpu_bus(i)}".upper(),  # NVML's 8-digit domain
                          pci_device_id=(pci_id << 16) | 0x10DE, minor_number=i, architecture=arch,
-                         nvlink_states=[1] * links)
+                         nvlink_states=[1] * links,
+                         pcie_gen_max=self.profile.pcie.generation or 5,
+                         pcie_gen_current=self.profile.pcie.generation or 5,
+                         pcie_width_max=self.profile.pcie.width or 16,
+                         pcie_width_current=self.profile.pcie.width or 16)
             mask = 0
             for f in self._faults("throttle", t):
                 if f.gpu == i and f.active(t):
@@ -250,6 +327,42 @@ class SimNode:
                         g.temperature_c = int(f.core_c)
                     if f.hbm_c is not None:
                         g.memory_temperature_c = int(f.hbm_c)
+            for f in self._faults("nvlink_down", t):
+                if f.gpu == i and f.active(t) and f.link is not None and f.link < links:
+                    g.nvlink_states[f.link] = 0
+            counters = [NvLinkErrorCounters() for _ in range(links)]
+            for f in self._faults("nvlink_errors", t):
+                if f.gpu == i and f.link is not None and f.link < links and f.counter:
+                    c = counters[f.link]
+                    setattr(c, f.counter, getattr(c, f.counter) + f.amount(t))
+            g.nvlink_error_counters = counters
+            for f in self._faults("ecc", t):
+                if f.gpu == i:
+                    g.ecc_volatile_corrected += f.corrected or 0
+                    g.ecc_aggregate_corrected += f.corrected or 0
+                    g.ecc_volatile_uncorrected += f.uncorrected or 0
+                    g.ecc_aggregate_uncorrected += f.uncorrected or 0
+            for f in self._faults("remap", t):
+                if f.gpu == i and f.active(t):
+                    g.remapped_rows_pending = g.remapped_rows_pending or bool(f.pending)
+                    g.remapped_rows_failure = g.remapped_rows_failure or bool(f.failure)
+                    g.remapped_rows_corrected += f.corrected or 0
+                    g.remapped_rows_uncorrected += f.uncorrected or 0
+                    moved = (f.banks_low or 0) + (f.banks_none or 0)
+                    g.remap_histogram_low += f.banks_low or 0
+                    g.remap_histogram_none += f.banks_none or 0
+                    g.remap_histogram_max = max(0, g.remap_histogram_max - moved)
+            for f in self._faults("fabric", t):
+                if f.gpu == i and f.active(t) and f.state is not None:
+                    g.fabric_state = f.state
+                    g.fabric_status = f.status or 0
+            for f in self._faults("pcie_link", t):
+                if f.gpu == i and f.active(t):
+                    g.pcie_gen_current = f.gen or g.pcie_gen_current
+                    g.pcie_width_current = f.width or g.pcie_width_current
+            for f in self._faults("utilization", t):
+                if f.gpu == i and f.active(t) and f.pct is not None:
+                    g.utilization_gpu = f.pct
             for f in self._faults("nvml_error", t):
                 if f.gpu == i and f.active(t) and f.function and f.error:
                     g.calls.append(InjectedCall(f.function, error=NVML_ERRORS[f.error]))
@@ -262,6 +375,9 @@ class SimNode:
                     if f.code == 79:
                         # a GPU off the bus answers every NVML call with GPU_IS_LOST
                         g.calls.append(InjectedCall("*", error=NVML_ERRORS["gpu_is_lost"]))
-            gpus.append(g)
+            if not any(f.gpu == i and f.active(t) for f in self._faults("gpu_missing", t)):
+                gpus.append(g)
+        for index, g in enumerate(gpus):
+            g.index = index  # NVML numbers the GPUs it sees, in bus order
         return NvmlNodeState(driver_version=self.scenario.driver_version,
                              cuda_driver_version=self.scenario.cuda_driver_version, gpus=gpus)

@@ -21,7 +21,8 @@ from gpumon.errors import ConfigError
 from gpumon.schema import Source, build, load_yaml, load_yaml_file
 
 FAULT_KINDS = ("xid", "throttle", "ib_down", "nvml_error", "nvml_hang", "aer", "kernel_line",
-               "temperature")
+               "temperature", "nvlink_down", "nvlink_errors", "ecc", "remap", "fabric", "pcie_link",
+               "gpu_missing", "ib_rate", "ib_errors", "sxid", "utilization", "fm_log")
 
 # Which optional fields each kind may use (besides at_s, duration_s, kind).
 _FIELDS = {
@@ -30,9 +31,21 @@ _FIELDS = {
     "ib_down": {"device", "port"},
     "nvml_error": {"gpu", "function", "error"},
     "nvml_hang": {"gpu", "function", "seconds"},
-    "aer": {"gpu", "severity", "count"},
+    "aer": {"gpu", "severity", "count", "per_s"},
     "kernel_line": {"text"},
     "temperature": {"gpu", "core_c", "hbm_c"},
+    "nvlink_down": {"gpu", "link"},
+    "nvlink_errors": {"gpu", "link", "counter", "count", "per_s"},
+    "ecc": {"gpu", "corrected", "uncorrected"},
+    "remap": {"gpu", "pending", "failure", "corrected", "uncorrected", "banks_low", "banks_none"},
+    "fabric": {"gpu", "state", "status"},
+    "pcie_link": {"gpu", "width", "gen"},
+    "gpu_missing": {"gpu"},
+    "ib_rate": {"device", "port", "rate_gbps"},
+    "ib_errors": {"device", "port", "counter", "count", "per_s"},
+    "sxid": {"switch", "code", "fatal", "link", "message"},
+    "utilization": {"gpu", "pct"},
+    "fm_log": {"text"},
 }
 _REQUIRED = {
     "xid": {"gpu", "code"},
@@ -43,7 +56,23 @@ _REQUIRED = {
     "aer": {"gpu", "severity"},
     "kernel_line": {"text"},
     "temperature": {"gpu"},
+    "nvlink_down": {"gpu", "link"},
+    "nvlink_errors": {"gpu", "link", "counter"},
+    "ecc": {"gpu"},
+    "remap": {"gpu"},
+    "fabric": {"gpu", "state"},
+    "pcie_link": {"gpu"},
+    "gpu_missing": {"gpu"},
+    "ib_rate": {"device", "rate_gbps"},
+    "ib_errors": {"device", "counter"},
+    "sxid": {"switch", "code"},
+    "utilization": {"gpu", "pct"},
+    "fm_log": {"text"},
 }
+NVLINK_COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")
+IB_COUNTERS = ("symbol_error", "link_error_recovery", "port_rcv_errors", "local_link_integrity_errors",
+               "excessive_buffer_overrun_errors", "port_xmit_discards", "port_rcv_remote_physical_errors",
+               "link_downed")
 THROTTLE_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
                     "sw_thermal_slowdown", "sw_power_cap", "gpu_idle")
 NVML_ERRORS = {"gpu_is_lost": 15, "not_supported": 3, "unknown": 999, "timeout": 10,
@@ -66,21 +95,39 @@ class Fault:
     seconds: float | None = field(default=None, metadata={"min": 0})
     severity: str | None = field(default=None, metadata={"choices": ("correctable", "nonfatal", "fatal",
                                                                       None)})
-    count: int = field(default=1, metadata={"min": 1})
+    count: int | None = field(default=None, metadata={"min": 0})
     text: str | None = None
     core_c: float | None = None
     hbm_c: float | None = None
+    link: int | None = field(default=None, metadata={"min": 0})
+    counter: str | None = None
+    per_s: float | None = field(default=None, metadata={"min": 0})
+    corrected: int | None = field(default=None, metadata={"min": 0})
+    uncorrected: int | None = field(default=None, metadata={"min": 0})
+    pending: bool | None = None
+    failure: bool | None = None
+    banks_low: int | None = field(default=None, metadata={"min": 0})
+    banks_none: int | None = field(default=None, metadata={"min": 0})
+    state: int | None = field(default=None, metadata={"min": 0, "max": 3})
+    status: int | None = field(default=None, metadata={"min": 0})
+    width: int | None = field(default=None, metadata={"min": 1, "max": 32})
+    gen: int | None = field(default=None, metadata={"min": 1, "max": 6})
+    rate_gbps: float | None = field(default=None, metadata={"min": 0})
+    switch: int | None = field(default=None, metadata={"min": 0})
+    fatal: bool | None = None
+    pct: int | None = field(default=None, metadata={"min": 0, "max": 100})
 
     def __post_init__(self) -> None:
         allowed = _FIELDS[self.kind]
-        defaults = Fault.__dataclass_fields__
         for name in ("gpu", "code", "message", "device", "function", "error", "seconds", "severity",
-                     "text", "core_c", "hbm_c"):
+                     "text", "core_c", "hbm_c", "link", "counter", "per_s", "corrected", "uncorrected",
+                     "pending", "failure", "banks_low", "banks_none", "state", "status", "width", "gen",
+                     "rate_gbps", "switch", "fatal", "pct"):
             if getattr(self, name) is not None and name not in allowed:
                 raise ValueError(f"a {self.kind} fault takes no {name!r}")
         if self.reasons and "reasons" not in allowed:
             raise ValueError(f"a {self.kind} fault takes no 'reasons'")
-        if self.count != defaults["count"].default and "count" not in allowed:
+        if self.count is not None and "count" not in allowed:
             raise ValueError(f"a {self.kind} fault takes no 'count'")
         for name in _REQUIRED[self.kind]:
             if name == "reasons":
@@ -88,10 +135,22 @@ class Fault:
                     raise ValueError("a throttle fault needs 'reasons'")
             elif getattr(self, name) is None:
                 raise ValueError(f"a {self.kind} fault needs {name!r}")
+        if self.kind == "nvlink_errors" and self.counter not in NVLINK_COUNTERS:
+            raise ValueError(f"counter must be one of {', '.join(NVLINK_COUNTERS)}")
+        if self.kind == "ib_errors" and self.counter not in IB_COUNTERS:
+            raise ValueError(f"counter must be one of {', '.join(IB_COUNTERS)}")
         for reason in self.reasons:
             if reason not in THROTTLE_REASONS:
                 raise ValueError(f"unknown throttle reason {reason!r} "
                                  f"(known: {', '.join(THROTTLE_REASONS)})")
+
+    def amount(self, t: float) -> int:
+        """A counter fault's contribution at ``t``: ``count`` at the start, plus ``per_s`` while active."""
+        if t < self.at_s:
+            return 0
+        step = self.count if self.count is not None else (0 if self.per_s else 1)
+        end = self.end_s if self.end_s is not None else t
+        return step + int((min(t, end) - self.at_s) * (self.per_s or 0.0))
 
     @property
     def end_s(self) -> float | None:
