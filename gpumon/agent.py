@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumon.check import Check, KernelLog
-from gpumon.config import Config
+from gpumon.checkstate import CheckStateStore
+from gpumon.config import Config, with_profile
 from gpumon.errors import NvmlUnavailable, StartupError
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory, collect
@@ -73,11 +74,14 @@ class Agent:
     config: Config
     checks: dict[str, type[Check]]
     simulation: Simulation | None = None
+    # only the daemon keeps check state across runs; one-shot commands start clean
+    persist_state: bool = False
     hw: Hardware = field(init=False)
     inventory: Inventory = field(init=False)
     profile: Profile = field(init=False)
     node: str = field(init=False)
     runner: Runner = field(init=False)
+    check_state: CheckStateStore = field(init=False)
 
     def start(self) -> None:
         host_root = Path(self.config.host_root)
@@ -100,12 +104,21 @@ class Agent:
             raise NvmlUnavailable(self.inventory.nvml_error)
         profiles = all_profiles([Path(d) for d in self.config.profile_dirs])
         self.profile = select_profile(profiles, self.inventory.gpu_names, self.config.profile)
+        self.config = with_profile(self.config, self.checks, self.profile)
         self.node = self.config.node_name or (
             f"sim-{self.simulation.scenario.name}" if self.simulation else socket.gethostname())
-        self.runner = Runner(self.hw, self.inventory, self.profile, self.config, node=self.node)
+        self.check_state = CheckStateStore(self.state_dir / "checks" if self.persist_state else None)
+        self.runner = Runner(self.hw, self.inventory, self.profile, self.config, node=self.node,
+                             state=self.check_state.get)
 
     def stop(self) -> None:
         self.hw.nvml.shutdown()
+
+    @property
+    def state_dir(self) -> Path:
+        if self.simulation is not None:
+            return self.simulation.node.root / "state"
+        return Path(self.config.state_dir)
 
     @property
     def kmsg_path(self) -> Path:
@@ -141,7 +154,8 @@ class Agent:
         for rec in records:
             events.extend(parser.feed(rec))
         events.extend(parser.flush())
-        return KernelLog(events=events, available=True, source=str(path), records_read=len(records),
+        return KernelLog(events=events, records=records, available=True, source=str(path),
+                         records_read=len(records),
                          lost_records=lost, boot_time=self.hw.fs.boot_time())
 
     def selected(self, phase: Phase, names: Sequence[str] = ()) -> list[Check]:

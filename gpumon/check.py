@@ -30,6 +30,8 @@ class KernelLog:
     """
 
     events: Sequence[Any] = ()
+    # the raw kernel records (gpumon.hw.kmsg.KernelRecord), for checks that read non-NVRM lines
+    records: Sequence[Any] = ()
     available: bool = True
     error: str | None = None
     source: str = ""

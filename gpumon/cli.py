@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scenario = load_scenario(args.simulate)
             at = args.sim_at if args.command != "daemon" else 0.0
             simulation = Simulation.start(scenario, at, args.sim_dir)
-        agent = Agent(config, checks, simulation)
+        agent = Agent(config, checks, simulation, persist_state=args.command == "daemon")
         try:
             agent.start()
             if args.command == "check":

@@ -17,6 +17,7 @@ from typing import Any
 
 from gpumon.check import Check
 from gpumon.errors import ConfigError
+from gpumon.profiles import Profile
 from gpumon.schema import Source, build, deep_merge, load_yaml, load_yaml_file
 
 SITE_CONFIG = Path("/etc/gpumon/gpumon.yaml")
@@ -113,6 +114,26 @@ def _load_layer(data: Any, src: Source, checks: Mapping[str, type[Check]]) -> di
     build(Config, data, src)  # strict validation of every non-check key, with lines
     _check_sections(data, src, checks)
     return dict(data)
+
+
+def with_profile(config: Config, checks: Mapping[str, type[Check]], profile: Profile) -> Config:
+    """Per-check options: the check's defaults <- the profile's SKU thresholds <- the site config."""
+    src = profile.origin or Source(f"profile {profile.name}")
+    for name in profile.checks:
+        if name not in checks:
+            raise src.error(("checks", name), f"unknown check (registered: {', '.join(sorted(checks))})")
+    settings = dict(config.check_settings)
+    for name, cls in checks.items():
+        sku = {k: v["value"] for k, v in profile.checks.get(name, {}).items()}
+        if not sku or cls.Config is None:
+            if sku:
+                raise src.error(("checks", name), f"check {name} takes no options")
+            continue
+        build(cls.Config, sku, src, ("checks", name))  # report a bad profile value where it is written
+        site = {k: v for k, v in (config.checks.get(name) or {}).items() if k not in _COMMON}
+        params = build(cls.Config, {**sku, **site}, Source("<merged>"), ("checks", name))
+        settings[name] = dataclasses.replace(config.settings(cls), params=params)
+    return dataclasses.replace(config, check_settings=settings)
 
 
 def load_config(path: Path | None, checks: Mapping[str, type[Check]], *,

@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -52,13 +51,17 @@ def sd_notify(message: str) -> bool:
 
 
 class KernelLogPump:
-    """Follows the kernel log on its own thread and hands parsed events out."""
+    """Follows the kernel log on its own thread and hands parsed events to each subscribed check.
 
-    def __init__(self, agent: Agent, wake: threading.Event) -> None:
+    Every subscriber gets every event once: two checks reading the kernel log
+    (xid, nvswitch) do not steal each other's lines.
+    """
+
+    def __init__(self, agent: Agent, wake: threading.Event, subscribers: list[str]) -> None:
         self.agent = agent
         self.wake = wake
         self.lock = threading.Lock()
-        self.pending: list[Any] = []
+        self.pending: dict[str, tuple[list[Any], list[Any]]] = {n: ([], []) for n in subscribers}
         self.records = 0
         self.error: str | None = None
         self.follower: KernelLogFollower | None = None
@@ -94,29 +97,33 @@ class KernelLogPump:
             events.extend(parser.flush())
             with self.lock:
                 self.records += len(records)
-                self.pending.extend(events)
-            if events:
+                for queued_events, queued_records in self.pending.values():
+                    queued_events.extend(events)
+                    queued_records.extend(records)
+            if records:
                 self.wake.set()
 
-    def take(self) -> KernelLog:
+    def take(self, name: str) -> KernelLog:
         with self.lock:
-            events, self.pending = self.pending, []
-            records = self.records
+            events, records = self.pending.get(name, ([], []))
+            self.pending[name] = ([], [])
+            total = self.records
         lost = self.follower.lost_records if self.follower is not None else 0
-        if self.error is not None and not events:
+        if self.error is not None and not records:
             return KernelLog(available=False, error=self.error, source=str(self.agent.kmsg_path))
-        return KernelLog(events=events, available=True, source=str(self.agent.kmsg_path),
-                         records_read=records, lost_records=lost,
+        return KernelLog(events=events, records=records, available=True,
+                         source=str(self.agent.kmsg_path), records_read=total, lost_records=lost,
                          boot_time=self.agent.hw.fs.boot_time())
 
-    def has_pending(self) -> bool:
+    def has_pending(self, name: str) -> bool:
         with self.lock:
-            return bool(self.pending)
+            events, records = self.pending.get(name, ([], []))
+            return bool(events or records)
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=2.0)
-        if self.follower is not None:
+        if self.follower is not None and not self.thread.is_alive():
             self.follower.close()
 
 
@@ -154,7 +161,7 @@ class Daemon:
 
     def serve(self, duration: float | None = None) -> int:
         checks = self.agent.selected(Phase.CONTINUOUS)
-        pump = KernelLogPump(self.agent, self.wake)
+        pump = KernelLogPump(self.agent, self.wake, [c.name for c in checks if c.uses_kernel_log])
         sim_thread = self._start_simulation_clock()
         start = time.monotonic()
         due = {c.name: start for c in checks}
@@ -172,13 +179,12 @@ class Daemon:
                 if now - last_watchdog >= 5.0:
                     sd_notify("WATCHDOG=1")
                     last_watchdog = now
-                kernel_events = pump.has_pending()
                 for check in checks:
-                    event_driven = check.uses_kernel_log and kernel_events
+                    event_driven = check.uses_kernel_log and pump.has_pending(check.name)
                     if (now >= due[check.name] or event_driven) and self._idle(check.name):
                         interval = self.agent.config.settings(type(check)).interval_s
                         due[check.name] = now + self.next_delay(interval)
-                        klog = pump.take() if check.uses_kernel_log else None
+                        klog = pump.take(check.name) if check.uses_kernel_log else None
                         self._launch(check, klog)
                 wait = min(due.values(), default=now + 1.0) - time.monotonic()
                 self.wake.wait(timeout=max(0.01, min(wait, 1.0)))
@@ -202,6 +208,8 @@ class Daemon:
     def _launch(self, check: Check, klog: KernelLog | None) -> None:
         def work() -> None:
             for run in self.agent.runner.run([check], klog):
+                if run.outcome == "completed":
+                    self.agent.check_state.save(run.check)
                 self._record(run)
 
         t = threading.Thread(target=work, name=f"gpumon-run-{check.name}", daemon=True)
@@ -223,9 +231,7 @@ class Daemon:
             self._write_report()
 
     def _write_report(self) -> None:
-        state_dir = Path(self.agent.config.state_dir)
-        if self.agent.simulation is not None:
-            state_dir = self.agent.simulation.node.root / "state"
+        state_dir = self.agent.state_dir
         doc = json_report(list(self.latest.values()), node=self.agent.node,
                           profile=self.agent.profile.name)
         try:

@@ -71,8 +71,12 @@ class Profile:
     network: NetworkSpec = field(default_factory=NetworkSpec)
     memory: MemorySpec = field(default_factory=MemorySpec)
     sources: dict[str, str] = field(default_factory=dict)
+    # SKU-specific check thresholds: {check: {option: {value: X, source: "..."}}}, validated
+    # against the check's own options when the agent starts (the registry is known then)
+    checks: dict[str, dict[str, Any]] = field(default_factory=dict)
     # dotted key -> source note of every number, filled by the loader
     notes: dict[str, str] = field(default_factory=dict, compare=False)
+    origin: Source | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for pattern in self.match:
@@ -99,7 +103,17 @@ def _from_data(data: Any, src: Source, expect_name: str | None) -> Profile:
     if expect_name is not None and profile.name != expect_name:
         raise src.error(("name",), f"profile name {profile.name!r} must equal the file name {expect_name!r}")
     notes = {k.removesuffix(".value"): v for k, v in src.sources.items()}
-    return Profile(**{**profile.__dict__, "notes": notes})
+    for check, options in profile.checks.items():
+        if not isinstance(options, dict):
+            raise src.error(("checks", check), "expected a mapping of check options")
+        for key, value in options.items():
+            path = ("checks", check, key)
+            if not isinstance(value, dict) or set(value) != {"value", "source"}:
+                raise src.error(path, 'a threshold here needs a source note: write {value: X, source: "..."}')
+            if not isinstance(value["source"], str) or len(value["source"].strip()) < 8:
+                raise src.error((*path, "source"), "source note must name where the number comes from")
+            notes[f"checks.{check}.{key}"] = value["source"]
+    return Profile(**{**profile.__dict__, "notes": notes, "origin": src})
 
 
 def load_profile_file(path: Path) -> Profile:
