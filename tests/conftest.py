@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -55,3 +56,94 @@ def run_gpumon(*args: str, env: dict[str, str] | None = None, timeout: float = 1
                cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gpumon", *args], capture_output=True, text=True,
                           env=env if env is not None else clean_env(), timeout=timeout, cwd=cwd)
+
+
+class SimHarness:
+    """A simulated node driven step by step, with checks run against it through the real stack.
+
+    ``render(t)`` lays the scenario out at time t (host-root tree, /dev/kmsg log,
+    NVML state served by the injection library under the real nvidia-ml-py);
+    ``run(check, t)`` runs a check at time t with the framework's own context:
+    real ``Hardware``, inventory, profile, SKU-merged params, persisted state,
+    and the kernel log read through the real follower and parser.
+    """
+
+    def __init__(self, scenario_text: str, root: Path, lib_dir: Path, config_text: str = "") -> None:
+        from gpumon.config import load_config, with_profile
+        from gpumon.registry import load_checks
+        from gpumon.schema import load_yaml
+        from gpumon.sim.render import SimNode
+        from gpumon.sim.scenario import _build
+
+        data, src = load_yaml(scenario_text, str(root / "scenario.yaml"))
+        self.scenario = _build(data, src)
+        self.node = SimNode(self.scenario, root, start_wall=1_800_000_000.0)
+        self.root = root
+        self.lib_dir = lib_dir
+        root.mkdir(parents=True, exist_ok=True)
+        cfg_path = root / "gpumon.yaml"
+        cfg_path.write_text(config_text or "{}\n")
+        self.registry = load_checks()
+        self.config = load_config(cfg_path, self.registry, site_file=root / "absent.yaml")
+        self.states: dict[str, dict[str, object]] = {}
+        self.t = 0.0
+        self._with_profile = with_profile
+        self._followers: dict[str, tuple[Any, Any]] = {}
+
+    def render(self, t: float) -> None:
+        self.t = t
+        self.node.render(t)
+        os.environ[nvml_inject.STATE_ENV] = str(self.node.nvml_state_path)
+
+    def context(self, check_cls: type, t: float | None = None):  # type: ignore[no-untyped-def]
+        from gpumon.check import CheckContext, KernelLog
+        from gpumon.hw import Hardware
+        from gpumon.hw.inventory import collect
+        from gpumon.hw.kmsg import KernelLogFollower
+        from gpumon.hw.nvrm import NvrmParser
+        from gpumon.profiles import builtin_profiles, select_profile
+
+        if t is not None:
+            self.render(t)
+        hw = Hardware(self.node.host_root, simulated=True)
+        hw.nvml.init()
+        inventory = collect(hw.nvml, hw.fs)
+        profile = select_profile(builtin_profiles(), inventory.gpu_names, "auto")
+        config = self._with_profile(self.config, self.registry, profile)
+        name = check_cls.name
+        if name not in self._followers:  # each check reads the whole log once, like the daemon
+            self._followers[name] = (KernelLogFollower(self.node.kmsg_path, boot_time=self.node.boot_time),
+                                     NvrmParser())
+        follower, parser = self._followers[name]
+        records = follower.read_available()
+        events = [e for r in records for e in parser.feed(r)] + parser.flush()
+        log = KernelLog(events=events, records=records, source=str(self.node.kmsg_path),
+                        records_read=len(records), boot_time=self.node.boot_time)
+        return CheckContext(hw=hw, inventory=inventory, profile=profile,
+                            params=config.settings(check_cls).params,
+                            state=self.states.setdefault(name, {}), kernel_log=log,
+                            clock=lambda: self.node.start_wall + self.t, node="sim")
+
+    def run(self, check_cls: type, t: float | None = None):  # type: ignore[no-untyped-def]
+        ctx = self.context(check_cls, t)
+        return check_cls().run(ctx)
+
+    def close(self) -> None:
+        for follower, _ in self._followers.values():
+            follower.close()
+
+
+@pytest.fixture
+def sim(inject_lib_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """``sim(scenario_yaml_text, config_yaml_text="")`` -> SimHarness (see its docstring)."""
+    monkeypatch.setenv(nvml_inject.STATE_ENV, str(tmp_path / "unset"))
+    made: list[SimHarness] = []
+
+    def make(scenario_text: str, config_text: str = "") -> SimHarness:
+        h = SimHarness(scenario_text, tmp_path / f"sim{len(made)}", inject_lib_dir, config_text)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
