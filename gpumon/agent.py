@@ -61,8 +61,11 @@ class Simulation:
         return cls(scenario, node, lib_dir, t, tmp)
 
     def advance(self, t: float) -> None:
+        # Re-render only when the scenario changes: the simulator must not be
+        # what a footprint benchmark of the agent measures.
+        if self.scenario.changes_between(self.at_s, t):
+            self.node.render(t)
         self.at_s = t
-        self.node.render(t)
 
     def close(self) -> None:
         if self.tmp is not None:

@@ -173,6 +173,18 @@ class Scenario:
     faults: list[Fault] = field(default_factory=list)
     file: str = field(default="", compare=False)
 
+    def changes_between(self, t0: float, t1: float) -> bool:
+        """Whether the node looks different at t1 than at t0 (a fault starts or ends, or a counter ramps)."""
+        for f in self.faults:
+            if t0 < f.at_s <= t1:
+                return True
+            end = f.end_s
+            if end is not None and t0 < end <= t1:
+                return True
+            if f.per_s and f.active(t1):
+                return True
+        return False
+
     @property
     def horizon_s(self) -> float:
         """A time by which every fault has started and every timed fault has ended."""
