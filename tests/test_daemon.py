@@ -74,3 +74,25 @@ def test_jitter_spreads_intervals() -> None:
     delays = [d.next_delay(60) for _ in range(200)]
     assert min(delays) >= 54 and max(delays) <= 66
     assert max(delays) - min(delays) > 8  # not lockstep
+
+
+def test_daemon_notifies_systemd_over_notify_socket(tmp_path: Path) -> None:
+    import socket
+
+    addr = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(addr)
+        sock.settimeout(30)
+        env = clean_env(NOTIFY_SOCKET=addr)
+        with subprocess.Popen([sys.executable, "-m", "gpumon", "daemon", "--simulate", "healthy-8xh100",
+                               "--duration", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=env) as proc:
+            messages: list[str] = []
+            try:
+                while not any("STOPPING=1" in m for m in messages):
+                    messages.append(sock.recv(4096).decode())
+            finally:
+                proc.wait(timeout=30)
+    text = "\n".join(messages)
+    assert "READY=1" in text and "WATCHDOG=1" in text and "STATUS=" in text
+    assert text.index("READY=1") < text.index("STOPPING=1")
