@@ -72,13 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("daemon", parents=[common], help="run as the node agent")
     p.add_argument("--duration", type=float, metavar="SECONDS",
                    help="stop after this long (tests, demos); default: until SIGTERM")
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="serve Prometheus metrics here (default: exporter.listen, 0.0.0.0:9426)")
 
     sub.add_parser("list-checks", parents=[common], help="list the registered checks")
     return parser
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:
-    return {"host_root": args.host_root, "profile": args.profile}
+    out: dict[str, object] = {"host_root": args.host_root, "profile": args.profile}
+    if getattr(args, "listen", None):
+        out["exporter"] = {"listen": args.listen}
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

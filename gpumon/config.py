@@ -39,6 +39,25 @@ class DaemonSettings:
     shutdown_grace_s: float = field(default=5.0, metadata={"min": 0, "max": 300})
 
 
+def split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen must be HOST:PORT, got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+@dataclass(frozen=True)
+class ExporterSettings:
+    enabled: bool = True
+    # 9426: dcgm-exporter has 9400 and node_exporter 9100; 9426 is free on the
+    # nodes we know of. Override when it is not.
+    listen: str = "0.0.0.0:9426"
+    web_config_file: str | None = None
+
+    def __post_init__(self) -> None:
+        split_listen(self.listen)
+
+
 @dataclass(frozen=True)
 class CheckSettings:
     """Settings every check has; the check's own options live in ``params``."""
@@ -60,6 +79,7 @@ class Config:
     log_level: str = field(default="info", metadata={"choices": ("debug", "info", "warning", "error")})
     timeouts: Timeouts = field(default_factory=Timeouts)
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
+    exporter: ExporterSettings = field(default_factory=ExporterSettings)
     # raw per-check sections; validated against the registered checks by load_config
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
     check_settings: dict[str, CheckSettings] = field(default_factory=dict, compare=False)

@@ -19,11 +19,17 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from gpumon import __version__
 from gpumon.agent import Agent
 from gpumon.check import Check, KernelLog
+from gpumon.config import split_listen
+from gpumon.errors import StartupError
+from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
+from gpumon.export.webserver import load_web_config, serve_metrics
 from gpumon.hw.kmsg import KernelLogFollower
 from gpumon.hw.nvrm import NvrmParser
 from gpumon.model import Phase, Severity
@@ -137,6 +143,8 @@ class Daemon:
         self._last_severity: dict[tuple[str, str], Severity] = {}
         self._lock = threading.Lock()
         self._workers: dict[str, threading.Thread] = {}
+        self.snapshots: SnapshotHolder | None = None
+        self._server: Any = None
 
     def next_delay(self, interval: float) -> float:
         j = self.agent.config.daemon.jitter
@@ -159,8 +167,28 @@ class Daemon:
             for s, h in old.items():
                 signal.signal(s, h)
 
+    def _start_exporter(self) -> None:
+        settings = self.agent.config.exporter
+        if not settings.enabled:
+            return
+        web = load_web_config(Path(settings.web_config_file)) if settings.web_config_file else None
+        host, port = split_listen(settings.listen)
+        try:
+            self._server, _ = serve_metrics(make_registry(self.snapshots or SnapshotHolder(self._snapshot())),
+                                            host, port, web)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {settings.listen}: {exc.strerror or exc}") from None
+        log.info("metrics on http%s://%s:%d/metrics", "s" if web and web.tls_server_config else "",
+                 host, self._server.server_port)
+
+    def _snapshot(self) -> Snapshot:
+        return Snapshot(node=self.agent.node, profile=self.agent.profile.name, version=__version__,
+                        runs=dict(self.latest))
+
     def serve(self, duration: float | None = None) -> int:
         checks = self.agent.selected(Phase.CONTINUOUS)
+        self.snapshots = SnapshotHolder(self._snapshot())
+        self._start_exporter()
         pump = KernelLogPump(self.agent, self.wake, [c.name for c in checks if c.uses_kernel_log])
         sim_thread = self._start_simulation_clock()
         start = time.monotonic()
@@ -198,6 +226,9 @@ class Daemon:
             if sim_thread is not None:
                 self.stop.set()
                 sim_thread.join(timeout=2.0)
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
         self.agent.stop()
         return 0
 
@@ -228,6 +259,8 @@ class Daemon:
                         log.warning("%s %s: %s -> %s: %s (action %s)", f.check, f.component,
                                     before.value if before else "new", f.severity.value, f.message,
                                     f.action.value)
+            if self.snapshots is not None:
+                self.snapshots.set(self._snapshot())
             self._write_report()
 
     def _write_report(self) -> None:

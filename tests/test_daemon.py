@@ -29,7 +29,7 @@ def test_daemon_sees_faults_as_they_happen(tmp_path: Path) -> None:
     cfg.write_text("checks:\n  throttle:\n    interval_s: 2\n  xid:\n    interval_s: 3600\n")
     proc = subprocess.run(
         [sys.executable, "-m", "gpumon", "--config", str(cfg), "daemon", "--simulate",
-         str(_scenario(tmp_path)), "--sim-dir", str(simdir), "--duration", "6"],
+         str(_scenario(tmp_path)), "--sim-dir", str(simdir), "--duration", "6", "--listen", "127.0.0.1:0"],
         capture_output=True, text=True, env=clean_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((simdir / "state" / "report.json").read_text())
@@ -45,7 +45,8 @@ def test_daemon_sees_faults_as_they_happen(tmp_path: Path) -> None:
 
 def test_daemon_stops_on_sigterm(tmp_path: Path) -> None:
     with subprocess.Popen(
-            [sys.executable, "-m", "gpumon", "daemon", "--simulate", "healthy-8xh100"],
+            [sys.executable, "-m", "gpumon", "daemon", "--simulate", "healthy-8xh100",
+             "--listen", "127.0.0.1:0"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=clean_env()) as proc:
         try:
             deadline = time.monotonic() + 30
@@ -85,7 +86,8 @@ def test_daemon_notifies_systemd_over_notify_socket(tmp_path: Path) -> None:
         sock.settimeout(30)
         env = clean_env(NOTIFY_SOCKET=addr)
         with subprocess.Popen([sys.executable, "-m", "gpumon", "daemon", "--simulate", "healthy-8xh100",
-                               "--duration", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               "--duration", "3", "--listen", "127.0.0.1:0"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env=env) as proc:
             messages: list[str] = []
             try:

@@ -1,0 +1,187 @@
+"""Prometheus exposition of gpumon's cached state.
+
+A scrape never touches hardware (dcgm-exporter scrapes took >10 s): the
+collector turns the daemon's latest snapshot into metric families, fresh on
+every scrape, from its own registry (no global REGISTRY, no import side
+effects).
+
+Metrics (all prefixed ``gpumon_``):
+
+- ``build_info{version,profile,node}`` 1
+- ``check_last_run_timestamp_seconds{check}``, ``check_duration_seconds{check}``
+- ``check_outcome{check,outcome}`` 1 for the last outcome, 0 for the others
+- ``finding_severity{check,component}``: 0 ok, 1 skipped, 2 unknown, 3 warn, 4 fail
+- ``health_state{component,state}``: 1 for the current state (healthy, degraded,
+  unhealthy, quarantined), 0 for the others; ``component="node"`` is the node
+- ``recommended_action{component,action}``: 1 for the current action, 0 for the others
+- readings that checks publish in a finding's ``evidence["readings"]`` as
+  ``[name, value, {labels}]``: ``gpumon_<name>{check,component,labels...}``; a
+  name ending in ``_total`` is a counter (the check keeps it monotonic in its
+  persisted state, so it neither resets on scrape nor on restart).
+
+A fault's series returns to healthy/ok when the state does: every family is
+rebuilt from the current snapshot, nothing is latched in the exporter.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from gpumon.model import Action, Severity
+from gpumon.runner import CheckRun
+
+OUTCOMES = ("completed", "skipped", "error", "hung", "still-hung")
+HEALTH_STATES = ("healthy", "degraded", "unhealthy", "quarantined")
+SEVERITY_VALUE = {Severity.OK: 0, Severity.SKIPPED: 1, Severity.UNKNOWN: 2, Severity.WARN: 3,
+                  Severity.FAIL: 4}
+_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_LABEL = re.compile(r"^[a-z_][a-z0-9_]*$")
+_RESERVED_LABELS = {"check", "component"}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    node: str
+    profile: str
+    version: str
+    runs: Mapping[str, CheckRun] = field(default_factory=dict)
+    # component -> (state, recommended action); "node" for the node itself
+    health: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def reading(name: str, value: float | int | bool, **labels: str | int) -> list[Any]:
+    """A reading for ``evidence["readings"]``; validated here so a bad name fails in the check's tests."""
+    if not _NAME.match(name) or name.startswith("gpumon_"):
+        raise ValueError(f"bad reading name {name!r}")
+    for key in labels:
+        if not _LABEL.match(key) or key in _RESERVED_LABELS:
+            raise ValueError(f"bad reading label {key!r}")
+    return [name, float(value), {k: str(v) for k, v in labels.items()}]
+
+
+class GpumonCollector(Collector):
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+        self.skipped_readings = 0
+
+    def describe(self) -> Iterable[Metric]:
+        # Fixed families only: readings depend on the checks installed, so they
+        # are not described (client_python then does not call collect() at
+        # registration: cloudwatch_exporter PR #259).
+        return [
+            GaugeMetricFamily("gpumon_build_info", "gpumon build and profile", labels=["version", "profile",
+                                                                                        "node"]),
+        ]
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._snapshot()
+        info = GaugeMetricFamily("gpumon_build_info", "gpumon build and profile",
+                                 labels=["version", "profile", "node"])
+        info.add_metric([snap.version, snap.profile, snap.node], 1)
+        yield info
+        last = GaugeMetricFamily("gpumon_check_last_run_timestamp_seconds",
+                                 "When each check last finished (Unix time)", labels=["check"])
+        duration = GaugeMetricFamily("gpumon_check_duration_seconds", "Duration of each check's last run",
+                                     labels=["check"])
+        outcome = GaugeMetricFamily("gpumon_check_outcome", "Outcome of each check's last run",
+                                    labels=["check", "outcome"])
+        severity = GaugeMetricFamily("gpumon_finding_severity",
+                                     "Worst severity per check and component: 0 ok, 1 skipped, "
+                                     "2 unknown, 3 warn, 4 fail", labels=["check", "component"])
+        readings: dict[str, tuple[str, list[tuple[list[str], dict[str, str], float]]]] = {}
+        for name in sorted(snap.runs):
+            run = snap.runs[name]
+            last.add_metric([name], run.started + run.seconds)
+            duration.add_metric([name], run.seconds)
+            for o in OUTCOMES:
+                outcome.add_metric([name, o], 1.0 if run.outcome == o else 0.0)
+            worst: dict[str, Severity] = {}
+            for f in run.findings:
+                worst[f.component] = max(worst.get(f.component, Severity.OK), f.severity)
+                self._readings(f.check, f.component, f.evidence.get("readings"), readings)
+            for comp in sorted(worst):
+                severity.add_metric([name, comp], SEVERITY_VALUE[worst[comp]])
+        yield from (last, duration, outcome, severity)
+        yield from self._health(snap)
+        yield from self._reading_families(readings)
+
+    def _readings(self, check: str, component: str, items: Any,
+                  out: dict[str, tuple[str, list[tuple[list[str], dict[str, str], float]]]]) -> None:
+        if not isinstance(items, list):
+            return
+        for item in items:
+            try:
+                name, value, labels = item
+                if not _NAME.match(name) or not isinstance(labels, dict):
+                    raise ValueError(name)
+                value = float(value)
+            except (TypeError, ValueError):
+                self.skipped_readings += 1
+                continue
+            kind = "counter" if name.endswith("_total") else "gauge"
+            out.setdefault(name, (kind, []))[1].append(([check, component], dict(labels), value))
+
+    def _reading_families(self, readings: Mapping[str, tuple[str, list[tuple[list[str], dict[str, str],
+                                                                             float]]]]) -> Iterable[Metric]:
+        for name in sorted(readings):
+            kind, samples = readings[name]
+            extra = sorted({k for _, labels, _ in samples for k in labels})
+            label_names = ["check", "component", *extra]
+            family: GaugeMetricFamily | CounterMetricFamily
+            if kind == "counter":
+                family = CounterMetricFamily(f"gpumon_{name.removesuffix('_total')}",
+                                             f"gpumon reading {name}", labels=label_names)
+            else:
+                family = GaugeMetricFamily(f"gpumon_{name}", f"gpumon reading {name}", labels=label_names)
+            seen: set[tuple[str, ...]] = set()
+            for base, labels, value in samples:
+                key = (*base, *(labels.get(k, "") for k in extra))
+                if key in seen:
+                    continue  # two findings with the same series: keep the first
+                seen.add(key)
+                family.add_metric(list(key), value)
+            yield family
+
+    def _health(self, snap: Snapshot) -> Iterable[Metric]:
+        state = GaugeMetricFamily("gpumon_health_state", "Health state per component (1 = current)",
+                                  labels=["component", "state"])
+        action = GaugeMetricFamily("gpumon_recommended_action",
+                                   "Recommended action per component (1 = current)",
+                                   labels=["component", "action"])
+        for comp in sorted(snap.health):
+            current, act = snap.health[comp]
+            for s in HEALTH_STATES:
+                state.add_metric([comp, s], 1.0 if s == current else 0.0)
+            for a in Action:
+                action.add_metric([comp, a.value], 1.0 if a.value == act else 0.0)
+        yield state
+        yield action
+
+
+class SnapshotHolder:
+    """Where the daemon puts a new snapshot after each check run; the collector reads it."""
+
+    def __init__(self, initial: Snapshot) -> None:
+        self._lock = threading.Lock()
+        self._snap = initial
+
+    def set(self, snap: Snapshot) -> None:
+        with self._lock:
+            self._snap = snap
+
+    def get(self) -> Snapshot:
+        with self._lock:
+            return self._snap
+
+
+def make_registry(holder: SnapshotHolder) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GpumonCollector(holder.get))
+    return registry

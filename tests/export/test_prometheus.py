@@ -1,0 +1,156 @@
+"""The Prometheus exposition: exact values, promtool-clean, auth and TLS on a real socket."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry, reading
+from gpumon.export.webserver import WebConfig, load_web_config, serve_metrics
+from gpumon.model import Action, Finding, Severity
+from gpumon.runner import CheckRun
+
+
+def _snapshot(temp: float = 41.0, xids: int = 3) -> Snapshot:
+    ok = Finding("thermal", "gpu/0", Severity.OK, "fine",
+                 evidence={"readings": [reading("gpu_temperature_celsius", temp)]})
+    bad = Finding("xid", "gpu/3", Severity.FAIL, "Xid 79", Action.REBOOT_NODE,
+                  {"readings": [reading("xid_events_total", xids, code=79)]})
+    runs = {"thermal": CheckRun("thermal", [ok], 1000.0, 0.01, "completed"),
+            "xid": CheckRun("xid", [bad], 1001.0, 0.02, "completed")}
+    health = {"node": ("unhealthy", "reboot_node"), "gpu/3": ("unhealthy", "reboot_node"),
+              "gpu/0": ("healthy", "none")}
+    return Snapshot("node-a", "h100-sxm", "0.1.0", runs, health)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_exact_values() -> None:
+    text = generate_latest(make_registry(SnapshotHolder(_snapshot()))).decode()
+    s = _samples(text)
+    assert s[("gpumon_build_info", (("node", "node-a"), ("profile", "h100-sxm"), ("version", "0.1.0")))] == 1
+    assert s[("gpumon_finding_severity", (("check", "xid"), ("component", "gpu/3")))] == 4
+    assert s[("gpumon_finding_severity", (("check", "thermal"), ("component", "gpu/0")))] == 0
+    assert s[("gpumon_health_state", (("component", "gpu/3"), ("state", "unhealthy")))] == 1
+    assert s[("gpumon_health_state", (("component", "gpu/3"), ("state", "healthy")))] == 0
+    assert s[("gpumon_recommended_action", (("action", "reboot_node"), ("component", "node")))] == 1
+    assert s[("gpumon_gpu_temperature_celsius", (("check", "thermal"), ("component", "gpu/0")))] == 41
+    assert s[("gpumon_xid_events_total", (("check", "xid"), ("code", "79"), ("component", "gpu/3")))] == 3
+    assert s[("gpumon_check_outcome", (("check", "xid"), ("outcome", "completed")))] == 1
+    assert s[("gpumon_check_last_run_timestamp_seconds", (("check", "xid"),))] == pytest.approx(1001.02)
+
+
+def test_series_follow_the_state_back_to_healthy() -> None:
+    holder = SnapshotHolder(_snapshot())
+    registry = make_registry(holder)
+    generate_latest(registry)
+    healed = _snapshot()
+    holder.set(Snapshot(healed.node, healed.profile, healed.version, healed.runs,
+                        {"node": ("healthy", "none"), "gpu/3": ("healthy", "none")}))
+    s = _samples(generate_latest(registry).decode())
+    assert s[("gpumon_health_state", (("component", "gpu/3"), ("state", "unhealthy")))] == 0
+    assert s[("gpumon_health_state", (("component", "gpu/3"), ("state", "healthy")))] == 1
+
+
+def test_bad_readings_are_refused_or_skipped() -> None:
+    with pytest.raises(ValueError):
+        reading("Bad-Name", 1)
+    with pytest.raises(ValueError):
+        reading("x", 1, component="gpu/0")
+    f = Finding("c", "node", Severity.OK, "m", evidence={"readings": [["x", "nan?"], "junk", ["ok", 1, {}]]})
+    snap = Snapshot("n", "p", "v", {"c": CheckRun("c", [f], 0, 0, "completed")})
+    s = _samples(generate_latest(make_registry(SnapshotHolder(snap))).decode())
+    assert s[("gpumon_ok", (("check", "c"), ("component", "node")))] == 1
+
+
+def _promtool() -> str:
+    tool = shutil.which("promtool")
+    if tool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool missing: .ci/run must install the Debian package prometheus")
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    return tool
+
+
+def test_promtool_check_metrics_is_clean() -> None:
+    text = generate_latest(make_registry(SnapshotHolder(_snapshot()))).decode()
+    proc = subprocess.run([_promtool(), "check", "metrics"], input=text, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "" and proc.stderr.strip() == "", (
+        proc.stdout + proc.stderr)
+
+
+def _get(url: str, headers: dict[str, str] | None = None, context: ssl.SSLContext | None = None) -> int:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=context) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_basic_auth_and_tls_from_a_web_config(tmp_path: Path) -> None:
+    import bcrypt
+
+    key, crt = tmp_path / "tls.key", tmp_path / "tls.crt"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(crt), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {crt}\n  key_file: {key}\n"
+                   f"basic_auth_users:\n  prom: '{hashed}'\n")
+    config = load_web_config(web)
+    server, _ = serve_metrics(make_registry(SnapshotHolder(_snapshot())), "127.0.0.1", 0, config)
+    try:
+        port = server.server_port
+        ctx = ssl.create_default_context(cafile=str(crt))
+        url = f"https://127.0.0.1:{port}/metrics"
+        assert _get(url, context=ctx) == 401
+        wrong = base64.b64encode(b"prom:nope").decode()
+        assert _get(url, {"Authorization": f"Basic {wrong}"}, ctx) == 401
+        good = base64.b64encode(b"prom:s3cret").decode()
+        assert _get(url, {"Authorization": f"Basic {good}"}, ctx) == 200
+        assert _get(url, {"Authorization": f"Basic {good}"}, ctx) == 200  # cached verification
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_plain_http_without_web_config() -> None:
+    server, _ = serve_metrics(make_registry(SnapshotHolder(_snapshot())), "127.0.0.1", 0, WebConfig())
+    try:
+        assert _get(f"http://127.0.0.1:{server.server_port}/metrics") == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_web_config_errors_name_the_key(tmp_path: Path) -> None:
+    from gpumon.errors import ConfigError
+
+    web = tmp_path / "web.yml"
+    web.write_text("tls_server_config:\n  cert_file: a\n  key_file: b\n  client_auth: x\n")
+    with pytest.raises(ConfigError) as info:
+        load_web_config(web)
+    assert (info.value.line, info.value.key) == (4, "tls_server_config.client_auth")
+    web.write_text("basic_auth_users:\n  prom: plaintext\n")
+    with pytest.raises(ConfigError, match="bcrypt"):
+        load_web_config(web)
