@@ -68,8 +68,11 @@ class Check:
     timeout: ClassVar[float] = 30.0
     # A dataclass of the check's own options (its YAML section), or None.
     Config: ClassVar[type[Any] | None] = None
-    # Checks fed by kernel-log events run as soon as a new event arrives.
+    # Checks fed by kernel-log events run as soon as a new record arrives...
     uses_kernel_log: ClassVar[bool] = False
+    # ...that contains one of these strings (empty: any record). Kernel noise
+    # (network, USB) must not re-run a check that reads sysfs on every turn.
+    kernel_log_match: ClassVar[tuple[str, ...]] = ()
 
     def supported(self, inventory: Inventory) -> str | None:
         """None if the check applies to this node, else the reason it does not."""

@@ -63,11 +63,13 @@ class KernelLogPump:
     (xid, nvswitch) do not steal each other's lines.
     """
 
-    def __init__(self, agent: Agent, wake: threading.Event, subscribers: list[str]) -> None:
+    def __init__(self, agent: Agent, wake: threading.Event, subscribers: dict[str, tuple[str, ...]]) -> None:
         self.agent = agent
         self.wake = wake
         self.lock = threading.Lock()
         self.pending: dict[str, tuple[list[Any], list[Any]]] = {n: ([], []) for n in subscribers}
+        self.match = subscribers
+        self.due: set[str] = set()
         self.records = 0
         self.error: str | None = None
         self.follower: KernelLogFollower | None = None
@@ -101,18 +103,24 @@ class KernelLogPump:
             for rec in records:
                 events.extend(parser.feed(rec))
             events.extend(parser.flush())
+            woken = False
             with self.lock:
                 self.records += len(records)
-                for queued_events, queued_records in self.pending.values():
+                for name, (queued_events, queued_records) in self.pending.items():
                     queued_events.extend(events)
                     queued_records.extend(records)
-            if records:
+                    words = self.match[name]
+                    if records and (not words or any(w in r.text for r in records for w in words)):
+                        self.due.add(name)
+                        woken = True
+            if woken:
                 self.wake.set()
 
     def take(self, name: str) -> KernelLog:
         with self.lock:
             events, records = self.pending.get(name, ([], []))
             self.pending[name] = ([], [])
+            self.due.discard(name)
             total = self.records
         lost = self.follower.lost_records if self.follower is not None else 0
         if self.error is not None and not records:
@@ -122,9 +130,9 @@ class KernelLogPump:
                          boot_time=self.agent.hw.fs.boot_time())
 
     def has_pending(self, name: str) -> bool:
+        """A record this check cares about has arrived since its last run."""
         with self.lock:
-            events, records = self.pending.get(name, ([], []))
-            return bool(events or records)
+            return name in self.due
 
     def close(self) -> None:
         self.stop.set()
@@ -189,7 +197,8 @@ class Daemon:
         checks = self.agent.selected(Phase.CONTINUOUS)
         self.snapshots = SnapshotHolder(self._snapshot())
         self._start_exporter()
-        pump = KernelLogPump(self.agent, self.wake, [c.name for c in checks if c.uses_kernel_log])
+        pump = KernelLogPump(self.agent, self.wake,
+                             {c.name: c.kernel_log_match for c in checks if c.uses_kernel_log})
         sim_thread = self._start_simulation_clock()
         start = time.monotonic()
         due = {c.name: start for c in checks}

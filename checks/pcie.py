@@ -1,0 +1,524 @@
+"""pcie: PCIe errors and link state of every GPU, RDMA NIC and NVSwitch, and the ports above them.
+
+Watched functions: NVIDIA GPUs (class 0x0300/0x0302), NVSwitches (NVIDIA 0x0680),
+RDMA NICs (the function behind ``sys/class/infiniband/<dev>/device``, or any
+Mellanox network function), and every bridge between them and the root
+complex. AER counters can rise at either end of a link (the kernel's ABI note:
+errors are counted "as seen/reported by the device", often by the link
+partner), so a fault on the GPU's link may only show at its switch port.
+
+- **AER counters** (sysfs, since boot). The first reading of a boot is the
+  baseline. Any rise of the fatal or non-fatal total afterwards fails. Fatal
+  and non-fatal totals already non-zero at the first reading: fatal fails
+  (a fatal error means "the link is unreliable" and the kernel had to reset
+  it; the NVIDIA driver has no AER recovery callback, so the GPU is not
+  brought back either), non-fatal warns (it cannot be dated, and firmware
+  probing at boot leaves Unsupported Request errors on healthy ports: the
+  real HGX H100 capture in tests/data/pcie-aer has UnsupReq latched on six
+  switch ports). A correctable rate above ``correctable_per_hour`` warns.
+  Counters going backwards (the function was removed and re-added) restart
+  the baseline; there is never a negative rate.
+- **Kernel log**: "PCIe Bus Error: severity=Uncorrected/Uncorrectable ..." on a
+  watched function fails it; corrected reports are counted as evidence (the
+  kernel rate-limits these messages, the counters are exact).
+- **Link**: each physical link is judged at its upstream-facing end (endpoint
+  or switch upstream port) against the lower of the two ends' maxima. Width
+  below that fails. Speed below it warns only while the GPU on the link is
+  busy: NVIDIA documents that the current link generation "may be reduced when
+  the GPU is not in use". On other links a lower speed warns. A GPU link whose
+  maximum is below the SKU profile's generation or width warns (wrong slot or
+  riser).
+
+Remedy: PCIe errors and a narrow link are faults of the path — card seating,
+riser, retimer, baseboard — so every problem here points at inspect_hardware,
+for NICs too: AER counts errors on the NIC's PCIe link, not on its network
+cable (check_cables would send someone to the wrong cable; network-side errors
+are the ib check's).
+
+Uncorrectable errors and the "before gpumon watched" counts stay reported for
+the boot (the counters themselves only reset at boot).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumon.check import Check, CheckContext
+from gpumon.errors import HwCondition
+from gpumon.hw import pci as pcihw
+from gpumon.hw.inventory import Inventory
+from gpumon.model import NODE, Action, Finding, Phase, Severity, pci
+
+_MAX_LOG_DEVICES = 256
+_MAX_SAMPLES = 5
+_MAX_NAMES = 32
+_UNCORRECTABLE: tuple[pcihw.AerKind, ...] = ("fatal", "nonfatal")
+_WORDS = {"fatal": "fatal", "nonfatal": "non-fatal", "correctable": "correctable"}
+
+
+@dataclass(frozen=True)
+class PcieConfig:
+    correctable_per_hour: float = field(default=480.0, metadata={
+        "min": 0,
+        "source": "NVIDIA/DCGM common/DcgmGPUHardwareLimits.h @ 28bfbd4c97413d4aec249cdd9543a67d24f95b78: "
+                  "DCGM_LIMIT_MAX_PCIREPLAY_RATE 8, '8 replays per minute is the maximum recommended by RM'; "
+                  "a replay is the link-level retry that follows a correctable error (bad TLP/DLLP, replay "
+                  "timeout), so 8/min = 480/h correctable errors is the same limit in AER terms"})
+    correctable_window_s: float = field(default=3600.0, metadata={
+        "min": 60,
+        "source": "design: the rate is per hour; judged over the last hour so that one burst averages out "
+                  "while a sustained rate at DCGM's limit still shows"})
+    correctable_min_span_s: float = field(default=60.0, metadata={
+        "min": 1,
+        "source": "DCGM's replay limit is per minute (DcgmGPUHardwareLimits.h, as above): no rate is "
+                  "judged over less than one minute of readings"})
+    load_utilization_pct: int = field(default=50, metadata={
+        "min": 0, "max": 100,
+        "source": "nvidia-smi --help-query-gpu, pcie.link.gen.current: 'These may be reduced when the GPU "
+                  "is not in use'; measurement: 8x RTX 4090 and a Titan V at 0 % utilization report link "
+                  "generation Current 1 with Max 4 / 3 "
+                  "(shared/realdata/nvidia-smi-q/rtx4090x8_535.154.05.txt, titanv_x1_560.35.03.txt). "
+                  "Utilization is the share of the sample period with a kernel "
+                  "running (nvmlUtilization_t.gpu); above half of it the GPU is unambiguously in use"})
+
+
+@dataclass(frozen=True)
+class _Problem:
+    severity: Severity
+    action: Action
+    text: str
+
+
+def _fail(text: str) -> _Problem:
+    return _Problem(Severity.FAIL, Action.INSPECT_HARDWARE, text)
+
+
+def _warn(text: str) -> _Problem:
+    return _Problem(Severity.WARN, Action.INSPECT_HARDWARE, text)
+
+
+def _unknown(text: str) -> _Problem:
+    return _Problem(Severity.UNKNOWN, Action.NONE, text)
+
+
+class PcieCheck(Check):
+    name = "pcie"
+    phase = Phase.CONTINUOUS
+    description = ("PCIe AER errors (sysfs counters, kernel log) and link width/speed of GPUs, RDMA NICs, "
+                   "NVSwitches and the ports above them")
+    interval = 60.0
+    timeout = 30.0
+    Config = PcieConfig
+    uses_kernel_log = True
+    kernel_log_match = ("PCIe Bus Error",)
+
+    def supported(self, inventory: Inventory) -> str | None:
+        if not inventory.pci_devices:
+            return "no PCI devices under the host root (sys/bus/pci/devices is empty or missing)"
+        if not inventory.ib_devices and not any(
+                d.is_gpu or d.is_nvswitch or (d.vendor == pcihw.MELLANOX and d.pci_class.startswith("0x02"))
+                for d in inventory.pci_devices):
+            return "no NVIDIA GPU, NVSwitch or RDMA NIC on the PCI bus"
+        return None
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        params: PcieConfig = ctx.params or PcieConfig()
+        state = ctx.state
+        boot = ctx.hw.fs.boot_id()
+        if state.get("boot_id") != boot:
+            state.clear()
+            state["boot_id"] = boot
+        now = ctx.clock()
+        out = self._read_kernel_log(ctx, state, now)
+        try:
+            nics, nic_errors = pcihw.infiniband_devices(ctx.hw.fs)
+            tree = pcihw.scan(ctx.hw.fs, extra=set(nics.values()))
+        except HwCondition as cond:
+            return [*out, self.from_condition(cond, NODE)]
+        if not tree.listed:
+            return [*out, self.finding(NODE, Severity.SKIPPED,
+                                       "no PCI devices under the host root (sys/bus/pci/devices is empty or "
+                                       "missing): no PCIe tree to watch")]
+        watched = _watched(tree, nics, ctx.inventory)
+        devices: dict[str, dict[str, Any]] = state.setdefault("devices", {})
+        for bdf in sorted(watched):
+            out.append(self._device(ctx, params, tree, bdf, watched[bdf],
+                                    devices.setdefault(bdf, {}), state.get("kmsg", {}), now))
+        for bdf in sorted(tree.errors):
+            out.append(self.finding(pci(bdf), Severity.UNKNOWN,
+                                    f"PCI function {bdf} cannot be identified, so whether it is a GPU, NIC "
+                                    f"or port to watch is unknown: {tree.errors[bdf]}"))
+        for bdf in sorted(set(devices) - set(tree.functions) - set(tree.errors)):
+            out.append(self.finding(pci(bdf), Severity.UNKNOWN,
+                                    f"{bdf} ({devices[bdf].get('is', 'watched')}) is no longer listed in "
+                                    "sys/bus/pci/devices: removed from the bus or hot-unplugged",
+                                    was=devices[bdf].get("is")))
+        for dev in sorted(nic_errors):
+            out.append(self.finding(NODE, Severity.UNKNOWN,
+                                    f"RDMA device {dev}: its PCI function cannot be found: "
+                                    f"{nic_errors[dev]}"))
+        if not any(f.component != NODE for f in out):
+            out.append(self.finding(NODE, Severity.SKIPPED,
+                                    "no NVIDIA GPU, NVSwitch or RDMA NIC on the PCI bus",
+                                    pci_functions=tree.listed))
+        return out
+
+    # -- one watched function ---------------------------------------------------
+
+    def _device(self, ctx: CheckContext, params: PcieConfig, tree: pcihw.PciScan, bdf: str, labels: list[str],
+                ds: dict[str, Any], kmsg: Mapping[str, Any], now: float) -> Finding:
+        fn = tree.functions[bdf]
+        what = ", ".join(labels)
+        ds["is"] = what
+        evidence: dict[str, Any] = {"is": what, "vendor": fn.vendor, "device": fn.device,
+                                    "class": fn.pci_class, "port": tree.role(bdf)}
+        upstream = [a for a in fn.ancestors if a in tree.functions]
+        if upstream:
+            evidence["upstream"] = upstream
+        problems: list[_Problem] = []
+        readings = 0
+        try:
+            aer = pcihw.read_aer(ctx.hw.fs, fn)
+        except HwCondition as cond:
+            problems.append(_unknown(f"AER counters unreadable: {cond}"))
+        else:
+            if aer is None:
+                evidence["aer"] = "not exposed (no AER capability, or a kernel without AER statistics)"
+            else:
+                readings += 1
+                problems += _aer(params, ds, aer, now, evidence)
+        try:
+            link = pcihw.read_link(ctx.hw.fs, fn)
+        except HwCondition as cond:
+            problems.append(_unknown(f"link attributes unreadable: {cond}"))
+        else:
+            if link is None:
+                evidence["link"] = "not exposed (not a PCIe function)"
+            else:
+                readings += 1
+                problems += self._link(ctx, params, tree, fn, link, evidence)
+        log = kmsg.get(bdf)
+        if log:
+            problems += _logged(log, evidence)
+        return self._verdict(pci(bdf), what, problems, readings, evidence)
+
+    def _verdict(self, comp: str, what: str, problems: list[_Problem], readings: int,
+                 evidence: dict[str, Any]) -> Finding:
+        if not problems and not readings:
+            return self.finding(comp, Severity.SKIPPED,
+                                f"{what}: no AER counters and no link attributes in sysfs", **evidence)
+        if not problems:
+            return self.ok(comp, f"{what}: {_summary(evidence)}", **evidence)
+        problems.sort(key=lambda p: p.severity, reverse=True)
+        severity = problems[0].severity
+        action = max((p.action for p in problems), default=Action.NONE)
+        return self.finding(comp, severity, f"{what}: " + "; ".join(p.text for p in problems), action,
+                            **evidence)
+
+    # -- link -------------------------------------------------------------------
+
+    def _link(self, ctx: CheckContext, params: PcieConfig, tree: pcihw.PciScan, fn: pcihw.PciFunction,
+              link: pcihw.LinkState, evidence: dict[str, Any]) -> list[_Problem]:
+        info: dict[str, Any] = {"current": link.describe(), "max": link.describe(current=False)}
+        evidence["link"] = info
+        role = tree.role(fn.bdf)
+        if role in ("root_port", "switch_downstream"):
+            info["judged"] = "at the function below (this port's link faces down)"
+            return []
+        if role == "bridge":
+            info["judged"] = "no: the port above is not listed, so which way this link faces is unknown"
+            return []
+        function0 = fn.bdf[:-1] + "0"
+        if fn.bdf != function0 and function0 in tree.functions:
+            # one link per device, owned by function 0; the others' link registers need not agree
+            # (HGX H100 capture in tests/data/pcie-aer: 81:00.1 claims x16 and runs x2, while 81:00.0,
+            # the port that owns the link, is x2 of x2)
+            info["judged"] = f"at function 0 ({function0}): one link per device"
+            return []
+        width, max_width, max_gts = link.current_width, link.max_width, link.max_gts
+        if width is None or max_width is None or max_gts is None:
+            return [_unknown(f"link attributes incomplete (current {link.describe()}, max "
+                             f"{link.describe(current=False)})")]
+        best_width, best_gts = max_width, max_gts
+        partner = tree.link_partner(fn.bdf)
+        if partner is not None:
+            info["partner"] = partner
+            try:
+                other = pcihw.read_link(ctx.hw.fs, tree.functions[partner])
+            except HwCondition as cond:
+                info["partner_error"] = str(cond)
+                other = None
+            if other is not None:
+                info["partner_max"] = other.describe(current=False)
+                best_width = min(best_width, other.max_width or best_width)
+                best_gts = min(best_gts, other.max_gts or best_gts)
+        best_gen = pcihw.generation(best_gts)
+        info["expected"] = f"Gen{best_gen} x{best_width}"
+        out: list[_Problem] = []
+        if width == 0:
+            out.append(_fail("link down (width 0)"))
+        elif width > max_width:
+            out.append(_unknown(f"current link width x{width} above the maximum x{max_width}: "
+                                "the device's registers read back invalid (not responding?)"))
+        elif width < best_width:
+            out.append(_fail(f"link trained at x{width}, both ends can do x{best_width} "
+                             f"(x{width} carries {width / best_width:.0%} of the host-device bandwidth): "
+                             "reseat or inspect the card, riser or cable"))
+        if width:
+            out += self._speed(ctx, params, fn, link, best_gts, info)
+        if fn.is_nvidia_gpu:
+            out += _against_profile(ctx, best_gen, best_width, info)
+        return out
+
+    def _speed(self, ctx: CheckContext, params: PcieConfig, fn: pcihw.PciFunction, link: pcihw.LinkState,
+               best_gts: float, info: dict[str, Any]) -> list[_Problem]:
+        if link.current_gts is None:
+            return [_unknown("current link speed reads 'Unknown'")]
+        if link.current_gts >= best_gts:
+            return []
+        below = (f"link at Gen{link.current_gen} ({link.current_gts:g} GT/s), both ends can do "
+                 f"Gen{pcihw.generation(best_gts)}")
+        if not fn.is_nvidia_gpu:
+            return [_warn(below)]
+        gpu = ctx.inventory.gpu_by_pci(fn.bdf)
+        if gpu is None:
+            return [_unknown(f"{below}; the GPU is not in NVML, so whether it is idle (a normal downshift) "
+                             "is unknown")]
+        try:
+            util = ctx.hw.nvml.utilization_pct(gpu.index)
+        except HwCondition as cond:
+            return [_unknown(f"{below}; GPU load unreadable ({cond.call}: {cond}), so an idle downshift "
+                             "cannot be ruled out")]
+        info["gpu_utilization_pct"] = util
+        if util > params.load_utilization_pct:
+            return [_warn(f"{below} while the GPU is busy ({util} % utilization)")]
+        info["idle_downshift"] = (f"Gen{link.current_gen} at {util} % utilization (not above "
+                                  f"{params.load_utilization_pct} %): GPUs lower the link speed when idle")
+        return []
+
+    # -- kernel log -------------------------------------------------------------
+
+    def _read_kernel_log(self, ctx: CheckContext, state: MutableMapping[str, Any],
+                         now: float) -> list[Finding]:
+        log = ctx.kernel_log
+        if not log.available:
+            return [self.finding(NODE, Severity.UNKNOWN,
+                                 f"kernel log unreadable ({log.error or 'unknown reason'}): AER messages not "
+                                 "checked; the sysfs AER counters still are", source=log.source)]
+        kmsg: dict[str, Any] = state.setdefault("kmsg", {})
+        last_header: dict[str, str] = state.setdefault("kmsg_source", {})
+        for rec in log.records:
+            text = getattr(rec, "text", "")
+            if not isinstance(text, str):
+                continue
+            for line in text.splitlines():
+                msg = pcihw.parse_aer_message(line)
+                if msg is not None:
+                    _ingest(kmsg, last_header, msg, line, _when(rec, log.boot_time, now))
+        return []
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _watched(tree: pcihw.PciScan, nics: Mapping[str, str], inventory: Inventory) -> dict[str, list[str]]:
+    """Bus id -> what it is ("gpu/3", "mlx5_2", "upstream of gpu/3, mlx5_3") for every function watched."""
+    gpus = {g.pci_bus_id: g.index for g in inventory.gpus}
+    names: dict[str, list[str]] = {}
+    for dev, bdf in nics.items():
+        names.setdefault(bdf, []).append(dev)
+    endpoints: dict[str, str] = {}
+    for bdf, fn in tree.functions.items():
+        if fn.virtual:
+            continue  # SR-IOV VFs share the physical function's link and report no AER of their own
+        if fn.is_nvidia_gpu:
+            endpoints[bdf] = f"gpu/{gpus[bdf]}" if bdf in gpus else "NVIDIA GPU not in NVML"
+        elif fn.is_nvswitch:
+            endpoints[bdf] = "NVSwitch"
+        elif bdf in names:
+            endpoints[bdf] = ", ".join(sorted(names[bdf]))
+        elif fn.is_mellanox_nic:
+            endpoints[bdf] = "Mellanox NIC"
+    above: dict[str, list[str]] = {}
+    for bdf in sorted(endpoints):
+        for anc in tree.functions[bdf].ancestors:
+            if anc in tree.functions and anc not in endpoints:
+                above.setdefault(anc, []).append(endpoints[bdf])
+    watched = {bdf: [label] for bdf, label in endpoints.items()}
+    for bdf, labels in above.items():
+        watched[bdf] = ["upstream of " + ", ".join(labels)]
+    return watched
+
+
+def _aer(params: PcieConfig, ds: dict[str, Any], aer: pcihw.AerStats, now: float,
+         evidence: dict[str, Any]) -> list[_Problem]:
+    totals = {kind: aer.of(kind).total for kind in pcihw.AER_FILES}
+    evidence["aer_since_boot"] = dict(totals)
+    if "totals" not in ds:
+        ds["totals"] = dict(totals)
+        ds["names"] = {kind: dict(aer.of(kind).errors) for kind in _UNCORRECTABLE}
+        ds["before_watch"] = {kind: totals[kind] for kind in _UNCORRECTABLE if totals[kind]}
+        ds["events"] = {}
+        ds["resets"] = 0
+        ds["cor"] = [[now, totals["correctable"]]]
+    else:
+        for kind in _UNCORRECTABLE:
+            _compare(ds, kind, aer.of(kind), now)
+        _correctable(params, ds, aer.correctable.total, now)
+    if ds["resets"]:
+        evidence["counter_resets"] = ds["resets"]
+    out: list[_Problem] = []
+    for kind in _UNCORRECTABLE:
+        ev = ds["events"].get(kind)
+        if ev:
+            evidence[f"{kind}_errors"] = copy.deepcopy(ev)
+            names = ", ".join(f"{n} +{c}" for n, c in sorted(ev["errors"].items())) or "no named bit"
+            out.append(_fail(f"{ev['count']} new uncorrectable ({_WORDS[kind]}) AER error(s) since gpumon "
+                             f"started watching ({names})"))
+    before = ds["before_watch"]
+    if before.get("fatal"):
+        out.append(_fail(f"{before['fatal']} fatal AER error(s) since boot, before gpumon watched: a fatal "
+                         "error makes the link unreliable and the kernel reset it"))
+    if before.get("nonfatal"):
+        out.append(_warn(f"{before['nonfatal']} non-fatal AER error(s) since boot, before gpumon watched "
+                         f"({_nonzero(ds['names'].get('nonfatal', {}))}): cannot be dated; firmware probing "
+                         "at boot leaves some on healthy ports"))
+    rate = ds.get("cor_rate")
+    if rate is not None:
+        evidence["correctable_per_hour"] = round(rate, 1)
+        if rate > params.correctable_per_hour:
+            out.append(_warn(f"{rate:.0f} correctable AER errors/hour (limit "
+                             f"{params.correctable_per_hour:g}; {_nonzero(aer.correctable.errors)}): "
+                             "a marginal link, reseat at the next maintenance"))
+    return out
+
+
+def _compare(ds: dict[str, Any], kind: pcihw.AerKind, counts: pcihw.AerCounts, now: float) -> None:
+    last_total: int = ds["totals"][kind]
+    last_names: dict[str, int] = ds["names"].get(kind, {})
+    went_back = counts.total < last_total or any(counts.errors.get(n, 0) < c for n, c in last_names.items())
+    if went_back:
+        # the function was removed and re-added (its statistics restart):
+        # a new baseline, never a negative rate
+        ds["resets"] += 1
+    elif counts.total > last_total:
+        ev = ds["events"].setdefault(kind, {"count": 0, "first": now, "last": now, "errors": {}})
+        ev["count"] += counts.total - last_total
+        ev["last"] = now
+        for name, count in counts.errors.items():
+            delta = count - last_names.get(name, 0)
+            if delta > 0 and (name in ev["errors"] or len(ev["errors"]) < _MAX_NAMES):
+                ev["errors"][name] = ev["errors"].get(name, 0) + delta
+    ds["totals"][kind] = counts.total
+    ds["names"][kind] = dict(counts.errors)
+
+
+def _correctable(params: PcieConfig, ds: dict[str, Any], total: int, now: float) -> None:
+    samples: list[list[float]] = ds["cor"]
+    ds["totals"]["correctable"] = total
+    if samples and total < samples[-1][1]:
+        ds["resets"] += 1
+        samples[:] = []
+    # keep about 120 samples per window however often the kernel log wakes the check
+    if not samples or now - samples[-1][0] >= params.correctable_window_s / 120:
+        samples.append([now, total])
+    samples[:] = [s for s in samples if now - s[0] <= params.correctable_window_s] or [[now, total]]
+    t0, c0 = samples[0]
+    span = now - t0
+    ds["cor_rate"] = (total - c0) / span * 3600.0 if span >= params.correctable_min_span_s else None
+
+
+def _against_profile(ctx: CheckContext, best_gen: int | None, best_width: int,
+                     info: dict[str, Any]) -> list[_Problem]:
+    spec = ctx.profile.pcie
+    out: list[_Problem] = []
+    if spec.generation is None and spec.width is None:
+        info["profile"] = f"profile {ctx.profile.name} states no PCIe generation or width"
+        return out
+    if spec.generation is not None and best_gen is not None and best_gen < spec.generation:
+        out.append(_warn(f"this GPU's link can reach only Gen{best_gen}; profile {ctx.profile.name} expects "
+                         f"Gen{spec.generation}: wrong slot or riser?"))
+    if spec.width is not None and best_width < spec.width:
+        out.append(_warn(f"this GPU's link can reach only x{best_width}; profile {ctx.profile.name} expects "
+                         f"x{spec.width}: wrong slot or riser?"))
+    return out
+
+
+def _ingest(kmsg: dict[str, Any], last_header: dict[str, str], msg: pcihw.AerLogLine, line: str,
+            when: float) -> None:
+    if msg.kind == "header":
+        if msg.severity is None:
+            last_header[msg.reporter] = ""  # its detail lines belong to no counted report
+            return
+        last_header[msg.reporter] = msg.bdf
+        entry = kmsg.get(msg.bdf)
+        if entry is None:
+            if len(kmsg) >= _MAX_LOG_DEVICES:
+                return
+            entry = kmsg[msg.bdf] = {"samples": []}
+        group = entry.setdefault(msg.severity, {"count": 0, "first": when, "last": when, "errors": []})
+        group["count"] += 1
+        group["first"] = min(group["first"], when)
+        group["last"] = max(group["last"], when)
+        entry["current"] = msg.severity
+        if msg.reporter != msg.bdf:
+            entry["reported_by"] = msg.reporter
+        if msg.severity != "correctable" and len(entry["samples"]) < _MAX_SAMPLES:
+            entry["samples"].append(line.strip()[:300])
+        return
+    # detail lines carry the reporter's prefix; old kernels name the source only in the header
+    entry = kmsg.get(last_header.get(msg.reporter, msg.reporter))
+    if entry is None or "current" not in entry:
+        return
+    group = entry[entry["current"]]
+    if msg.kind == "status":
+        group["device_ids"] = msg.ids
+        group["status_mask"] = f"{msg.status}/{msg.mask}"
+    elif msg.name and msg.name not in group["errors"] and len(group["errors"]) < _MAX_NAMES:
+        group["errors"].append(msg.name)
+
+
+def _logged(entry: Mapping[str, Any], evidence: dict[str, Any]) -> list[_Problem]:
+    evidence["kernel_log"] = copy.deepcopy({k: v for k, v in entry.items() if k != "current"})
+    out: list[_Problem] = []
+    for kind in _UNCORRECTABLE:
+        group = entry.get(kind)
+        if group:
+            errors = ", ".join(group["errors"]) or "no error bits logged"
+            out.append(_fail(f"kernel log: {group['count']} uncorrectable ({_WORDS[kind]}) PCIe Bus Error "
+                             f"report(s) ({errors})"))
+    return out
+
+
+def _nonzero(errors: Mapping[str, int]) -> str:
+    named = [f"{n} {c}" for n, c in sorted(errors.items()) if c]
+    return ", ".join(named) or "no named bit"
+
+
+def _summary(evidence: Mapping[str, Any]) -> str:
+    parts = []
+    since = evidence.get("aer_since_boot")
+    if since:
+        parts.append(f"no new AER errors (since boot: {since['fatal']} fatal, {since['nonfatal']} non-fatal, "
+                     f"{since['correctable']} correctable)")
+    link = evidence.get("link")
+    if isinstance(link, Mapping):
+        parts.append(f"link {link['current']}" + (" (idle downshift)" if "idle_downshift" in link else ""))
+    log = evidence.get("kernel_log")
+    if log and "correctable" in log:
+        parts.append(f"{log['correctable']['count']} corrected error report(s) in the kernel log")
+    return "; ".join(parts) or "nothing to report"
+
+
+def _when(record: Any, boot_time: float | None, now: float) -> float:
+    """When a record was logged: its wall clock, else boot time + kernel uptime, else now."""
+    wall = getattr(record, "wall_time", None)
+    if wall is not None:
+        return float(wall.timestamp())
+    usec = getattr(record, "monotonic_us", None)
+    if usec is not None and boot_time is not None:
+        return float(boot_time + usec / 1e6)
+    return now
