@@ -7,6 +7,10 @@ import time
 from pathlib import Path
 
 from conftest import clean_env, run_gpumon
+from gpumon.model import Phase
+from gpumon.registry import load_checks
+
+CONTINUOUS = {name for name, cls in load_checks().items() if cls.phase is Phase.CONTINUOUS}
 
 
 def _findings(stdout: str) -> list[dict[str, object]]:
@@ -33,15 +37,15 @@ def test_faulty_scenario_reports_xid79_and_hw_slowdown_and_exits_2() -> None:
     app = found[("xid", "gpu/5")]
     assert (app["severity"], app["action"]) == ("warn", "restart_app")
     # every check that ran appears at least once
-    assert {f["check"] for f in doc["findings"]} == {"xid", "throttle"}
+    assert {f["check"] for f in doc["findings"]} == CONTINUOUS
 
 
 def test_healthy_scenario_exits_0_with_every_check_present() -> None:
     proc = run_gpumon("check", "--simulate", "healthy-8xh100", "--json")
     assert proc.returncode == 0, proc.stderr
     findings = _findings(proc.stdout)
-    assert {f["check"] for f in findings} == {"xid", "throttle"}
-    assert {f["severity"] for f in findings} == {"ok"}
+    assert {f["check"] for f in findings} == CONTINUOUS
+    assert {f["severity"] for f in findings} == {"ok"}, [f for f in findings if f["severity"] != "ok"]
 
 
 def test_before_the_faults_start_the_node_is_healthy() -> None:

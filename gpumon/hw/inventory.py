@@ -62,7 +62,8 @@ class Inventory:
         return any((g.nvlink_count or 0) > 0 for g in self.gpus)
 
 
-def _pci_devices(fs: HostFs) -> list[PciDevice]:
+def read_pci_devices(fs: HostFs) -> list[PciDevice]:
+    """Every PCI function under the host root (vendor, device, class), read now."""
     out: list[PciDevice] = []
     for bus_id in fs.listdir("sys/bus/pci/devices"):
         base = f"sys/bus/pci/devices/{bus_id}"
@@ -78,7 +79,7 @@ def _pci_devices(fs: HostFs) -> list[PciDevice]:
 
 def collect(nvml: Nvml | None, fs: HostFs, nvml_error: str | None = None) -> Inventory:
     inv = Inventory(nvml_error=nvml_error)
-    inv.pci_devices = _pci_devices(fs)
+    inv.pci_devices = read_pci_devices(fs)
     inv.ib_devices = fs.listdir("sys/class/infiniband")
     if nvml is None:
         return inv

@@ -383,6 +383,10 @@ class NvmlReadings(Nvml):
                         int(self.device(index, "nvmlDeviceGetCurrPcieLinkWidth")),
                         int(self.device(index, "nvmlDeviceGetMaxPcieLinkWidth")))
 
+    def pci_bus_id(self, index: int) -> str:
+        """The GPU's PCI address in sysfs form (``0000:18:00.0``)."""
+        return canonical_nvml_bus_id(_text(self.device(index, "nvmlDeviceGetPciInfo").busId))
+
     def utilization_pct(self, index: int) -> int:
         return int(self.device(index, "nvmlDeviceGetUtilizationRates").gpu)
 

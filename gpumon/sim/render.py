@@ -28,6 +28,8 @@ GPU_NAMES = {
     "h200-sxm": "NVIDIA H200",
     "a100-sxm-80gb": "NVIDIA A100-SXM4-80GB",
     "b200": "NVIDIA B200",
+    "h100-pcie": "NVIDIA H100 PCIe",
+    "gb200": "NVIDIA GB200",
 }
 ARCH_CODES = {"ampere": 7, "hopper": 9, "blackwell": 10}
 # PCI layout of a real HGX H100 node (realdata/pcie-aer/lspci-vvv_h100-sxm5-hgx_*):
@@ -143,16 +145,18 @@ class SimNode:
         """
         gpu_id = (self.profile.pci_device_ids or ["0x2330"])[0].lower()
         out: list[tuple[str, str, str, str, str, int | None]] = []
-        for i in range(self.gpu_count):
+        for i in range(max(self.gpu_count, min(self.nic_count, len(NIC_BUSES)))):
             g = int(GPU_BUSES[i], 16)
             root_bus, up, down = f"{g - 4:02x}", f"0000:{g - 3:02x}:00.0", f"0000:{g - 2:02x}"
             root = f"0000:{root_bus}:01.0"
             base = f"sys/devices/pci0000:{root_bus}/{root}"
             out.append((base, root, "0x8086", "0x352a", "0x060400", None))
             out.append((f"{base}/{up}", up, "0x1000", "0xc030", "0x060400", None))
-            out.append((f"{base}/{up}/{down}:00.0", f"{down}:00.0", "0x1000", "0xc030", "0x060400", None))
-            gpu_bus = self.gpu_bus(i)
-            out.append((f"{base}/{up}/{down}:00.0/{gpu_bus}", gpu_bus, "0x10de", gpu_id, "0x030200", i))
+            if i < self.gpu_count:
+                out.append((f"{base}/{up}/{down}:00.0", f"{down}:00.0", "0x1000", "0xc030", "0x060400",
+                            None))
+                gpu_bus = self.gpu_bus(i)
+                out.append((f"{base}/{up}/{down}:00.0/{gpu_bus}", gpu_bus, "0x10de", gpu_id, "0x030200", i))
             if i < self.nic_count:
                 nic = f"0000:{NIC_BUSES[i]}:00.0"
                 out.append((f"{base}/{up}/{down}:01.0", f"{down}:01.0", "0x1000", "0xc030", "0x060400",
