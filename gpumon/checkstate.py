@@ -23,6 +23,7 @@ class CheckStateStore:
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
         self._states: dict[str, dict[str, Any]] = {}
+        self._saved: dict[str, str] = {}
         self.last_error: str | None = None
 
     def _path(self, name: str) -> Path | None:
@@ -52,13 +53,17 @@ class CheckStateStore:
         if path is None or name not in self._states:
             return False
         try:
+            text = json.dumps(self._states[name], separators=(",", ":"), default=str)
+            if self._saved.get(name) == text:
+                return True  # unchanged: a 1 s check must not fsync every second for nothing
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(self._states[name], fh, separators=(",", ":"), default=str)
+                fh.write(text)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
+            self._saved[name] = text
             self.last_error = None
             return True
         except (OSError, TypeError, ValueError) as exc:

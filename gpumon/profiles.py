@@ -6,6 +6,7 @@ refuses a number without a source note.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -122,6 +123,12 @@ def load_profile_file(path: Path) -> Profile:
 
 
 def builtin_profiles() -> dict[str, Profile]:
+    return dict(_builtin_profiles())
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_profiles() -> dict[str, Profile]:
+    # the shipped files do not change while the process runs
     out: dict[str, Profile] = {}
     root = resources.files("gpumon_config").joinpath("profiles")
     for entry in sorted(root.iterdir(), key=lambda e: e.name):

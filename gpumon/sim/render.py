@@ -75,6 +75,7 @@ class SimNode:
     start_wall: float = field(default_factory=time.time)
     boot_id: str = field(default_factory=lambda: str(uuidlib.uuid4()))
     _emitted: set[int] = field(default_factory=set)
+    _written: dict[str, str] = field(default_factory=dict)
     _seq: int = 1000
 
     def __post_init__(self) -> None:
@@ -123,6 +124,11 @@ class SimNode:
         write_state(self._nvml(t), self.nvml_state_path)
 
     def _write(self, rel: str, text: str) -> None:
+        # Only what changed is rewritten: a step of simulated time should cost
+        # what the scenario changes, not a rewrite of ~640 files.
+        if self._written.get(rel) == text:
+            return
+        self._written[rel] = text
         path = self.host_root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

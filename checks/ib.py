@@ -1,0 +1,685 @@
+"""ib: InfiniBand / RoCE port downtime, link rate and link error rates from sysfs.
+
+What kills a multi-node NCCL job is a rail that stays down longer than the IB
+transport's retry budget, not how often it flaps (DESIGN.md, "Lessons from the
+field"). So each run samples every port's ``state``/``phys_state`` and keeps,
+per port, the outages of a sliding window (default 24 h) in ``ctx.state``:
+
+- an outage is measured from the first sample that saw the port down to the
+  first sample that saw it up again, so at the default 1 s interval its
+  duration is known to within one interval;
+- ``link_downed`` deltas catch outages that began and ended between two
+  samples: each one is counted, with "at most the time between the samples"
+  as its duration bound;
+- one outage longer than ``outage_fail_s`` (NCCL's IB timeout x retries), a
+  port down right now for longer than that, or more than ``downtime_fail_s``
+  of downtime in the window fails with ``check_cables``. The flap count is
+  evidence only.
+
+InfiniBand ports are also compared with the profile (rate, port count);
+Ethernet (RoCE) ports are checked for state and downtime only, since the
+profile's numbers describe the InfiniBand compute fabric. symbol_error and
+link_error_recovery are judged as counts over the last hour.
+
+Each sample reads state, phys_state and link_downed; rate, link layer and the
+error counters are read every 10 s and whenever a port was not up at the last
+sample (so a link that retrains at a lower rate is seen at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumon.check import Check, CheckContext
+from gpumon.errors import HwCondition, NotSupported
+from gpumon.hw.infiniband import (
+    SAMPLE_COUNTERS,
+    IbPort,
+    LinkRate,
+    component_for,
+    list_devices,
+    list_ports,
+    read_port,
+)
+from gpumon.hw.inventory import Inventory
+from gpumon.model import NODE, Action, Finding, Phase, Severity
+
+_STATE_VERSION = 1
+# How many outage records one port keeps; beyond it the two oldest are merged,
+# so a port flapping every second cannot grow the persisted state without bound.
+_MAX_RECORDS = 128
+_RATE_COUNTERS = ("symbol_error", "link_error_recovery")
+_BUCKET_S = 60.0
+_EVIDENCE_OUTAGES = 5
+_KEY_RE = re.compile(r"[^/]+/[0-9]{1,3}")
+# Every file read is a bounded call on a worker thread (~40-90 us each). Rate, link
+# layer and the error counters only change when a link retrains, and their rates are
+# judged per hour, so they are read every _DETAIL_S (and at every sample while a port
+# is not up, to catch the rate it comes back at); state, phys_state and link_downed are
+# read at every sample. Port folders are re-listed as often, or at once when one vanishes.
+_DETAIL_S = 10.0
+
+_NCCL_SOURCE = (
+    "NCCL User Guide, Environment Variables (docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html), "
+    "NCCL_IB_TIMEOUT: timeout = 4.096 us * 2^NCCL_IB_TIMEOUT, 'the total time spent waiting for a "
+    "response is the product of NCCL_IB_TIMEOUT and NCCL_IB_RETRY_CNT'; its table gives 18 -> 1.1 s x "
+    "retry count 7 = 7.5 s (NCCL_IB_TIMEOUT default 18 from NCCL 2.14 to 2.22, NCCL_IB_RETRY_CNT "
+    "default 7; in code: NCCL_PARAM(IbTimeout, \"IB_TIMEOUT\", 18) in NVIDIA/nccl v2.19.1-1 "
+    "src/transport/net_ib.cc, next to NCCL_PARAM(IbRetryCnt, \"IB_RETRY_CNT\", 7)). NCCL >= 2.23 "
+    "defaults to 20 -> 4.3 s x 7 = 30 s: a site whose jobs all run NCCL >= 2.23 with default "
+    "settings may raise this to 30. 7 s (DESIGN.md '~7 s with retries, by default') keeps the "
+    "older, stricter budget, which is also what jobs pinned to NCCL 2.14-2.22 live with")
+_NVSENTINEL = ("NVSentinel NIC health monitor design, rupalis-nv/NVSentinel (a fork of NVIDIA/NVSentinel) "
+               "docs/nic-health-monitor/link-counter-detection.md @ 489b5227649bc1b82827c20c020f9ba5478280ad")
+_DOWNTIME_SOURCE = (
+    "argued default: each outage shorter than the NCCL timeout still stalls every collective on "
+    "that rail for its whole length and spends most of the transport's retry budget; 30 s in the "
+    "window is more than four near-timeout outages (4 x 7 s = 28 s), which no healthy cable shows "
+    "in a day (the real 8x NDR H100 capture in tests/data/ibstat-sysfs has link_downed 0 on 7 of 8 "
+    "ports), and which at <= 1 s per measured outage cannot be reached by sampling error alone. "
+    f"Comparable peer rule: {_NVSENTINEL} escalates '5+ non-fatal events in 24h -> FATAL'")
+_SYMBOL_SOURCE = (
+    "IBTA link BER limit 10^-12 ('The InfiniBand specification requires less than one-bit error per "
+    "10^12 bits', NVIDIA DGX SuperPOD cabling guide, docs.nvidia.com/dgx-superpod/design-guide-"
+    "cabling-data-centers/latest/widths-rates.html) as the symbol error budget of 120 per hour "
+    "(Oracle Sun Datacenter InfiniBand Switch docs, docs.oracle.com/cd/E19654-01/820-7751-12/"
+    f"z40004881932077.html, as quoted in {_NVSENTINEL}: 'symbol_error_fatal (> 120/hour)'). A warn, "
+    "not a fail: on HDR/NDR NVIDIA counts symbol errors after FEC ('symbol errors (NDR/HDR) ... are "
+    "the actual errors seen by the application level after error correction', ibdiagnet user manual "
+    "v2.21, Bit Error Rate), so a healthy port reads ~0 and any steady rate is worth a cable check "
+    "(all 9 ports of the real H100 capture read 0)")
+_LER_SOURCE = (
+    f"{_NVSENTINEL}: link_error_recovery '> 5/min' non-fatal degradation (PHY retraining, "
+    "micro-flapping), citing NVIDIA UFM 'InfiniBand Port Counters'; 5/min = 300/h. All 9 ports of "
+    "the real H100 capture read 0")
+
+
+@dataclass(frozen=True)
+class IbConfig:
+    window_s: float = field(default=86400.0, metadata={
+        "min": 60, "source": "issue 3: cumulative downtime over a sliding window, default 24 h"})
+    outage_fail_s: float = field(default=7.0, metadata={"min": 0.5, "source": _NCCL_SOURCE})
+    downtime_fail_s: float = field(default=30.0, metadata={"min": 1, "source": _DOWNTIME_SOURCE})
+    symbol_error_warn_per_h: float = field(default=120.0, metadata={"min": 0, "source": _SYMBOL_SOURCE})
+    link_error_recovery_warn_per_h: float = field(default=300.0, metadata={"min": 0, "source": _LER_SOURCE})
+    # Errors are counted over this window and never extrapolated from a shorter span,
+    # so a single error right after start-up cannot look like a high hourly rate.
+    rate_window_s: float = field(default=3600.0, metadata={
+        "min": 60, "source": "one hour: the unit the thresholds are written in (errors per hour)"})
+    # HCAs that are not part of the monitored fabric (e.g. a storage or management NIC).
+    ignore_devices: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.rate_window_s > self.window_s:
+            raise ValueError("rate_window_s must not exceed window_s")
+
+
+@dataclass
+class _Issue:
+    severity: Severity
+    action: Action
+    text: str
+
+
+class IbCheck(Check):
+    name = "ib"
+    phase = Phase.CONTINUOUS
+    description = "InfiniBand/RoCE ports: cumulative downtime, link_downed, rate, symbol/link-recovery errors"
+    # Downtime is measured between samples: 1 s is the resolution the issue asks for.
+    interval = 1.0
+    timeout = 10.0
+    Config = IbConfig
+
+    def supported(self, inventory: Inventory) -> str | None:
+        if not inventory.ib_devices:
+            return "no InfiniBand/RDMA devices in /sys/class/infiniband"
+        return None
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        params: IbConfig = ctx.params or IbConfig()
+        now = ctx.clock()
+        state = _load_state(ctx.state)
+        boot = ctx.hw.fs.boot_id()
+        if state["boot_id"] != boot:
+            _new_boot(state)
+            state["boot_id"] = boot
+        try:
+            devices = [d for d in list_devices(ctx.hw.fs) if d not in params.ignore_devices]
+        except HwCondition as cond:
+            return [self.from_condition(cond, NODE)]
+        ports: dict[str, Any] = state["ports"]
+        readings, unlisted, problems = self._read_all(ctx, devices, state, now)
+        out: list[Finding] = []
+        for key in sorted(set(ports) | set(readings)):
+            dev = key.split("/", 1)[0]
+            if dev in params.ignore_devices:
+                continue
+            if key not in readings and dev in unlisted:
+                readings[key] = unlisted[dev]  # not read, which is not the same as gone
+            found, readings[key] = self._port(ctx, params, key, ports, readings.get(key), now)
+            if found is not None:
+                out.append(found)
+        tracked = {k: p for k, p in ports.items() if k.split("/", 1)[0] not in params.ignore_devices}
+        out.append(self._node_finding(ctx, readings, tracked, problems))
+        return out
+
+    # -- reading -----------------------------------------------------------
+
+    def _read_all(self, ctx: CheckContext, devices: list[str], state: MutableMapping[str, Any],
+                  now: float
+                  ) -> tuple[dict[str, IbPort | HwCondition | None], dict[str, HwCondition], list[str]]:
+        """key "dev/port" -> reading, the condition that stopped it, or None when it is gone;
+        devices whose ports could not be listed; what went wrong at device level (said in
+        the node finding)."""
+        readings: dict[str, IbPort | HwCondition | None] = {}
+        unlisted: dict[str, HwCondition] = {}
+        problems: list[str] = []
+        layout: dict[str, Any] = state["layout"]
+        stale = layout["t"] is None or now - layout["t"] >= _DETAIL_S or set(layout["ports"]) != set(devices)
+        if stale:
+            layout["ports"], layout["t"] = {}, now
+        for dev in devices:
+            if stale and not self._list(ctx, dev, layout, unlisted, problems):
+                continue
+            for port in layout["ports"][dev]:
+                if component_for(dev, port) is None:
+                    problems.append(f"device name {dev!r} cannot name a component")
+                    break
+                key = f"{dev}/{port}"
+                readings[key] = _read(ctx, dev, port, state["ports"].get(key), now)
+                if readings[key] is None and not stale:
+                    # the folder went away: list again now, so the node finding says so
+                    stale = True
+                    self._list(ctx, dev, layout, unlisted, problems)
+        return readings, unlisted, problems
+
+    def _list(self, ctx: CheckContext, dev: str, layout: dict[str, Any], unlisted: dict[str, HwCondition],
+              problems: list[str]) -> bool:
+        try:
+            ports = list_ports(ctx.hw.fs, dev)
+        except HwCondition as cond:
+            layout["ports"].pop(dev, None)
+            layout["t"] = None  # list again next time
+            unlisted[dev] = cond
+            problems.append(f"{dev}: cannot list ports: {cond}")
+            return False
+        if not ports:
+            problems.append(f"{dev} is in /sys/class/infiniband but shows no ports")
+        layout["ports"][dev] = ports
+        return True
+
+    # -- one port ----------------------------------------------------------
+
+    def _port(self, ctx: CheckContext, params: IbConfig, key: str, ports: dict[str, Any],
+              reading: IbPort | HwCondition | None, now: float
+              ) -> tuple[Finding | None, IbPort | HwCondition | None]:
+        """The port's finding, and its reading completed from the last full one."""
+        dev, _, num = key.partition("/")
+        comp = component_for(dev, int(num))
+        if comp is None:
+            return None, reading
+        pst = ports.get(key)
+        if pst is None:
+            if not isinstance(reading, IbPort):
+                # never read successfully: nothing to track, say why
+                return (self.from_condition(reading, comp) if isinstance(reading, HwCondition)
+                        else self.finding(comp, Severity.UNKNOWN, "port folder vanished while read")), reading
+            pst = ports[key] = _fresh_port()
+        if isinstance(reading, IbPort):
+            reading = _with_details(pst, reading, now)
+            _sample(pst, reading.up, now, reading)
+            pst["missing_since"] = None
+        elif reading is None:
+            if pst["missing_since"] is None:
+                pst["missing_since"] = now
+            _sample(pst, False, now, None)
+        _prune(pst, now, params)
+        return self._verdict(ctx, params, comp, pst, reading, now), reading
+
+    def _verdict(self, ctx: CheckContext, params: IbConfig, comp: str, pst: dict[str, Any],
+                 reading: IbPort | HwCondition | None, now: float) -> Finding:
+        issues: list[_Issue] = []
+        evidence = _downtime_evidence(pst, now, params)
+        issues += _downtime_issues(evidence, params)
+        if reading is None:
+            gone = now - pst["missing_since"]
+            sev = Severity.FAIL if gone > params.outage_fail_s else Severity.WARN
+            issues.append(_Issue(sev, Action.REBOOT_NODE,
+                                 f"port disappeared from /sys/class/infiniband {gone:.0f} s ago "
+                                 "(HCA removed by the driver or fallen off the bus)"))
+        elif isinstance(reading, HwCondition):
+            cond = self.from_condition(reading, comp)
+            issues.append(_Issue(cond.severity, cond.action, cond.message))
+            evidence.update(cond.evidence)
+        else:
+            evidence.update(_reading_evidence(reading))
+            evidence["details_age_s"] = round(now - pst["detail"]["t"], 1)
+            issues += self._reading_issues(ctx, params, reading, pst, evidence, now)
+        return _finding(self, comp, issues, evidence)
+
+    def _reading_issues(self, ctx: CheckContext, params: IbConfig, port: IbPort, pst: dict[str, Any],
+                        evidence: dict[str, Any], now: float) -> list[_Issue]:
+        issues: list[_Issue] = []
+        if not port.up and pst["down_since"] is None:
+            issues.append(_Issue(Severity.WARN, Action.CHECK_CABLES,
+                                 f"down ({port.state}, {port.phys_state}) since gpumon first read it: "
+                                 "never seen ACTIVE/LinkUp, so no outage is timed"))
+        elif not port.up:
+            issues.append(_Issue(Severity.WARN, Action.CHECK_CABLES,
+                                 f"down now ({port.state}, {port.phys_state}) for "
+                                 f"{now - pst['down_since']:.1f} s"))
+        if port.is_infiniband:
+            issues += _rate_issues(ctx, port, evidence)
+        elif port.link_layer == "Ethernet":
+            evidence["profile_comparison"] = ("Ethernet (RoCE) port: state and downtime are checked, the "
+                                              "profile's InfiniBand rate and port count do not apply")
+        for counter, limit in (("symbol_error", params.symbol_error_warn_per_h),
+                               ("link_error_recovery", params.link_error_recovery_warn_per_h)):
+            per_h = _per_hour(pst, counter, now, params)
+            evidence[f"{counter}_per_h"] = round(per_h, 1)
+            if per_h > limit:
+                issues.append(_Issue(Severity.WARN, Action.CHECK_CABLES,
+                                     f"{counter} at {per_h:.0f}/h over the last "
+                                     f"{params.rate_window_s / 60:g} min (warn above {limit:g}/h)"))
+        for attr, why in port.errors.items():
+            issues.append(_Issue(Severity.UNKNOWN, Action.NONE, f"{attr} unreadable: {why}"))
+        return issues
+
+    # -- node --------------------------------------------------------------
+
+    def _node_finding(self, ctx: CheckContext, readings: dict[str, IbPort | HwCondition | None],
+                      ports: dict[str, Any], problems: list[str]) -> Finding:
+        found = self._count_finding(ctx, readings, ports)
+        if not problems:
+            return found
+        evidence = {**found.evidence, "device_problems": problems}
+        text = "; ".join(problems)
+        if found.severity in (Severity.OK, Severity.SKIPPED):
+            return self.finding(NODE, Severity.UNKNOWN, f"{text} ({found.message})", **evidence)
+        return self.finding(NODE, found.severity, f"{found.message}; {text}", found.action, **evidence)
+
+    def _count_finding(self, ctx: CheckContext, readings: dict[str, IbPort | HwCondition | None],
+                       ports: dict[str, Any]) -> Finding:
+        read = {k: r for k, r in readings.items() if isinstance(r, IbPort)}
+        ib = sorted(k for k, r in read.items() if r.is_infiniband)
+        active = [k for k in ib if read[k].up]
+        other = sorted(k for k, r in read.items() if r.link_layer == "Ethernet")
+        # a port whose state or link layer cannot be read may well be InfiniBand:
+        # it is not counted as missing
+        unreadable = sorted(k for k, r in readings.items()
+                            if isinstance(r, HwCondition) or (isinstance(r, IbPort) and r.link_layer
+                                                              not in ("InfiniBand", "Ethernet")))
+        vanished = sorted(k for k, p in ports.items() if readings.get(k) is None
+                          and p.get("missing_since") is not None)
+        expected = ctx.profile.network.ib_ports
+        evidence: dict[str, Any] = {"infiniband_ports": ib, "active_infiniband_ports": len(active),
+                                    "other_rdma_ports": other, "expected_ib_ports": expected,
+                                    "profile": ctx.profile.name}
+        if unreadable:
+            evidence["unreadable_ports"] = unreadable
+        if vanished:
+            evidence["vanished_ports"] = vanished
+        if other:
+            evidence["note"] = "Ethernet (RoCE) ports are not counted against the profile's InfiniBand ports"
+        if expected is None:
+            return self.finding(NODE, Severity.SKIPPED,
+                                f"{len(ib)} InfiniBand ports; profile {ctx.profile.name} gives no "
+                                "InfiniBand port count to compare", **evidence)
+        missing = expected - len(ib) - len(unreadable)
+        if missing <= 0:
+            return self.ok(NODE, f"{len(ib)} InfiniBand ports present ({len(active)} active), "
+                                 f"profile {ctx.profile.name} expects {expected}", **evidence)
+        # A missing HCA is a missing NCCL rail: in a rail-optimised fabric GPU i talks
+        # through HCA i, so NCCL either refuses the job (NCCL_IB_HCA lists the device)
+        # or pushes that GPU's traffic through another rail across PCIe/SMP, and every
+        # collective of the job then runs at the slowest rank's speed: fail, not warn.
+        # A port that vanished this boot may come back with the driver (reboot);
+        # one that was never there needs hands on the hardware.
+        action = Action.REBOOT_NODE if len(vanished) >= missing else Action.INSPECT_HARDWARE
+        return self.finding(NODE, Severity.FAIL,
+                            f"{len(ib)} InfiniBand ports, profile {ctx.profile.name} expects "
+                            f"{expected}: {missing} missing (a missing HCA is a missing NCCL rail)",
+                            action, **evidence)
+
+
+# -- details ------------------------------------------------------------------
+
+
+def _read(ctx: CheckContext, dev: str, port: int, pst: dict[str, Any] | None,
+          now: float) -> IbPort | HwCondition | None:
+    detail = pst["detail"] if pst is not None else None
+    full = pst is None or detail is None or now - detail["t"] >= _DETAIL_S or pst["last_up"] is not True
+    try:
+        if full:
+            return read_port(ctx.hw.fs, dev, port)
+        return read_port(ctx.hw.fs, dev, port, SAMPLE_COUNTERS, details=False)
+    except NotSupported:
+        return None  # the port folder (or its state file) is gone
+    except HwCondition as cond:
+        return cond
+
+
+def _with_details(pst: dict[str, Any], port: IbPort, now: float) -> IbPort:
+    """A complete reading: a full one is remembered, a state-only one is completed from
+    the last full one (rate, link layer, error counters and why any were unreadable)."""
+    if port.complete:
+        rate = port.rate
+        pst["detail"] = {"t": now, "rate": [rate.gbps, rate.lanes, rate.speed] if rate else None,
+                         "link_layer": port.link_layer, "counters": dict(port.counters),
+                         "errors": dict(port.errors)}
+        return port
+    d = pst["detail"]
+    return dataclasses.replace(
+        port, rate=LinkRate(float(d["rate"][0]), d["rate"][1], d["rate"][2]) if d["rate"] else None,
+        link_layer=d["link_layer"], counters={**d["counters"], **port.counters},
+        errors={**{k: v for k, v in d["errors"].items()
+                   if k.removeprefix("counters/") not in SAMPLE_COUNTERS}, **port.errors},
+        complete=True)
+
+
+# -- state -------------------------------------------------------------------
+
+
+def _fresh_port() -> dict[str, Any]:
+    return {"seen_up": False, "last_t": None, "last_up": None, "down_since": None, "down_prev_up": None,
+            "last_down_t": None, "missing_since": None, "outages": [], "counters": {}, "resets": 0,
+            "buckets": {c: [] for c in _RATE_COUNTERS}, "detail": None}
+
+
+def _load_state(raw: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """ctx.state, checked: a shape we did not write (old version, hand edit) starts afresh."""
+    if (raw.get("version") != _STATE_VERSION or not isinstance(raw.get("ports"), dict)
+            or not isinstance(raw.get("boot_id", 0), (str, type(None)))
+            or not _valid_layout(raw.get("layout"))):
+        raw.clear()
+        raw.update({"version": _STATE_VERSION, "boot_id": None, "ports": {}, "layout": _fresh_layout()})
+    ports: dict[str, Any] = raw["ports"]
+    for key in list(ports):
+        if not _valid_port(key, ports[key]):
+            del ports[key]
+    return raw
+
+
+def _fresh_layout() -> dict[str, Any]:
+    return {"t": None, "ports": {}}
+
+
+def _valid_layout(v: Any) -> bool:
+    return (isinstance(v, dict) and set(v) == {"t", "ports"} and _opt_num(v["t"])
+            and isinstance(v["ports"], dict) and all(
+                isinstance(ports, list) and all(isinstance(n, int) and 0 < n < 256 for n in ports)
+                for ports in v["ports"].values()))
+
+
+def _valid_detail(d: Any) -> bool:
+    if d is None:
+        return True
+    if not isinstance(d, dict) or set(d) != {"t", "rate", "link_layer", "counters", "errors"}:
+        return False
+    rate = d["rate"]
+    rate_ok = rate is None or (isinstance(rate, list) and len(rate) == 3 and _num(rate[0])
+                               and (rate[1] is None or isinstance(rate[1], int))
+                               and (rate[2] is None or isinstance(rate[2], str)))
+    return (_num(d["t"]) and rate_ok and isinstance(d["link_layer"], str)
+            and isinstance(d["counters"], dict)
+            and all(isinstance(v, int) and v >= 0 for v in d["counters"].values())
+            and isinstance(d["errors"], dict) and all(isinstance(v, str) for v in d["errors"].values()))
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _opt_num(v: Any) -> bool:
+    return v is None or _num(v)
+
+
+def _valid_port(key: Any, p: Any) -> bool:
+    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None or not isinstance(p, dict):
+        return False
+    fresh = _fresh_port()
+    if set(p) != set(fresh):
+        return False
+    times = ("last_t", "down_since", "down_prev_up", "last_down_t", "missing_since")
+    if not all(_opt_num(p[k]) for k in times) or not isinstance(p["seen_up"], bool):
+        return False
+    if p["last_up"] not in (None, True, False) or not isinstance(p["resets"], int):
+        return False
+    if not _valid_detail(p["detail"]):
+        return False
+    if not isinstance(p["outages"], list) or not all(_valid_record(r) for r in p["outages"]):
+        return False
+    if not isinstance(p["counters"], dict) or not all(
+            isinstance(v, int) and v >= 0 for v in p["counters"].values()):
+        return False
+    buckets = p["buckets"]
+    return isinstance(buckets, dict) and all(
+        isinstance(buckets.get(c), list) and all(
+            isinstance(b, list) and len(b) == 2 and _num(b[0]) and _num(b[1]) for b in buckets[c])
+        for c in _RATE_COUNTERS)
+
+
+def _valid_record(r: Any) -> bool:
+    return (isinstance(r, dict) and set(r) == {"start", "end", "down_s", "max_s", "longest_s", "n", "kind"}
+            and all(_num(r[k]) for k in ("start", "end", "down_s", "max_s", "longest_s"))
+            and isinstance(r["n"], int) and isinstance(r["kind"], str))
+
+
+def _new_boot(state: MutableMapping[str, Any]) -> None:
+    """Counters restart with the driver and an open outage cannot be followed across the
+    reboot: close it at the last sample that saw it, forget ports that are gone."""
+    ports: dict[str, Any] = state["ports"]
+    for key in list(ports):
+        p = ports[key]
+        if p["missing_since"] is not None:
+            del ports[key]
+            continue
+        if p["down_since"] is not None:
+            _close(p, end=p["last_down_t"] or p["down_since"], kind="state (closed by reboot)")
+        p.update({"last_t": None, "last_up": None, "counters": {}, "detail": None})
+    state["layout"] = _fresh_layout()
+
+
+def _record(start: float, end: float, down_s: float, max_s: float, kind: str, n: int = 1) -> dict[str, Any]:
+    # clamped: a wall clock stepped back (NTP) must not make a negative outage
+    down_s, max_s = max(0.0, down_s), max(0.0, max_s)
+    return {"start": start, "end": max(start, end), "down_s": down_s, "max_s": max(down_s, max_s),
+            "longest_s": down_s, "n": n, "kind": kind}
+
+
+def _close(p: dict[str, Any], *, end: float, kind: str) -> None:
+    start = p["down_since"]
+    prev_up = p["down_prev_up"]
+    p["outages"].append(_record(start, end, end - start, end - (prev_up if prev_up is not None else start),
+                                kind))
+    p["down_since"] = p["down_prev_up"] = p["last_down_t"] = None
+    _cap(p["outages"])
+
+
+def _cap(records: list[dict[str, Any]]) -> None:
+    while len(records) > _MAX_RECORDS:
+        a, b = records[0], records.pop(1)
+        records[0] = {"start": min(a["start"], b["start"]), "end": max(a["end"], b["end"]),
+                      "down_s": a["down_s"] + b["down_s"], "max_s": a["max_s"] + b["max_s"],
+                      "longest_s": max(a["longest_s"], b["longest_s"]), "n": a["n"] + b["n"],
+                      "kind": "merged"}
+
+
+def _sample(p: dict[str, Any], up: bool, now: float, port: IbPort | None) -> None:
+    """Fold one sample (or a missing port, ``port`` None, counted as down) into the port's state."""
+    prev_t = p["last_t"]
+    opened = False
+    if up:
+        if p["down_since"] is not None:
+            _close(p, end=now, kind="missing" if p["missing_since"] is not None else "state")
+        p["seen_up"] = True
+    elif p["seen_up"] or p["down_since"] is not None:
+        if p["down_since"] is None:
+            opened = True
+            p["down_since"] = now
+            p["down_prev_up"] = prev_t if p["last_up"] else None
+        p["last_down_t"] = now
+    if port is not None:
+        deltas = _counter_deltas(p, port)
+        extra = deltas.get("link_downed", 0) - (1 if opened else 0)
+        if extra > 0 and prev_t is not None:
+            # Outages that began and ended between two samples: the counter saw them,
+            # the state never did. Their length is unknown, at most the gap.
+            p["outages"].append(_record(prev_t, now, 0.0, (now - prev_t) * extra, "link_downed", extra))
+            _cap(p["outages"])
+        for counter in _RATE_COUNTERS:
+            if deltas.get(counter, 0) > 0:
+                _add_bucket(p["buckets"][counter], now, deltas[counter])
+    p["last_t"] = now
+    p["last_up"] = up
+
+
+def _counter_deltas(p: dict[str, Any], port: IbPort) -> dict[str, int]:
+    """Increase of each counter since the last sample; the first reading is a baseline and a
+    counter that went backwards was reset (driver reload, perfquery -R): no delta either way."""
+    out: dict[str, int] = {}
+    last: dict[str, int] = p["counters"]
+    for name, value in port.counters.items():
+        prev = last.get(name)
+        if prev is not None and value >= prev:
+            out[name] = value - prev
+        elif prev is not None:
+            p["resets"] += 1
+        last[name] = value
+    return out
+
+
+def _add_bucket(buckets: list[list[float]], now: float, count: int) -> None:
+    start = math.floor(now / _BUCKET_S) * _BUCKET_S
+    if buckets and buckets[-1][0] == start:
+        buckets[-1][1] += count
+    else:
+        buckets.append([start, float(count)])
+
+
+def _prune(p: dict[str, Any], now: float, params: IbConfig) -> None:
+    p["outages"] = [r for r in p["outages"] if r["end"] > now - params.window_s]
+    for counter in _RATE_COUNTERS:
+        p["buckets"][counter] = [b for b in p["buckets"][counter]
+                                 if b[0] + _BUCKET_S > now - params.rate_window_s]
+
+
+def _per_hour(p: dict[str, Any], counter: str, now: float, params: IbConfig) -> float:
+    total = sum(b[1] for b in p["buckets"][counter] if b[0] + _BUCKET_S > now - params.rate_window_s)
+    return float(total * 3600.0 / params.rate_window_s)
+
+
+# -- judgement ---------------------------------------------------------------
+
+
+def _downtime_evidence(p: dict[str, Any], now: float, params: IbConfig) -> dict[str, Any]:
+    records: list[dict[str, Any]] = p["outages"]
+    ongoing = max(0.0, now - p["down_since"]) if p["down_since"] is not None else None
+    measured = sum(r["down_s"] for r in records) + (ongoing or 0.0)
+    bound = sum(r["max_s"] for r in records) + (ongoing or 0.0)
+    longest = max([r["longest_s"] for r in records] + [ongoing or 0.0])
+    counter_only = sum(r["n"] for r in records if r["kind"] == "link_downed")
+    ev: dict[str, Any] = {
+        "window_s": params.window_s,
+        "downtime_s": round(measured, 1),
+        "downtime_upper_bound_s": round(bound, 1),
+        "outages": sum(r["n"] for r in records) + (1 if ongoing is not None else 0),
+        "longest_outage_s": round(longest, 1),
+        "outages_seen_only_by_link_downed": counter_only,
+        "counter_resets": p["resets"],
+    }
+    if ongoing is not None:
+        ev["ongoing_outage_s"] = round(ongoing, 1)
+    if records:
+        ev["recent_outages"] = [
+            {"start": r["start"], "end": r["end"], "down_s": round(r["down_s"], 1),
+             "at_most_s": round(r["max_s"], 1), "n": r["n"], "seen_by": r["kind"]}
+            for r in records[-_EVIDENCE_OUTAGES:]]
+    if counter_only:
+        ev["outages_by_link_downed_note"] = (
+            "outages seen only through link_downed began and ended between two samples: counted, with "
+            "no measured duration (at most the gap between the samples, see downtime_upper_bound_s)")
+    return ev
+
+
+def _downtime_issues(ev: dict[str, Any], params: IbConfig) -> list[_Issue]:
+    issues: list[_Issue] = []
+    window = f"{params.window_s / 3600:g} h"
+    ongoing = ev.get("ongoing_outage_s")
+    if ongoing is not None and ongoing > params.outage_fail_s:
+        issues.append(_Issue(Severity.FAIL, Action.CHECK_CABLES,
+                             f"down for {ongoing:.1f} s now, longer than the {params.outage_fail_s:g} s "
+                             "NCCL IB timeout: collectives on this rail fail"))
+    elif ev["longest_outage_s"] > params.outage_fail_s:
+        issues.append(_Issue(Severity.FAIL, Action.CHECK_CABLES,
+                             f"an outage of {ev['longest_outage_s']:.1f} s in the last {window}, longer "
+                             f"than the {params.outage_fail_s:g} s NCCL IB timeout"))
+    if ev["downtime_s"] > params.downtime_fail_s:
+        issues.append(_Issue(Severity.FAIL, Action.CHECK_CABLES,
+                             f"{ev['downtime_s']:.1f} s down in the last {window} over {ev['outages']} "
+                             f"outages (fail above {params.downtime_fail_s:g} s)"))
+    return issues
+
+
+def _rate_issues(ctx: CheckContext, port: IbPort, evidence: dict[str, Any]) -> list[_Issue]:
+    want = ctx.profile.network.ib_rate_gbps
+    if want is None:
+        evidence["profile_comparison"] = f"profile {ctx.profile.name} gives no InfiniBand rate to compare"
+        return []
+    evidence["expected_rate_gbps"] = want
+    if port.rate is None or not port.up:
+        return []
+    if port.rate.gbps < want:
+        return [_Issue(Severity.WARN, Action.CHECK_CABLES,
+                       f"link at {port.rate}, profile {ctx.profile.name} expects {want:g} Gb/s "
+                       "(a degraded cable or transceiver trains at a lower rate or width)")]
+    return []
+
+
+def _reading_evidence(port: IbPort) -> dict[str, Any]:
+    ev: dict[str, Any] = {"state": str(port.state), "phys_state": str(port.phys_state),
+                          "rate": str(port.rate) if port.rate is not None else None,
+                          "rate_gbps": port.rate.gbps if port.rate is not None else None,
+                          "link_layer": port.link_layer}
+    ev.update({k: v for k, v in port.counters.items()})
+    saturated = port.saturated()
+    if saturated:
+        ev["saturated_counters"] = saturated
+    if "link_downed" in saturated:
+        # Not a warning: 255 is lifetime history of unknown age (it also reads 255 on
+        # a healthy all-ACTIVE real H100 node), there is nothing to act on but clearing
+        # it, and a permanent warn would teach operators to ignore this check. What is
+        # lost is only sub-sample outages; outages of a sample or longer are still timed.
+        ev["link_downed_saturated_note"] = ("link_downed reads 255, the saturated value of the 8-bit IB "
+                                  "PortCounters LinkDownedCounter: outages shorter than one sample can "
+                                  "no longer be seen on this port (clear the counters, e.g. "
+                                  "perfquery -R, to restore that); outages of a sample or longer are "
+                                  "still measured from the port state")
+    return ev
+
+
+def _finding(check: Check, comp: str, issues: list[_Issue], evidence: dict[str, Any]) -> Finding:
+    if not issues:
+        return check.ok(comp, _ok_message(evidence), **evidence)
+    issues.sort(key=lambda i: (i.severity, i.action), reverse=True)
+    worst = issues[0]
+    action = max(i.action for i in issues if i.severity is worst.severity)
+    return check.finding(comp, worst.severity, "; ".join(i.text for i in issues), action, **evidence)
+
+
+def _ok_message(ev: dict[str, Any]) -> str:
+    parts = [f"up at {ev.get('rate') or 'unknown rate'} ({ev.get('link_layer')})"]
+    if ev.get("link_layer") == "Ethernet":
+        parts.append("RoCE port: state and downtime checked, not compared with the profile's "
+                     "InfiniBand rate and port count")
+    if ev["outages"]:
+        parts.append(f"{ev['outages']} outage(s) in the window, {ev['downtime_s']:.1f} s down, "
+                     f"longest {ev['longest_outage_s']:.1f} s: below the fail thresholds")
+    if "link_downed" in ev.get("saturated_counters", ()):
+        parts.append("link_downed saturated at 255: sub-sample outages are invisible on this port")
+    return "; ".join(parts)

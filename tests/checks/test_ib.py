@@ -1,0 +1,548 @@
+"""The ib check on the real H100 /sys/class/infiniband tree and on a simulated node.
+
+Real input: tests/data/ibstat-sysfs/sys-class-infiniband_h100 (provenance in
+tests/data/ibstat-sysfs/SOURCES.md): 8x ConnectX-7 NDR 400 InfiniBand ports,
+all ACTIVE/LinkUp, mlx5_1 link_downed = 255, plus mlx5_bond_0, a BlueField-3
+Ethernet (RoCE) port at 200 Gb/s. Simulated faults go through the real stack
+(SimHarness from tests/conftest.py); time is stepped, never slept.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import SimHarness
+from gpumon.check import CheckContext, KernelLog
+from gpumon.checkstate import CheckStateStore
+from gpumon.errors import HwCondition
+from gpumon.hw import Hardware
+from gpumon.hw.infiniband import PHYS_STATE_NAMES, parse_rate, parse_state
+from gpumon.hw.inventory import Inventory
+from gpumon.model import Action, Finding, Severity
+from gpumon.profiles import GENERIC, Profile, builtin_profiles
+from gpumon.sim import nvml_inject
+from gpumon_checks.ib import IbCheck, IbConfig
+
+TREE = Path(__file__).resolve().parents[1] / "data" / "ibstat-sysfs" / "sys-class-infiniband_h100"
+NDR = ["mlx5_0", "mlx5_1", "mlx5_4", "mlx5_5", "mlx5_6", "mlx5_7", "mlx5_8", "mlx5_9"]
+T0 = 1_800_000_000.0
+
+
+@functools.cache
+def _profiles() -> dict[str, Profile]:
+    return builtin_profiles()
+
+
+class Node:
+    """A host root holding the real tree; runs the check at chosen times with its state
+    kept as JSON between runs, as the daemon's store keeps it."""
+
+    def __init__(self, root: Path, profile: str = "h100-sxm", params: IbConfig | None = None) -> None:
+        self.root = root
+        self.ib = root / "sys" / "class" / "infiniband"
+        if not self.ib.exists():
+            # hw_counters/ (RDMA transport counters) is not read by the check
+            shutil.copytree(TREE, self.ib, ignore=shutil.ignore_patterns("hw_counters"))
+        self.hw = Hardware(root)
+        self.profile = GENERIC if profile == "generic" else _profiles()[profile]
+        self.params = params or IbConfig()
+        self.state: dict[str, Any] = {}
+        self.set_boot("boot-1")
+
+    def set_boot(self, boot_id: str) -> None:
+        path = self.root / "proc" / "sys" / "kernel" / "random" / "boot_id"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(boot_id + "\n")
+
+    def attr(self, dev: str, name: str) -> Path:
+        return self.ib / dev / "ports" / "1" / name
+
+    def write(self, dev: str, name: str, text: str) -> None:
+        self.attr(dev, name).write_text(text)
+
+    def down(self, dev: str) -> None:
+        self.write(dev, "state", "1: DOWN\n")
+        self.write(dev, "phys_state", "2: Polling\n")
+
+    def up(self, dev: str) -> None:
+        self.write(dev, "state", "4: ACTIVE\n")
+        self.write(dev, "phys_state", "5: LinkUp\n")
+
+    def run(self, t: float) -> dict[str, Finding]:
+        ctx = CheckContext(hw=self.hw, inventory=Inventory(ib_devices=sorted(os.listdir(self.ib))),
+                           profile=self.profile, params=self.params, state=self.state,
+                           kernel_log=KernelLog(), clock=lambda: T0 + t)
+        findings = IbCheck().run(ctx)
+        assert json.loads(json.dumps(self.state)) == self.state  # JSON types only (CheckStateStore)
+        by = {f.component: f for f in findings}
+        assert len(by) == len(findings), "one finding per component"
+        return by
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Iterator[Path]:
+    """A folder for host trees, on tmpfs when there is one: the tests rewrite sysfs files
+    every simulated second, and a slow disk makes that the bulk of their run time."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        yield tmp_path
+        return
+    base = Path(tempfile.mkdtemp(dir=shm, prefix="gpumon-ib-"))
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def node(scratch: Path) -> Node:
+    return Node(scratch)
+
+
+def _sev(found: dict[str, Finding]) -> dict[str, str]:
+    return {c: f.severity.value for c, f in found.items()}
+
+
+# -- the real H100 tree ------------------------------------------------------------
+
+
+def test_real_h100_tree_is_all_ok_against_h100_sxm(node: Node) -> None:
+    node.run(0)
+    found = node.run(1)
+    assert set(found) == {f"ib/{d}/1" for d in [*NDR, "mlx5_bond_0"]} | {"node"}
+    assert set(_sev(found).values()) == {"ok"}, {c: f.message for c, f in found.items()}
+    count = found["node"]
+    assert count.evidence["expected_ib_ports"] == 8
+    assert count.evidence["infiniband_ports"] == [f"{d}/1" for d in NDR]
+    assert count.evidence["active_infiniband_ports"] == 8
+    assert count.evidence["other_rdma_ports"] == ["mlx5_bond_0/1"]
+    for dev in NDR:
+        ev = found[f"ib/{dev}/1"].evidence
+        assert (ev["rate_gbps"], ev["expected_rate_gbps"], ev["link_layer"]) == (400.0, 400.0, "InfiniBand")
+        assert (ev["downtime_s"], ev["outages"], ev["symbol_error_per_h"]) == (0.0, 0, 0.0)
+    bond = found["ib/mlx5_bond_0/1"]
+    assert bond.evidence["link_layer"] == "Ethernet" and "expected_rate_gbps" not in bond.evidence
+    assert "not compared with the profile's InfiniBand rate" in bond.message
+
+
+def test_saturated_link_downed_is_reported_not_warned(node: Node) -> None:
+    node.run(0)
+    mlx5_1 = node.run(1)["ib/mlx5_1/1"]
+    assert mlx5_1.severity is Severity.OK
+    assert mlx5_1.evidence["link_downed"] == 255
+    assert mlx5_1.evidence["saturated_counters"] == ["link_downed"]
+    assert "8-bit" in mlx5_1.evidence["link_downed_saturated_note"]
+    assert "saturated" in mlx5_1.message
+    # it stays blind to sub-sample outages, but a sampled outage is still timed
+    node.down("mlx5_1")
+    node.run(2)
+    node.run(3)
+    node.up("mlx5_1")
+    after = node.run(4)["ib/mlx5_1/1"]
+    assert after.evidence["outages"] == 1 and after.evidence["downtime_s"] == 2.0
+
+
+@pytest.mark.parametrize(("profile", "node_severity", "expected"), [
+    ("a100-sxm-80gb", "ok", 8),   # HDR 200 profile: 400 is not below it
+    ("gb200", "ok", 4),           # more IB ports than a GB200 tray has: fine
+    ("generic", "skipped", None),  # nothing to compare with: said, not ok
+])
+def test_real_tree_against_other_profiles(scratch: Path, profile: str, node_severity: str,
+                                          expected: int | None) -> None:
+    n = Node(scratch, profile)
+    found = n.run(0)
+    assert found["node"].severity.value == node_severity
+    assert found["node"].evidence["expected_ib_ports"] == expected
+    assert all(f.severity is Severity.OK for c, f in found.items() if c != "node")
+    if profile == "generic":
+        assert "no InfiniBand rate" in found["ib/mlx5_0/1"].evidence["profile_comparison"]
+
+
+def test_missing_hca_is_a_missing_rail(node: Node) -> None:
+    shutil.rmtree(node.ib / "mlx5_9")
+    found = node.run(0)
+    count = found["node"]
+    assert (count.severity, count.action) == (Severity.FAIL, Action.INSPECT_HARDWARE)
+    assert "7 InfiniBand ports" in count.message and "expects 8" in count.message
+    assert "ib/mlx5_9/1" not in found
+
+
+# -- downtime, link_downed, rates on the real tree -------------------------------
+
+
+def test_outage_is_timed_between_samples(node: Node) -> None:
+    for t in range(0, 5):
+        node.run(t)
+    node.down("mlx5_4")
+    assert node.run(5)["ib/mlx5_4/1"].severity is Severity.WARN
+    for t in range(6, 13):
+        during = node.run(t)["ib/mlx5_4/1"]
+    # down for exactly the timeout: not yet longer than it
+    assert during.severity is Severity.WARN and during.evidence["ongoing_outage_s"] == 7.0
+    node.up("mlx5_4")  # and no sample at 13
+    after = node.run(14)["ib/mlx5_4/1"]
+    assert (after.severity, after.action) == (Severity.FAIL, Action.CHECK_CABLES)
+    assert after.evidence["longest_outage_s"] == 9.0 and after.evidence["downtime_s"] == 9.0
+    # first down sample 5, last down 12 (a sample skipped at 13), first up 14: 9 s, at most 10 s
+    assert after.evidence["recent_outages"][0]["at_most_s"] == 10.0
+
+
+def test_link_downed_step_without_a_down_sample_is_an_outage(node: Node) -> None:
+    node.run(0)
+    node.write("mlx5_0", "counters/link_downed", "1\n")
+    f = node.run(1)["ib/mlx5_0/1"]
+    assert f.severity is Severity.OK
+    ev = f.evidence
+    assert (ev["outages"], ev["outages_seen_only_by_link_downed"], ev["downtime_s"]) == (1, 1, 0.0)
+    assert ev["downtime_upper_bound_s"] == 1.0 and "between two samples" in ev["outages_by_link_downed_note"]
+
+
+def test_first_reading_is_a_baseline(node: Node) -> None:
+    node.write("mlx5_0", "counters/link_downed", "7\n")
+    node.write("mlx5_0", "counters/symbol_error", "60000\n")
+    ev = node.run(0)["ib/mlx5_0/1"].evidence
+    assert (ev["outages"], ev["symbol_error_per_h"]) == (0, 0.0)
+
+
+def test_counters_going_backwards_are_a_reset(node: Node) -> None:
+    node.write("mlx5_0", "counters/symbol_error", "100\n")
+    node.run(0)
+    node.write("mlx5_0", "counters/symbol_error", "50\n")
+    node.write("mlx5_1", "counters/link_downed", "0\n")  # cleared, e.g. perfquery -R
+    found = node.run(10)  # error counters are read every 10 s
+    ev = found["ib/mlx5_0/1"].evidence
+    assert (ev["counter_resets"], ev["symbol_error_per_h"]) == (1, 0.0)
+    assert found["ib/mlx5_1/1"].evidence["outages"] == 0
+    node.write("mlx5_0", "counters/symbol_error", "60\n")
+    ev = node.run(20)["ib/mlx5_0/1"].evidence
+    assert ev["symbol_error_per_h"] == 10.0  # 10 new errors in the 1 h window
+    assert all(v >= 0 for k, v in ev.items() if k.endswith("_per_h"))
+
+
+def test_error_rates_warn(node: Node) -> None:
+    node.run(0)
+    node.write("mlx5_5", "counters/symbol_error", "121\n")
+    node.write("mlx5_6", "counters/link_error_recovery", "200\n")
+    found = node.run(60)
+    sym = found["ib/mlx5_5/1"]
+    assert (sym.severity, sym.action) == (Severity.WARN, Action.CHECK_CABLES)
+    assert sym.evidence["symbol_error_per_h"] == 121.0 and "symbol_error" in sym.message
+    assert found["ib/mlx5_6/1"].severity is Severity.OK  # 200/h is under 300/h
+    # an hour later the burst has left the rate window
+    assert node.run(60 + 3600 + 60)["ib/mlx5_5/1"].severity is Severity.OK
+
+
+def test_link_retrained_at_a_lower_rate_warns_at_once(node: Node) -> None:
+    node.run(0)
+    node.run(1)
+    node.down("mlx5_9")
+    node.run(2)
+    node.up("mlx5_9")
+    node.write("mlx5_9", "rate", "200 Gb/sec (4X HDR)\n")
+    f = node.run(3)["ib/mlx5_9/1"]  # back up: rate is read with the first up sample
+    assert (f.severity, f.action) == (Severity.WARN, Action.CHECK_CABLES)
+    assert f.evidence["rate"] == "200 Gb/sec (4X HDR)" and f.evidence["details_age_s"] == 0.0
+    node.write("mlx5_8", "rate", "100 Gb/sec (4X EDR)\n")  # no outage seen: within 10 s
+    assert node.run(4)["ib/mlx5_8/1"].severity is Severity.OK
+    assert node.run(10)["ib/mlx5_8/1"].severity is Severity.WARN
+
+
+def test_window_total_downtime_fails_without_any_long_outage(node: Node) -> None:
+    node.run(0)
+    t = 1
+    for _ in range(6):  # six 6 s outages: none above 7 s, 36 s in total
+        node.down("mlx5_7")
+        for _ in range(6):
+            node.run(t)
+            t += 1
+        node.up("mlx5_7")
+        node.run(t)
+        t += 1
+    f = node.run(t)["ib/mlx5_7/1"]
+    assert f.evidence["longest_outage_s"] == 6.0 and f.evidence["downtime_s"] == 36.0
+    assert (f.severity, f.action) == (Severity.FAIL, Action.CHECK_CABLES) and "36.0 s down" in f.message
+
+
+def test_never_up_port_warns_without_timing_an_outage(node: Node) -> None:
+    node.down("mlx5_8")
+    node.write("mlx5_8", "phys_state", "3: Disabled\n")
+    f = node.run(0)["ib/mlx5_8/1"]
+    f = node.run(100)["ib/mlx5_8/1"]
+    assert (f.severity, f.action) == (Severity.WARN, Action.CHECK_CABLES)
+    assert "never seen ACTIVE" in f.message and f.evidence["outages"] == 0
+
+
+def test_outage_records_are_capped(scratch: Path) -> None:
+    n = Node(scratch)
+    for dev in os.listdir(n.ib):
+        if dev != "mlx5_0":
+            shutil.rmtree(n.ib / dev)
+    n.run(0)
+    for t in range(1, 141):  # 140 sub-sample flaps, each seen only through link_downed
+        n.write("mlx5_0", "counters/link_downed", f"{t}\n")
+        found = n.run(t)
+    assert found["ib/mlx5_0/1"].evidence["outages"] == 140
+    assert len(n.state["ports"]["mlx5_0/1"]["outages"]) <= 128
+
+
+# -- ports that disappear, garbage ----------------------------------------------
+
+
+def test_hca_vanishing_at_runtime(node: Node) -> None:
+    node.run(0)
+    saved = node.root / "saved-mlx5_9"
+    shutil.move(node.ib / "mlx5_9", saved)
+    found = node.run(1)
+    port, count = found["ib/mlx5_9/1"], found["node"]
+    assert (port.severity, port.action) == (Severity.WARN, Action.REBOOT_NODE)
+    assert "disappeared" in port.message
+    assert (count.severity, count.action) == (Severity.FAIL, Action.REBOOT_NODE)
+    assert count.evidence["vanished_ports"] == ["mlx5_9/1"]
+    assert node.run(9)["ib/mlx5_9/1"].severity is Severity.FAIL
+    shutil.move(saved, node.ib / "mlx5_9")
+    back = node.run(10)
+    assert back["node"].severity is Severity.OK
+    assert back["ib/mlx5_9/1"].evidence["longest_outage_s"] == 9.0
+    assert back["ib/mlx5_9/1"].severity is Severity.FAIL
+
+
+def test_port_folder_disappearing(node: Node) -> None:
+    node.run(0)
+    shutil.rmtree(node.ib / "mlx5_6" / "ports" / "1")
+    found = node.run(1)
+    port, count = found["ib/mlx5_6/1"], found["node"]
+    assert (port.severity, port.action) == (Severity.WARN, Action.REBOOT_NODE)
+    assert count.severity is Severity.FAIL and "mlx5_6 is in /sys/class/infiniband but shows no ports" in \
+        count.message and count.evidence["vanished_ports"] == ["mlx5_6/1"]
+
+
+def test_garbage_state_and_rate_are_unknown_for_that_port(node: Node) -> None:
+    node.run(0)
+    node.write("mlx5_4", "state", "4: ACT\x00")
+    node.write("mlx5_5", "rate", "fast\n")
+    node.write("mlx5_6", "counters/symbol_error", "-3\n")
+    found = node.run(10)  # rate and error counters are read every 10 s, state every second
+    assert found["ib/mlx5_4/1"].severity is Severity.UNKNOWN and "state" in found["ib/mlx5_4/1"].message
+    assert found["ib/mlx5_5/1"].severity is Severity.UNKNOWN and "rate" in found["ib/mlx5_5/1"].message
+    assert found["ib/mlx5_6/1"].severity is Severity.UNKNOWN
+    assert "symbol_error" in found["ib/mlx5_6/1"].message
+    others = {c: s for c, s in _sev(found).items() if c not in ("ib/mlx5_4/1", "ib/mlx5_5/1", "ib/mlx5_6/1")}
+    assert set(others.values()) == {"ok"}
+
+
+def test_unlistable_device_is_unknown_not_gone(node: Node) -> None:
+    node.run(0)
+    (node.ib / "mlx5_7" / "ports" / "x").mkdir()
+    found = node.run(10)  # port folders are listed every 10 s
+    port, count = found["ib/mlx5_7/1"], found["node"]
+    assert port.severity is Severity.UNKNOWN and "port folder name" in port.message
+    assert count.severity is Severity.UNKNOWN and "cannot list ports" in count.message
+    assert "vanished_ports" not in count.evidence
+
+
+def test_wall_clock_stepping_back_makes_no_negative_outage(node: Node) -> None:
+    node.run(100)
+    node.down("mlx5_8")
+    node.run(101)
+    node.up("mlx5_8")
+    node.write("mlx5_8", "counters/link_downed", "3\n")
+    ev = node.run(90)["ib/mlx5_8/1"].evidence  # NTP stepped the clock back 11 s
+    assert ev["downtime_s"] >= 0 and ev["downtime_upper_bound_s"] >= 0 and ev["longest_outage_s"] >= 0
+    assert all(r["down_s"] >= 0 and r["at_most_s"] >= 0 for r in ev["recent_outages"])
+
+
+@pytest.fixture(scope="module")
+def garbage_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("garbage")
+    shutil.copytree(TREE / "mlx5_0", root / "sys" / "class" / "infiniband" / "mlx5_0",
+                    ignore=shutil.ignore_patterns("hw_counters"))
+    return root
+
+
+def _rejects(parse: Any, text: str) -> bool:
+    try:
+        parse(text)
+    except HwCondition:
+        return True
+    return False
+
+
+@settings(max_examples=60)
+@given(attr=st.sampled_from(["state", "phys_state", "rate"]), text=st.text(max_size=40))
+def test_any_text_in_state_or_rate_never_crashes_nor_passes(garbage_root: Path, attr: str, text: str) -> None:
+    n = Node(garbage_root)
+    n.run(0)
+    path = n.attr("mlx5_0", attr)
+    original = path.read_bytes()
+    try:
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        f = n.run(10)["ib/mlx5_0/1"]  # a full read: rate is read every 10 s
+    finally:
+        path.write_bytes(original)
+    parse = {"state": parse_state, "phys_state": lambda s: parse_state(s, names=PHYS_STATE_NAMES),
+             "rate": parse_rate}[attr]
+    stripped = text.encode("utf-8", errors="replace").decode("utf-8").strip()
+    if _rejects(parse, stripped):
+        assert f.severity is Severity.UNKNOWN, f
+    else:
+        assert f.severity is not Severity.UNKNOWN
+
+
+# -- state: restarts, reboots, bad state --------------------------------------------
+
+
+def test_state_survives_a_daemon_restart(node: Node, tmp_path: Path) -> None:
+    store = CheckStateStore(tmp_path / "state")
+    node.state = store.get("ib")
+    node.run(0)
+    node.down("mlx5_8")
+    node.run(1)
+    node.run(2)
+    assert store.save("ib")
+    restarted = CheckStateStore(tmp_path / "state")
+    node.state = restarted.get("ib")
+    node.run(3)
+    node.up("mlx5_8")
+    ev = node.run(4)["ib/mlx5_8/1"].evidence
+    assert (ev["outages"], ev["downtime_s"]) == (1, 3.0)
+
+
+def test_reboot_closes_an_open_outage_and_rebaselines_counters(node: Node) -> None:
+    node.run(0)
+    node.down("mlx5_8")
+    node.run(1)
+    node.run(2)
+    node.set_boot("boot-2")
+    node.up("mlx5_8")
+    node.write("mlx5_8", "counters/link_downed", "0\n")
+    ev = node.run(300)["ib/mlx5_8/1"].evidence
+    assert ev["outages"] == 1 and ev["downtime_s"] == 1.0  # closed at the last sample that saw it down
+    assert ev["counter_resets"] == 0  # a new boot is a new baseline, not a reset
+
+
+def test_state_of_another_shape_starts_afresh(node: Node) -> None:
+    node.state.update({"version": 1, "boot_id": "boot-1",
+                       "ports": {"mlx5_0/1": {"junk": 1}, "../x": 5, "mlx5_1/1": None}})
+    found = node.run(0)
+    assert set(_sev(found).values()) == {"ok"}
+    for bad in ({"version": "x"}, {"version": 1, "ports": {}}, {"version": 1, "boot_id": 3, "ports": {}}):
+        node.state = dict(bad)
+        assert set(_sev(node.run(1)).values()) == {"ok"}
+    good = node.state["ports"]["mlx5_0/1"]
+    node.state["ports"]["mlx5_0/1"] = {**good, "last_up": "yes", "resets": 1.5}
+    assert set(_sev(node.run(2)).values()) == {"ok"}
+
+
+def test_capability_gate_and_ignored_devices(scratch: Path) -> None:
+    assert IbCheck().supported(Inventory()) == "no InfiniBand/RDMA devices in /sys/class/infiniband"
+    assert IbCheck().supported(Inventory(ib_devices=["mlx5_0"])) is None
+    n = Node(scratch, params=IbConfig(ignore_devices=["mlx5_bond_0", "mlx5_9"]))
+    found = n.run(0)
+    assert "ib/mlx5_bond_0/1" not in found and "ib/mlx5_9/1" not in found
+    assert found["node"].severity is Severity.FAIL  # the profile still wants 8 InfiniBand ports
+    with pytest.raises(ValueError):
+        IbConfig(rate_window_s=7200, window_s=3600)
+
+
+def test_every_default_threshold_has_a_source() -> None:
+    import dataclasses
+    for f in dataclasses.fields(IbConfig):
+        if f.type in ("float", float):
+            assert len(f.metadata.get("source", "")) > 20, f.name
+
+
+# -- simulated node through the real stack -------------------------------------------
+
+
+@pytest.fixture
+def fast_sim(inject_lib_dir: Path, tmp_path: Path, scratch: Path,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The `sim` fixture's harness (tests/conftest.py) on the scratch folder: these tests
+    render the whole node every simulated second (~640 files), ~0.75 s a step on a slow
+    disk and ~0.1 s on tmpfs."""
+    monkeypatch.setenv(nvml_inject.STATE_ENV, str(tmp_path / "unset"))
+    made: list[SimHarness] = []
+
+    def make(scenario: str) -> SimHarness:
+        h = SimHarness(scenario, scratch / f"sim{len(made)}", inject_lib_dir)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+FAULTS = """
+name: ib-faults
+sku: h100-sxm
+faults:
+  - {at_s: 60, kind: ib_down, device: mlx5_2, port: 1, duration_s: 9}
+  - {at_s: 60, kind: ib_down, device: mlx5_3, port: 1, duration_s: 3}
+  - {at_s: 62.5, kind: ib_errors, device: mlx5_4, counter: link_downed, count: 1}
+  - {at_s: 64.3, kind: ib_down, device: mlx5_7, port: 1, duration_s: 0.4}
+  - {at_s: 60, kind: ib_rate, device: mlx5_5, rate_gbps: 200}
+  - {at_s: 60, kind: ib_errors, device: mlx5_6, counter: symbol_error, per_s: 20, duration_s: 12}
+"""
+
+
+def test_simulated_faults_sampled_every_second(fast_sim: Any) -> None:
+    h = fast_sim(FAULTS)
+    seen: dict[int, dict[str, Finding]] = {}
+    for t in range(55, 77):
+        seen[t] = {f.component: f for f in h.run(IbCheck, t=t)}
+    assert set(_sev(seen[59]).values()) == {"ok"}
+    assert seen[62]["ib/mlx5_2/1"].severity is Severity.WARN  # down 2 s so far
+    assert seen[68]["ib/mlx5_2/1"].severity is Severity.FAIL  # still down, past the 7 s timeout
+    end = seen[76]
+    # the 9 s outage: fail, downtime and longest outage within 1 s of 9 s
+    down9 = end["ib/mlx5_2/1"]
+    assert (down9.severity, down9.action) == (Severity.FAIL, Action.CHECK_CABLES)
+    assert abs(down9.evidence["downtime_s"] - 9) <= 1 and abs(down9.evidence["longest_outage_s"] - 9) <= 1
+    assert down9.evidence["outages"] == 1
+    # the 3 s outage: counted as downtime, not a fail
+    down3 = end["ib/mlx5_3/1"]
+    assert down3.severity is Severity.OK and abs(down3.evidence["downtime_s"] - 3) <= 1
+    assert down3.evidence["outages"] == 1
+    # link_downed stepped while the port stayed ACTIVE: counted, duration bounded by the 1 s interval
+    for comp in ("ib/mlx5_4/1", "ib/mlx5_7/1"):
+        ev = end[comp].evidence
+        assert end[comp].severity is Severity.OK
+        assert (ev["outages"], ev["outages_seen_only_by_link_downed"], ev["downtime_s"]) == (1, 1, 0.0)
+        assert ev["downtime_upper_bound_s"] <= 1.0
+    # NDR port trained at 200: a warn within 10 s (rate is read every 10 s, state every second)
+    assert seen[59]["ib/mlx5_5/1"].severity is Severity.OK
+    assert seen[70]["ib/mlx5_5/1"].severity is Severity.WARN
+    rate = end["ib/mlx5_5/1"]
+    assert (rate.severity, rate.action) == (Severity.WARN, Action.CHECK_CABLES)
+    assert rate.evidence["rate_gbps"] == 200 and "expects 400 Gb/s" in rate.message
+    # symbol_error ramp of 20/s for 12 s: 240 in the hour
+    sym = end["ib/mlx5_6/1"]
+    assert (sym.severity, sym.action) == (Severity.WARN, Action.CHECK_CABLES)
+    assert sym.evidence["symbol_error_per_h"] == 240.0
+    assert {c: s for c, s in _sev(end).items() if c in ("ib/mlx5_0/1", "ib/mlx5_1/1", "node")} == {
+        "ib/mlx5_0/1": "ok", "ib/mlx5_1/1": "ok", "node": "ok"}
+    # a day later every outage has left the 24 h window
+    later = {f.component: f for f in h.run(IbCheck, t=69 + 86400 + 1)}
+    for comp in ("ib/mlx5_2/1", "ib/mlx5_3/1", "ib/mlx5_4/1", "ib/mlx5_7/1"):
+        assert later[comp].severity is Severity.OK and later[comp].evidence["outages"] == 0, comp
+
+
+def test_simulated_node_missing_an_hca_and_one_without_rdma(fast_sim: Any) -> None:
+    h = fast_sim("name: seven\nsku: h100-sxm\nib_devices: 7\n")
+    found = {f.component: f for f in h.run(IbCheck, t=1)}
+    assert (found["node"].severity, found["node"].action) == (Severity.FAIL, Action.INSPECT_HARDWARE)
+    none = fast_sim("name: none\nsku: h100-sxm\nib_devices: 0\n")
+    inventory = none.context(IbCheck, t=1).inventory
+    assert IbCheck().supported(inventory) == "no InfiniBand/RDMA devices in /sys/class/infiniband"
