@@ -40,14 +40,20 @@ class Simulation:
     tmp: tempfile.TemporaryDirectory[str] | None = None
 
     @classmethod
-    def start(cls, scenario: Scenario, at_s: float | None, workdir: Path | None = None) -> Simulation:
+    def start(cls, scenario: Scenario, at_s: float | None, workdir: Path | None = None,
+              live: bool = False) -> Simulation:
+        """Render ``scenario`` at ``at_s`` (None: after every fault), or, ``live``, at the wall
+        clock's time since the node's start (a resumed node keeps its start)."""
         from gpumon.sim import nvml_inject
         tmp = None
         if workdir is None:
             tmp = tempfile.TemporaryDirectory(prefix="gpumon-sim-")
             workdir = Path(tmp.name)
         node = SimNode(scenario, workdir)
-        t = scenario.horizon_s if at_s is None else at_s
+        if live:
+            t = max(0.0, time.time() - node.start_wall)
+        else:
+            t = scenario.horizon_s if at_s is None else at_s
         node.render(t)
         lib_dir = nvml_inject.build_library()
         os.environ[nvml_inject.STATE_ENV] = str(node.nvml_state_path)

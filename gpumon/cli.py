@@ -100,8 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         simulation = None
         if args.simulate:
             scenario = load_scenario(args.simulate)
-            at = args.sim_at if args.command != "daemon" else 0.0
-            simulation = Simulation.start(scenario, at, args.sim_dir)
+            simulation = Simulation.start(scenario, args.sim_at, args.sim_dir,
+                                          live=args.command == "daemon")
         agent = Agent(config, checks, simulation, persist_state=args.command == "daemon")
         try:
             agent.start()

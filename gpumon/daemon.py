@@ -37,6 +37,8 @@ from gpumon.report import json_report
 from gpumon.runner import CheckRun
 
 log = logging.getLogger("gpumon.daemon")
+# kept beside the checks' own state (a check may clear its state on a new boot)
+WATERMARK_STATE = "kernel-log-watermarks"
 
 
 def sd_notify(message: str) -> bool:
@@ -125,9 +127,44 @@ class KernelLogPump:
         lost = self.follower.lost_records if self.follower is not None else 0
         if self.error is not None and not records:
             return KernelLog(available=False, error=self.error, source=str(self.agent.kmsg_path))
+        events, records = self._after_watermark(name, events, records)
         return KernelLog(events=events, records=records, available=True,
                          source=str(self.agent.kmsg_path), records_read=total, lost_records=lost,
                          boot_time=self.agent.hw.fs.boot_time())
+
+    def _after_watermark(self, name: str, events: list[Any],
+                         records: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Drop what this check already saw before a daemon restart.
+
+        A restarted daemon reads the kernel ring from its start again, while the
+        check's persisted state already counts those lines. The watermark (kernel
+        sequence number, else kernel time) of the last record handed to each check
+        is kept in that check's state, boot by boot.
+        """
+        marks = self.agent.check_state.get(WATERMARK_STATE)
+        boot = self.agent.hw.fs.boot_id()
+        mark = marks.get(name)
+        if not isinstance(mark, dict) or mark.get("boot") != boot:
+            mark = {"boot": boot, "seq": None, "us": None}
+
+        def seen(rec: Any) -> bool:
+            if rec.seq is not None and mark["seq"] is not None:
+                return bool(rec.seq <= mark["seq"])
+            if rec.monotonic_us is not None and mark["us"] is not None:
+                return bool(rec.monotonic_us <= mark["us"])
+            return False
+
+        fresh = [r for r in records if not seen(r)]
+        if len(fresh) != len(records):
+            kept = {id(r) for r in fresh}
+            events = [e for e in events if getattr(e, "record", None) is None or id(e.record) in kept]
+        for r in fresh:
+            if r.seq is not None:
+                mark["seq"] = r.seq
+            if r.monotonic_us is not None:
+                mark["us"] = r.monotonic_us
+        marks[name] = mark
+        return events, fresh
 
     def has_pending(self, name: str) -> bool:
         """A record this check cares about has arrived since its last run."""
@@ -232,7 +269,7 @@ class Daemon:
             deadline = time.monotonic() + grace
             for worker in list(self._workers.values()):
                 worker.join(timeout=max(0.0, deadline - time.monotonic()))
-            for name in self._saved_at:
+            for name in (*self._saved_at, WATERMARK_STATE):
                 self.agent.check_state.save(name)
             pump.close()
             if sim_thread is not None:
@@ -256,6 +293,8 @@ class Daemon:
                 # second is most of the daemon's I/O. At most every 10 s, and at exit.
                 if run.outcome == "completed" and now - self._saved_at.get(run.check, 0.0) >= 10.0:
                     self.agent.check_state.save(run.check)
+                    if check.uses_kernel_log:
+                        self.agent.check_state.save(WATERMARK_STATE)
                     self._saved_at[run.check] = now
                 self._record(run)
 
@@ -297,9 +336,8 @@ class Daemon:
             return None
 
         def tick() -> None:
-            start = time.monotonic()
             while not self.stop.wait(0.25):
-                sim.advance(time.monotonic() - start)
+                sim.advance(time.time() - sim.node.start_wall)
 
         t = threading.Thread(target=tick, name="gpumon-sim-clock", daemon=True)
         t.start()

@@ -98,3 +98,26 @@ def test_daemon_notifies_systemd_over_notify_socket(tmp_path: Path) -> None:
     text = "\n".join(messages)
     assert "READY=1" in text and "WATCHDOG=1" in text and "STATUS=" in text
     assert text.index("READY=1") < text.index("STOPPING=1")
+
+
+def test_restart_keeps_check_state_and_does_not_count_old_lines_twice(tmp_path: Path) -> None:
+    simdir = tmp_path / "sim"
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("name: restart\nsku: h100-sxm\nfaults:\n  - {at_s: 1, kind: xid, gpu: 4, code: 31}\n")
+
+    def run(seconds: str) -> dict[str, object]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "gpumon", "daemon", "--simulate", str(scenario), "--sim-dir", str(simdir),
+             "--duration", seconds, "--listen", "127.0.0.1:0"],
+            capture_output=True, text=True, env=clean_env(), timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads((simdir / "state" / "report.json").read_text())
+        return {(f["check"], f["component"]): f for f in report["findings"]}  # type: ignore[return-value]
+
+    first = run("4")
+    assert first[("xid", "gpu/4")]["evidence"]["count"] == 1  # type: ignore[index]
+    boot = (simdir / "host/proc/sys/kernel/random/boot_id").read_text()
+    second = run("3")  # same node, same boot: the kernel ring is read from its start again
+    assert (simdir / "host/proc/sys/kernel/random/boot_id").read_text() == boot
+    assert second[("xid", "gpu/4")]["evidence"]["count"] == 1  # type: ignore[index]
+    assert (simdir / "state" / "checks" / "xid.json").is_file()

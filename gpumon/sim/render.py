@@ -10,6 +10,7 @@ reads all three through its normal hardware layer: the simulator sits below
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid as uuidlib
@@ -104,6 +105,26 @@ class SimNode:
         self.host_root = self.root / "host"
         self.nvml_state_path = self.root / "nvml-state.txt"
         self.kmsg_path = self.host_root / "dev" / "kmsg"
+        self._resume()
+
+    # A node rendered again into the same directory is the same boot of the same
+    # node (a daemon restart), not a new one: keep its boot id, clock and log.
+    def _resume(self) -> None:
+        path = self.root / "sim.json"
+        try:
+            saved = json.loads(path.read_text())
+            self.boot_id = str(saved["boot_id"])
+            self.start_wall = float(saved["start_wall"])
+            self._emitted = {int(i) for i in saved["emitted"]}
+            self._seq = int(saved["seq"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+
+    def _save(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "sim.json").write_text(json.dumps({
+            "boot_id": self.boot_id, "start_wall": self.start_wall,
+            "emitted": sorted(self._emitted), "seq": self._seq}))
 
     @property
     def boot_time(self) -> float:
@@ -122,6 +143,7 @@ class SimNode:
         self._kernel_log(t)
         self._fm_log(t)
         write_state(self._nvml(t), self.nvml_state_path)
+        self._save()
 
     def _write(self, rel: str, text: str) -> None:
         # Only what changed is rewritten: a step of simulated time should cost
