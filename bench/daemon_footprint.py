@@ -20,7 +20,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _machine import describe  # noqa: E402
+from _machine import describe
 
 
 def main() -> int:

@@ -21,13 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _machine import describe  # noqa: E402
+from _machine import describe
 
-from gpumon.agent import Agent, Simulation  # noqa: E402
-from gpumon.config import load_config  # noqa: E402
-from gpumon.daemon import Daemon  # noqa: E402
-from gpumon.registry import load_checks  # noqa: E402
-from gpumon.sim.scenario import load_scenario  # noqa: E402
+from gpumon.agent import Agent, Simulation
+from gpumon.config import load_config
+from gpumon.daemon import Daemon
+from gpumon.registry import load_checks
+from gpumon.sim.scenario import load_scenario
 
 
 def _count(daemon: Daemon) -> int:

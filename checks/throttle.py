@@ -1,14 +1,38 @@
-"""throttle: hardware clock slowdowns from NVML clock event reasons.
+"""throttle: how long each hardware clock slowdown held a GPU over a window.
 
-Reads ``nvmlDeviceGetCurrentClocksEventReasons`` per GPU. HW_SLOWDOWN,
-HW_THERMAL_SLOWDOWN and HW_POWER_BRAKE mean the board itself cut the clocks
-(thermal trip, power-supply brake signal, or the slowdown pin): the GPU runs
-at a fraction of its speed and the whole synchronous job waits for it.
-Idle and the software power cap are normal operation, not faults.
+NVIDIA documents HW_SLOWDOWN as "reducing the core clocks by a factor of 2 or more"
+(nvmlClocksEventReasonHwSlowdown); HW_THERMAL_SLOWDOWN and HW_POWER_BRAKE_SLOWDOWN are
+the same cut triggered by temperature and by the board's power-brake signal. A GPU held
+there runs at half speed or worse and a synchronous job waits for it. A one-off blip is
+normal electrical and thermal life; a GPU held down for a large share of the window is not.
+
+Per GPU and run the check reads the current reasons mask (``nvmlDeviceGetCurrentClocksEventReasons``)
+and the NVML violation counters (``nvmlDeviceGetViolationStatus``, cumulative ns), and keeps
+them in ``ctx.state``. The share of the window each reason was active comes from:
+
+- sampling: the masks read run after run, time-weighted (the time between two readings is
+  split evenly between them; a gap longer than ``max_sample_gap_s`` counts for neither);
+- the THERMAL violation counter, which counts thermal slowdown time exactly, blips between
+  readings included, but does not say whether SW or HW thermal slowdown held the clocks. The
+  readings say which: the counter's share goes to the thermal reason the readings saw, and to
+  the milder SW thermal reason when they saw none or both (so a counter never fails a GPU on a
+  guess). NVML has no counter for HW_SLOWDOWN or HW_POWER_BRAKE (its per-reason field values,
+  NVML_FI_DEV_CLOCKS_EVENT_REASON_*, are not read by gpumon's hardware layer): sampling only.
+- The POWER counter is SW power-cap time (NVML's header defines
+  NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP as the POWER perf-policy counter): evidence only.
+
+A counter that goes backwards (driver reload, GPU reset) restarts from that reading. Idle,
+SW power cap and application clocks are normal operation and never judged.
+
+With less than ``min_history_s`` of readings in the window (a one-shot ``gpumon check``, the
+daemon's first minute) there is no window to speak of: the current reading decides, as it
+always did (a fail reason active now fails, a warn reason warns).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +49,21 @@ _ACTIONS = {
     "hw_thermal_slowdown": Action.INSPECT_HARDWARE,
     "hw_power_brake_slowdown": Action.INSPECT_HARDWARE,
 }
+_HW_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+_THERMAL = ("hw_thermal_slowdown", "sw_thermal_slowdown")
+# Reported in evidence besides the judged reasons: normal operation, but worth seeing.
+_SHOWN = ("sw_power_cap",)
+# A counter may run slightly ahead of the wall clock between two readings (the two are
+# read at different instants); more than this is not a measurement but a reset or garbage.
+_COUNTER_SLACK = 1.05
+_COUNTER_SLACK_S = 1.0
+
+_FRACTION_SOURCE = (
+    "argued from NVIDIA's definition: HW slowdown cuts core clocks by a factor of 2 or more "
+    "(NVML nvmlClocksEventReasonHwSlowdown), so a GPU held there for a fraction f of the window "
+    "loses at least f/2 of its throughput, and a synchronous job on it loses the same. ")
+_WARN_DEFAULT = {r: 0.05 for r in (*_HW_REASONS, "sw_thermal_slowdown")}
+_FAIL_DEFAULT = {r: 0.25 for r in _HW_REASONS}
 
 
 def _reason_names() -> tuple[str, ...]:
@@ -33,21 +72,132 @@ def _reason_names() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ThrottleConfig:
-    fail_reasons: list[str] = field(default_factory=lambda: [
-        "hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"])
+    # Reasons that fail a GPU (held for fail_fraction of the window, or active in a lone
+    # reading) and reasons that can only warn.
+    fail_reasons: list[str] = field(default_factory=lambda: list(_HW_REASONS))
     warn_reasons: list[str] = field(default_factory=lambda: ["sw_thermal_slowdown"])
+    window_s: float = field(default=600.0, metadata={
+        "min": 10, "max": 86400,
+        "source": "leptonai/gpud components/accelerator/nvidia/hw-slowdown "
+                  "DefaultStateHWSlowdownEvaluationWindow = 10 * time.Minute"})
+    # reason -> share of the window at or above which the GPU warns / fails. Entries given in
+    # a config file or profile replace the built-in entry for that reason; others keep theirs.
+    warn_fraction: dict[str, float] = field(default_factory=lambda: dict(_WARN_DEFAULT), metadata={
+        "source": _FRACTION_SOURCE + "5 % (30 s in 10 min, >= 2.5 % lost) is more than a blip and "
+                  "worth a look; one 10 s reading is 1.7 % and stays quiet. gpud counts a minute as "
+                  "slowed if any reading in it is, which is far more sensitive, and asks 60 % of "
+                  "minutes before unhealthy (DefaultStateHWSlowdownEventsThresholdFrequencyPerMinute)"})
+    fail_fraction: dict[str, float] = field(default_factory=lambda: dict(_FAIL_DEFAULT), metadata={
+        "source": _FRACTION_SOURCE + "25 % of the window costs the whole job >= 12.5 %, beyond "
+                  "run-to-run noise and worth taking the GPU out; below gpud's 60 % of minutes "
+                  "(leptonai/gpud hw-slowdown DefaultStateHWSlowdownEventsThresholdFrequencyPerMinute"
+                  " = 0.6) because a half-speed GPU stalls every rank of the job, not just itself"})
+    min_history_s: float = field(default=60.0, metadata={
+        "min": 0,
+        "source": "argued: six readings at the default 10 s interval; with less history a share of "
+                  "the window is a share of almost nothing, so the current reading decides"})
+    max_sample_gap_s: float = field(default=120.0, metadata={
+        "min": 1,
+        "source": "argued: 12 default intervals; a longer silence (daemon stopped, check hung) is "
+                  "not attributed to either reading. Keep it above the check's interval_s"})
 
     def __post_init__(self) -> None:
-        for name in (*self.fail_reasons, *self.warn_reasons):
+        for name in (*self.fail_reasons, *self.warn_reasons, *self.warn_fraction, *self.fail_fraction):
             if name not in CLOCK_EVENT_REASONS:
                 raise ValueError(f"unknown clock event reason {name!r} "
                                  f"(known: {', '.join(_reason_names())})")
+        # a partial mapping overrides only the reasons it names
+        object.__setattr__(self, "warn_fraction", {**_WARN_DEFAULT, **self.warn_fraction})
+        object.__setattr__(self, "fail_fraction", {**_FAIL_DEFAULT, **self.fail_fraction})
+        for kind, table in (("warn_fraction", self.warn_fraction), ("fail_fraction", self.fail_fraction)):
+            for name, value in table.items():
+                if not 0.0 < value <= 1.0:
+                    raise ValueError(f"{kind}.{name} must be a share of the window in (0, 1], got {value}")
+        for name in self.fail_reasons:
+            if name not in self.fail_fraction:
+                raise ValueError(f"fail reason {name!r} needs a fail_fraction entry")
+            if name in self.warn_fraction and self.warn_fraction[name] > self.fail_fraction[name]:
+                raise ValueError(f"warn_fraction.{name} is above fail_fraction.{name}")
+        for name in self.warn_reasons:
+            if name not in self.warn_fraction:
+                raise ValueError(f"warn reason {name!r} needs a warn_fraction entry")
+        if self.min_history_s > self.window_s:
+            raise ValueError("min_history_s must not exceed window_s")
+
+
+@dataclass
+class Window:
+    """Shares of the window, per reason, and how much of the window was observed."""
+
+    observed_s: float
+    fractions: dict[str, float]
+    basis: dict[str, str]
+    counter_fractions: dict[str, float]
+
+
+def sampled_shares(samples: Sequence[Sequence[float]], start: float, end: float,
+                   max_gap: float) -> tuple[float, dict[str, float]]:
+    """(observed seconds, reason -> active seconds) in [start, end] from (time, mask) readings.
+
+    Each gap between two readings is split at its middle: the first half in the earlier
+    reading's state, the second in the later one's. A gap over ``max_gap`` is unobserved.
+    """
+    observed = 0.0
+    active = {r: 0.0 for r in CLOCK_EVENT_REASONS}
+    for (t0, m0), (t1, m1) in itertools.pairwise(samples):
+        if not 0 < t1 - t0 <= max_gap:
+            continue
+        mid = (t0 + t1) / 2
+        for a, b, mask in ((t0, mid, int(m0)), (mid, t1, int(m1))):
+            span = min(b, end) - max(a, start)
+            if span <= 0:
+                continue
+            observed += span
+            for reason, bit in CLOCK_EVENT_REASONS.items():
+                if mask & bit:
+                    active[reason] += span
+    return observed, active
+
+
+def counter_share(spans: Iterable[Sequence[float]], start: float, end: float) -> float | None:
+    """Share of [start, end] a violation counter ran, from (t0, t1, ns) spans; None if none overlap."""
+    covered = busy = 0.0
+    for t0, t1, ns in spans:
+        if t1 <= t0:
+            continue
+        overlap = min(t1, end) - max(t0, start)
+        if overlap <= 0:
+            continue
+        covered += overlap
+        busy += ns / 1e9 * overlap / (t1 - t0)
+    if covered <= 0:
+        return None
+    return min(1.0, max(0.0, busy / covered))
+
+
+def window_shares(samples: Sequence[Sequence[float]], spans: Mapping[str, Sequence[Sequence[float]]],
+                  now: float, window_s: float, max_gap: float) -> Window:
+    start = now - window_s
+    observed, active = sampled_shares(samples, start, now, max_gap)
+    fractions = {r: (min(1.0, s / observed) if observed > 0 else 0.0) for r, s in active.items()}
+    basis = {r: "readings" for r in fractions}
+    counters = {name: f for name, s in spans.items() if (f := counter_share(s, start, now)) is not None}
+    thermal = counters.get("thermal")
+    if thermal is not None:
+        hw, sw = (fractions[r] for r in _THERMAL)
+        # the readings say which thermal reason; the counter says for how long
+        target = "hw_thermal_slowdown" if hw > 0 and sw == 0 else "sw_thermal_slowdown"
+        excess = thermal - (hw + sw)
+        if excess > 0:
+            fractions[target] = min(1.0, fractions[target] + excess)
+            basis[target] = "THERMAL violation counter"
+    return Window(observed, fractions, basis, counters)
 
 
 class ThrottleCheck(Check):
     name = "throttle"
     phase = Phase.CONTINUOUS
-    description = "NVML clock event reasons: HW slowdown, HW thermal slowdown, HW power brake"
+    description = "NVML clock event reasons over a window: HW slowdown, HW thermal slowdown, HW power brake"
     interval = 10.0
     timeout = 20.0
     Config = ThrottleConfig
@@ -66,6 +216,12 @@ class ThrottleCheck(Check):
             out.append(self.finding(gpu(index), Severity.FAIL,
                                     f"GPU lost: {reason}" if lost else f"GPU unreadable: {reason}",
                                     Action.REBOOT_NODE if lost else Action.RESET_GPU, nvml=reason))
+        state = ctx.state
+        boot = ctx.hw.fs.boot_id()
+        if state.get("boot_id") != boot:
+            state.clear()  # a reboot restarts every counter and ends every slowdown
+            state["boot_id"] = boot
+        gpus: dict[str, Any] = state.setdefault("gpus", {})
         for info in ctx.inventory.gpus:
             comp = gpu(info.index)
             try:
@@ -73,27 +229,75 @@ class ThrottleCheck(Check):
             except HwCondition as cond:
                 out.append(self.from_condition(cond, comp))
                 continue
-            active = [n for n, bit in CLOCK_EVENT_REASONS.items() if mask & bit]
-            evidence: dict[str, Any] = {"reasons_mask": hex(mask), "active": active}
-            evidence.update(self._readings(ctx, info.index))
-            failing = [r for r in active if r in params.fail_reasons]
-            warning = [r for r in active if r in params.warn_reasons]
-            if failing:
-                action = max(_ACTIONS.get(r, Action.INSPECT_HARDWARE) for r in failing)
-                out.append(self.finding(comp, Severity.FAIL,
-                                        f"GPU {info.index} clocks held down by {', '.join(failing)}",
-                                        action, **evidence))
-            elif warning:
-                out.append(self.finding(comp, Severity.WARN,
-                                        f"GPU {info.index} clocks reduced by {', '.join(warning)}",
-                                        Action.NONE, **evidence))
-            else:
-                why = f" ({', '.join(active)})" if active else ""
-                out.append(self.finding(comp, Severity.OK, f"no hardware slowdown{why}", **evidence))
+            now = ctx.clock()
+            history = gpus.setdefault(str(info.index), {})
+            readings, counters = self._readings(ctx, info.index)
+            _record(history, now, mask, counters, params)
+            win = window_shares(history["samples"], history["spans"], now, params.window_s,
+                                params.max_sample_gap_s)
+            out.append(self._verdict(info.index, mask, win, readings, int(history.get("resets", 0)),
+                                     params))
         return out
 
-    def _readings(self, ctx: CheckContext, index: int) -> dict[str, Any]:
-        """Context for the operator; a reading that is unsupported is left out, not guessed."""
+    def _verdict(self, index: int, mask: int, win: Window, readings: dict[str, Any], resets: int,
+                 params: ThrottleConfig) -> Finding:
+        comp = gpu(index)
+        active = [n for n, bit in CLOCK_EVENT_REASONS.items() if mask & bit]
+        judged = [*params.fail_reasons, *(r for r in params.warn_reasons if r not in params.fail_reasons)]
+        shown = [*judged, *(r for r in _SHOWN if r not in judged)]
+        minutes = f"{params.window_s / 60:g} min"
+        evidence: dict[str, Any] = {
+            "reasons_mask": hex(mask), "active": active, "window_s": params.window_s,
+            "observed_s": round(win.observed_s, 1),
+            "fractions": {r: round(win.fractions[r], 4) for r in shown},
+            "basis": {r: win.basis[r] for r in shown if win.fractions[r] > 0},
+        }
+        if win.counter_fractions:
+            evidence["violation_fraction"] = {k: round(v, 4) for k, v in win.counter_fractions.items()}
+        if resets:
+            evidence["counter_resets"] = resets
+        evidence.update(readings)
+        if win.observed_s < params.min_history_s:
+            evidence["judged_by"] = (f"current reading ({win.observed_s:.0f} s of history in the window, "
+                                     f"under min_history_s {params.min_history_s:g} s)")
+            failing = [r for r in active if r in params.fail_reasons]
+            warning = [r for r in active if r in params.warn_reasons and r not in failing]
+            lone = " (current reading; no window history yet)"
+            if failing:
+                return self.finding(comp, Severity.FAIL,
+                                    f"GPU {index} clocks held down by {', '.join(failing)}{lone}",
+                                    _action(failing), **evidence)
+            if warning:
+                return self.finding(comp, Severity.WARN,
+                                    f"GPU {index} clocks reduced by {', '.join(warning)}{lone}",
+                                    Action.NONE, **evidence)
+            why = f" ({', '.join(active)})" if active else ""
+            return self.finding(comp, Severity.OK, f"no hardware slowdown{why}", **evidence)
+        evidence["judged_by"] = f"share of the last {minutes}"
+        share = win.fractions
+        failing = [r for r in params.fail_reasons if share[r] >= params.fail_fraction[r]]
+        warning = [r for r in judged if r not in failing and share[r] >= params.warn_fraction.get(r, 2.0)]
+        if failing:
+            what = ", ".join(f"{r} {share[r]:.0%} (fail at {params.fail_fraction[r]:.0%})" for r in failing)
+            return self.finding(comp, Severity.FAIL,
+                                f"GPU {index} clocks held down by {what} of the last {minutes}",
+                                _action(failing), **evidence)
+        if warning:
+            what = ", ".join(f"{r} {share[r]:.0%} (warn at {params.warn_fraction[r]:.0%})" for r in warning)
+            return self.finding(comp, Severity.WARN,
+                                f"GPU {index} clocks reduced by {what} of the last {minutes}",
+                                Action.NONE, **evidence)
+        brief = [f"{r} {share[r]:.1%}" for r in judged if share[r] > 0]
+        now = [r for r in active if r in judged]
+        note = f"; of the last {minutes}: {', '.join(brief)}" if brief else ""
+        note += f"; active now: {', '.join(now)}" if now else ""
+        return self.finding(comp, Severity.OK, f"no sustained hardware slowdown{note}", **evidence)
+
+    def _readings(self, ctx: CheckContext, index: int) -> tuple[dict[str, Any], dict[str, int]]:
+        """Context for the operator, and the raw violation counters (ns) for the window.
+
+        A reading that is unsupported is left out, not guessed.
+        """
         readings: dict[str, Any] = {}
         for key, read in (("sm_clock_mhz", ctx.hw.nvml.sm_clock_mhz),
                           ("temperature_c", ctx.hw.nvml.temperature_c),
@@ -104,14 +308,52 @@ class ThrottleCheck(Check):
                 continue
             except HwCondition as cond:
                 readings[f"{key}_error"] = str(cond)
-        violations: dict[str, float] = {}
+        counters: dict[str, int] = {}
         for policy in ("thermal", "power", "reliability"):
             try:
-                violations[policy] = ctx.hw.nvml.violation_ns(index, PERF_POLICIES[policy]) / 1e9
+                counters[policy] = ctx.hw.nvml.violation_ns(index, PERF_POLICIES[policy])
             except NotSupported:
                 continue
             except HwCondition as cond:
                 readings[f"violation_{policy}_error"] = str(cond)
-        if violations:
-            readings["violation_s"] = violations
-        return readings
+        if counters:
+            readings["violation_s"] = {k: v / 1e9 for k, v in counters.items()}
+        return readings, counters
+
+
+def _action(reasons: Sequence[str]) -> Action:
+    return max(_ACTIONS.get(r, Action.INSPECT_HARDWARE) for r in reasons)
+
+
+def _record(history: MutableMapping[str, Any], now: float, mask: int, counters: Mapping[str, int],
+            params: ThrottleConfig) -> None:
+    """Add one reading (mask and violation counters) to a GPU's history, trimmed to the window."""
+    samples: list[list[float]] = history.setdefault("samples", [])
+    spans: dict[str, list[list[float]]] = history.setdefault("spans", {})
+    last: dict[str, list[float]] = history.setdefault("counters", {})
+    if samples and now < samples[-1][0]:
+        # the clock stepped back: earlier readings cannot be placed on it any more
+        samples.clear()
+        spans.clear()
+        last.clear()
+    samples.append([now, mask])
+    for name in ("thermal", "power"):
+        if name not in counters:
+            continue
+        value = counters[name]
+        prev = last.get(name)
+        last[name] = [now, value]
+        if prev is None or now <= prev[0]:
+            continue
+        elapsed, delta = now - prev[0], value - prev[1]
+        if delta < 0 or delta / 1e9 > elapsed * _COUNTER_SLACK + _COUNTER_SLACK_S:
+            # restarted (driver reload, GPU reset) or garbage: count again from this reading
+            history["resets"] = int(history.get("resets", 0)) + 1
+            continue
+        spans.setdefault(name, []).append([prev[0], now, min(delta, elapsed * 1e9)])
+    start = now - params.window_s
+    # keep the last reading before the window: the gap from it reaches into the window
+    first = next((i for i, s in enumerate(samples) if s[0] >= start), len(samples))
+    del samples[:max(0, first - 1)]
+    for name in list(spans):
+        spans[name] = [s for s in spans[name] if s[1] > start]

@@ -1,13 +1,23 @@
-"""xid: NVIDIA driver Xid errors from the kernel log, acted on per NVIDIA's catalog.
+"""xid: NVIDIA driver Xid errors from the kernel log and NVML events, acted on per NVIDIA's catalog.
 
-Events arrive as parsed NVRM records (``gpumon.hw.nvrm``). They are folded
-into one group per (component, root code) for the current boot, so a storm
-of 629 Xid 13 lines on one GPU is one finding with a count. Catalog
-workflows applied here:
+Two sources:
+
+- the kernel log: parsed NVRM records (``gpumon.hw.nvrm``), with the line's detail
+  (pid, process, NVLink unit and register words, Xid 45's root, Xid 154's new action);
+- NVML Xid events (``nvmlEventSetWait``): only (GPU, code), but they reach gpumon where
+  the kernel log does not (a container without ``/dev/kmsg``, an unreadable log).
+
+An NVML event and a kernel line for the same GPU and code within ``dedup_window_s`` of
+each other are one event, whichever arrives first. Events are folded into one group per
+(component, root code) for the current boot, so a storm of 629 Xid 13 lines on one GPU is
+one finding with a count. Catalog workflows applied here:
 
 - Xid 45 "caused by previous Xid N" is a sympathetic cleanup: act on N.
 - Xid 154 only announces the GPU's new recovery action: act on that action.
-- NVLink5 Xids 144-150 take their severity from the Fatal/Nonfatal word.
+- NVLink5 Xids 144-150 take NVIDIA's decode rules for (unit, error status), else the
+  Fatal/Nonfatal word; Xid 74 decodes the first register word's bit classes
+  (``xid_catalog.decode_xid74``); both are link faults on ``nvlink/<gpu>/<link>``.
+- Xid 63 (row remap event) asks NVML whether the remap is still pending.
 - "GPU has fallen off the bus" without an Xid line is Xid 79 (NVSentinel #155).
 - Xid 13/31 repeated on the same GPU (default 3 bursts in 24 h) escalate from
   restart_app to inspect_hardware; spread over GPUs they stay app errors.
@@ -15,19 +25,27 @@ workflows applied here:
 Application-level Xids (restart_app) stop being reported ``recent_window_s``
 after their last line; GPU-level ones stay for the boot (a reboot or GPU reset
 is what clears them).
+
+The open NVML event set is a live object, not state: it is kept in ``ctx.extras`` (shared by
+every run of one runner) under this check's name, and re-opened when it breaks.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from gpumon.check import Check, CheckContext
+from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.inventory import Inventory
+from gpumon.hw.nvml import XidEventSet
 from gpumon.hw.nvrm import FallenOffBus, GpuIdentity, XidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci
 
-from .xid_catalog import lookup
+from .xid_catalog import XID74_ECC_REPEAT_LIMIT, decode_nvlink5, decode_xid74, lookup
 
 # nvmlGpuRecoveryAction_t values as printed in Xid 154 lines
 _RECOVERY = {
@@ -38,6 +56,14 @@ _RECOVERY = {
     4: (Severity.FAIL, Action.RESET_GPU),     # Drain and Reset
 }
 _MAX_SAMPLES = 5
+# Bounds on the de-duplication ledgers kept in state: a storm of 629 lines fits; a longer
+# one keeps its newest entries (older ones could not be matched any more anyway).
+_MAX_LEDGER = 1024
+# How long an NVML event waits for its kernel line. The kernel log can lag behind NVML
+# (a regular-file log is polled; an unreadable log can come back), so this is far longer
+# than the matching window itself.
+_PENDING_KEEP_S = 600.0
+_KERNEL, _NVML = "kernel", "nvml"
 
 
 @dataclass(frozen=True)
@@ -50,12 +76,50 @@ class XidConfig:
     burst_gap_s: float = field(default=60.0, metadata={"min": 0})
     recent_window_s: float = field(default=3600.0, metadata={"min": 0})
     ignore_codes: list[int] = field(default_factory=list)
+    dedup_window_s: float = field(default=5.0, metadata={
+        "min": 0, "max": 60,
+        "source": "argued: the driver reports one Xid to the kernel log and to NVML event listeners "
+                  "from its error-reporting path, moments apart; the window absorbs the error of the "
+                  "kernel record's time (boot time from /proc/stat btime has 1 s resolution, and "
+                  "boot time + uptime drifts from the wall clock by NTP slew) and stays far below "
+                  "the 60 s burst gap, so two real faults are not merged"})
+
+
+@dataclass
+class _NvmlSource:
+    """The NVML Xid event set of one runner, kept in ctx.extras between runs."""
+
+    hw: Any
+    events: XidEventSet | None
+    opened_at: float
+    last_poll: float
+    error: str | None = None
+    permanent: bool = False  # not worth re-opening (NVML off, or events unsupported)
+    polls: int = 0
+    unsupported_gpus: list[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        if self.events is not None:
+            with contextlib.suppress(HwCondition):
+                self.events.close()
+            self.events = None
+
+
+@dataclass
+class _Poll:
+    ok: bool
+    events: list[tuple[int, int]]
+    lo: float
+    hi: float
+    new: bool  # the event set was opened in this run: nothing before now is covered
+    error: str | None
+    since: float
 
 
 class XidCheck(Check):
     name = "xid"
     phase = Phase.CONTINUOUS
-    description = "NVIDIA Xid errors in the kernel log, with NVIDIA's catalog actions"
+    description = "NVIDIA Xid errors (kernel log and NVML events), with NVIDIA's catalog actions"
     interval = 60.0
     timeout = 10.0
     Config = XidConfig
@@ -69,18 +133,86 @@ class XidCheck(Check):
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: XidConfig = ctx.params or XidConfig()
         log = ctx.kernel_log
-        if not log.available:
-            return [self.finding(NODE, Severity.UNKNOWN,
-                                 f"kernel log unreadable: {log.error or 'unknown reason'}",
-                                 source=log.source)]
         state = ctx.state
         boot = ctx.hw.fs.boot_id()
         if state.get("boot_id") != boot:
             state.clear()
             state["boot_id"] = boot
         groups: dict[str, dict[str, Any]] = state.setdefault("groups", {})
-        identities: dict[str, dict[str, str]] = state.setdefault("identities", {})
         now = ctx.clock()
+        source = self._nvml_source(ctx, now)
+        if log.available:
+            self._kernel_events(ctx, groups, params, now, watching=source.events is not None)
+        poll = self._poll(source, now)
+        for gpu_index, code in poll.events:
+            if code not in params.ignore_codes:
+                self._nvml_event(ctx, groups, gpu_index, code, poll, params)
+        self._prune(state, now, params)
+        remaps = {i: r for i in _gpus_with(groups, 63) if (r := _remap_state(ctx, i)) is not None}
+        identities: dict[str, dict[str, str]] = state.setdefault("identities", {})
+        findings = [f for g in list(groups.values())
+                    if (f := self._finding(g, now, params, identities, remaps))]
+        return findings + self._node_findings(log, poll, bool(findings))
+
+    # -- NVML events --------------------------------------------------------
+
+    def _nvml_source(self, ctx: CheckContext, now: float) -> _NvmlSource:
+        src = ctx.extras.get(self.name)
+        if isinstance(src, _NvmlSource) and src.hw is not ctx.hw:
+            src.close()  # a new hardware session: the old set belongs to the old one
+            src = None
+        if not isinstance(src, _NvmlSource) or (src.events is None and not src.permanent):
+            src = _open_events(ctx, now)
+            ctx.extras[self.name] = src
+        return src
+
+    def _poll(self, src: _NvmlSource, now: float) -> _Poll:
+        new = src.polls == 0
+        lo = src.last_poll
+        if src.events is None:
+            return _Poll(False, [], lo, now, new, src.error, src.opened_at)
+        try:
+            # zero timeout: whatever has queued since the last run, without waiting
+            got = src.events.wait(0.0)
+        except HwCondition as cond:
+            src.close()
+            src.error = f"{cond.call}: {cond}"
+            return _Poll(False, [], lo, now, new, src.error, src.opened_at)
+        src.last_poll = now
+        src.polls += 1
+        return _Poll(True, got, lo, now, new, None, src.opened_at)
+
+    def _nvml_event(self, ctx: CheckContext, groups: dict[str, dict[str, Any]], gpu_index: int,
+                    code: int, poll: _Poll, params: XidConfig) -> None:
+        state = ctx.state
+        ledger: list[list[Any]] = state.setdefault("kernel_unmatched", [])
+        lo, hi = poll.lo - params.dedup_window_s, poll.hi + params.dedup_window_s
+        for i, (k_gpu, k_code, k_when, key) in enumerate(ledger):
+            # The event happened after the previous poll (else it would have come then)
+            # and before this one: a kernel line of the same GPU and code inside that
+            # span, widened by the window, is the same event.
+            if k_gpu == gpu_index and k_code == code and lo <= k_when <= hi:
+                del ledger[i]
+                if key in groups:
+                    _mark(groups[key], _NVML)
+                return
+        component = gpu(gpu_index) if gpu_index >= 0 else NODE
+        key = f"{component}|{code}"
+        g = _group(groups, key, component, code, _bus_of(ctx.inventory, gpu_index), poll.hi)
+        _count(g, poll.hi, params)
+        _mark(g, _NVML)
+        if len(g["samples"]) < _MAX_SAMPLES:
+            g["samples"].append(f"NVML Xid event {code} (no kernel log line seen for it)")
+        pending: list[list[Any]] = state.setdefault("nvml_unmatched", [])
+        pending.append([gpu_index, code, poll.lo, poll.hi, key])
+        del pending[:-_MAX_LEDGER]
+
+    # -- kernel log -----------------------------------------------------------
+
+    def _kernel_events(self, ctx: CheckContext, groups: dict[str, dict[str, Any]], params: XidConfig,
+                       now: float, *, watching: bool) -> None:
+        log = ctx.kernel_log
+        identities: dict[str, dict[str, str]] = ctx.state.setdefault("identities", {})
         for event in log.events:
             if isinstance(event, GpuIdentity):
                 ident = identities.setdefault(event.pci or "?", {})
@@ -88,31 +220,60 @@ class XidCheck(Check):
                     ident["uuid"] = event.uuid
                 if event.serial:
                     ident["serial"] = event.serial
-            elif isinstance(event, XidEvent):
-                if event.code not in params.ignore_codes:
-                    self._add(groups, ctx.inventory, event, event.pci, event.code,
-                              _when(event.record, log.boot_time, now), params)
+                continue
+            if isinstance(event, XidEvent):
+                if event.code in params.ignore_codes:
+                    continue
+                code = event.code
             elif isinstance(event, FallenOffBus):
-                self._add(groups, ctx.inventory, event, event.pci, 79,
-                          _when(event.record, log.boot_time, now), params)
-        findings = [f for g in groups.values() if (f := self._finding(g, now, params, identities))]
-        if not findings:
-            findings.append(self.ok(NODE, "no Xid errors in the kernel log this boot",
-                                    source=log.source, records_read=log.records_read,
-                                    lost_records=log.lost_records))
-        elif log.lost_records:
-            findings.append(self.finding(NODE, Severity.WARN,
-                                         f"{log.lost_records} kernel log records were overwritten "
-                                         "before gpumon read them", source=log.source))
-        return findings
+                code = 79
+            else:
+                continue
+            when = _when(event.record, log.boot_time, now)
+            key = self._add(groups, ctx.inventory, event, event.pci, code, when, params)
+            if key is None:
+                continue
+            gpu_index = _gpu_index(ctx.inventory, event.pci)
+            if gpu_index is None:
+                continue  # NVML events name a GPU index: nothing to match against
+            if self._matches_pending(ctx.state, groups, gpu_index, code, when, params):
+                _mark(groups[key], _NVML)
+            elif watching:
+                ledger: list[list[Any]] = ctx.state.setdefault("kernel_unmatched", [])
+                ledger.append([gpu_index, code, when, key])
+                del ledger[:-_MAX_LEDGER]
+
+    def _matches_pending(self, state: MutableMapping[str, Any], groups: dict[str, dict[str, Any]],
+                         gpu_index: int, code: int, when: float, params: XidConfig) -> bool:
+        """A kernel line arriving after its NVML event: take the event back out of its NVML-only group."""
+        pending: list[list[Any]] = state.setdefault("nvml_unmatched", [])
+        w = params.dedup_window_s
+        for i, (n_gpu, n_code, lo, hi, key) in enumerate(pending):
+            if n_gpu == gpu_index and n_code == code and lo - w <= when <= hi + w:
+                del pending[i]
+                g = groups.get(key)
+                if g is not None:
+                    g["count"] -= 1
+                    if g["count"] <= 0:
+                        del groups[key]
+                return True
+        return False
+
+    def _prune(self, state: MutableMapping[str, Any], now: float, params: XidConfig) -> None:
+        # the next NVML events cover (now, next run]: older kernel lines cannot match them
+        ledger: list[list[Any]] = state.setdefault("kernel_unmatched", [])
+        ledger[:] = [e for e in ledger if e[2] >= now - params.dedup_window_s]
+        pending: list[list[Any]] = state.setdefault("nvml_unmatched", [])
+        pending[:] = [e for e in pending if e[3] >= now - _PENDING_KEEP_S]
 
     def _add(self, groups: dict[str, dict[str, Any]], inv: Inventory, event: Any, bus: str | None,
-             code: int, when: float, params: XidConfig) -> None:
+             code: int, when: float, params: XidConfig) -> str | None:
         gpu_index = _gpu_index(inv, bus)
         via: int | None = None
         if isinstance(event, XidEvent) and code == 45 and event.cause_xid:
             via, code = 45, event.cause_xid
-        link = event.nvlink_link if isinstance(event, XidEvent) and 144 <= code <= 150 else None
+        link = event.nvlink_link if isinstance(event, XidEvent) and via is None and (
+            code == 74 or 144 <= code <= 150) else None
         if gpu_index is not None and link is not None and link >= 0:
             component = nvlink(gpu_index, link)
         elif gpu_index is not None:
@@ -122,41 +283,24 @@ class XidCheck(Check):
         else:
             component = NODE
         key = f"{component}|{code}"
-        g = groups.get(key)
-        if g is None:
-            g = groups[key] = {"component": component, "code": code, "pci": bus, "count": 0,
-                               "first": when, "last": when, "bursts": [], "samples": [],
-                               "pids": [], "processes": [], "via": [], "fatal": None,
-                               "recovery_to": None, "unit": None}
+        g = _group(groups, key, component, code, bus, when)
         if isinstance(event, FallenOffBus) and g["count"]:
-            return  # the same fall reported again in the driver's own words: one event
-        g["count"] += 1
-        g["first"] = min(g["first"], when)
-        g["last"] = max(g["last"], when)
-        bursts: list[float] = g["bursts"]
-        if not bursts or when - bursts[-1] > params.burst_gap_s:
-            bursts.append(when)
-            del bursts[:-50]
+            return None  # the same fall reported again in the driver's own words: one event
+        _count(g, when, params)
+        _mark(g, _KERNEL)
         if via is not None and via not in g["via"]:
             g["via"].append(via)
         if isinstance(event, XidEvent):
-            if len(g["samples"]) < _MAX_SAMPLES:
-                g["samples"].append(event.message[:300])
-            if event.pid is not None and event.pid not in g["pids"] and len(g["pids"]) < _MAX_SAMPLES:
-                g["pids"].append(event.pid)
-            if event.process and event.process not in g["processes"] and len(g["processes"]) < 5:
-                g["processes"].append(event.process)
-            if event.nvlink_fatal is not None:
-                # one fatal line makes the group fatal
-                g["fatal"] = bool(g["fatal"]) or event.nvlink_fatal
-                g["unit"] = event.nvlink_unit
-            if code == 154 and event.recovery_to is not None:
-                g["recovery_to"] = list(event.recovery_to)
+            _details(g, event, code, via)
         elif isinstance(event, FallenOffBus) and len(g["samples"]) < _MAX_SAMPLES:
             g["samples"].append("GPU has fallen off the bus (no Xid line)")
+        return key
+
+    # -- verdicts ---------------------------------------------------------------
 
     def _finding(self, g: dict[str, Any], now: float, params: XidConfig,
-                 identities: dict[str, dict[str, str]]) -> Finding | None:
+                 identities: dict[str, dict[str, str]],
+                 remaps: dict[int, dict[str, Any]]) -> Finding | None:
         code: int = g["code"]
         info = lookup(code)
         severity = info.severity if info else Severity.WARN
@@ -164,22 +308,31 @@ class XidCheck(Check):
         name = info.mnemonic.split(" / ")[0] if info else "(not in NVIDIA's catalog)"
         label = f"Xid {code} {name}"
         note = ""
+        extra: dict[str, Any] = {}
+        detail = g.get("detail")
         if code == 154:
             to = g["recovery_to"]
             if to is None:
                 return None
             severity, action = _RECOVERY.get(int(to[0]), (Severity.WARN, Action.RESET_GPU))
             note = f": GPU recovery action is now {to[1]}"
-        elif 144 <= code <= 150 and g["fatal"] is not None:
-            if g["fatal"]:
-                severity, action = Severity.FAIL, Action.RESET_GPU
-            else:
-                severity = Severity.WARN
-                action = Action.CHECK_CABLES if g["unit"] == "NETIR_BER_EVENT" else Action.NONE
-            note = f": {g['unit']} {'Fatal' if g['fatal'] else 'Nonfatal'}"
+        elif detail is not None:
+            severity, action = Severity(detail["severity"]), Action(detail["action"])
+            note = f": {detail['basis']}"
+            if code == 74 and g.get("ecc_lines", 0) > XID74_ECC_REPEAT_LIMIT:
+                severity, action = Severity.FAIL, Action.INSPECT_HARDWARE
+                note += (f"; ECC/parity bits on {g['ecc_lines']} lines of this link (NVIDIA: more than "
+                         f"{XID74_ECC_REPEAT_LIMIT} on one link is a hardware fault)")
+            extra = {k: g[k] for k in ("register_words", "nvlink_classes", "nvlink_unit", "error_status")
+                     if g.get(k) is not None}
         elif code == 45 and not g["via"]:
             # Solo Xid 45: NVIDIA says restart fabric manager; the job itself was killed.
             severity, action = Severity.WARN, Action.RESTART_APP
+        elif code == 63 and g["component"].startswith("gpu/"):
+            remap = remaps.get(int(g["component"].split("/")[1]))
+            if remap is not None:
+                severity, action, note = remap["severity"], remap["action"], f": {remap['note']}"
+                extra = {"remap": remap["evidence"]}
         bursts = [b for b in g["bursts"] if now - b <= params.repeat_window_s]
         if code in (13, 31) and g["component"].startswith("gpu/") and len(bursts) >= params.repeat_count:
             severity, action = Severity.FAIL, Action.INSPECT_HARDWARE
@@ -187,12 +340,13 @@ class XidCheck(Check):
                     f"{params.repeat_window_s / 3600:g} h (NVIDIA WORKFLOW_XID_{code}: suspect hardware)")
         elif action <= Action.RESTART_APP and now - g["last"] > params.recent_window_s:
             return None  # an application fault that has gone quiet
-        if severity is Severity.OK:
+        if severity is Severity.OK and not (code == 63 and extra):
             return None
         ident = identities.get(g["pci"] or "", {})
         evidence: dict[str, Any] = {
             "code": code, "count": g["count"], "first_seen": g["first"], "last_seen": g["last"],
             "pci_bus_id": g["pci"], "samples": g["samples"], "bursts": len(bursts),
+            "source": "+".join(g.get("sources") or [_KERNEL]),
         }
         if info:
             evidence["mnemonic"] = info.mnemonic
@@ -202,12 +356,187 @@ class XidCheck(Check):
                 evidence[key] = g[key]
         if g["via"]:
             evidence["reported_via_xid"] = g["via"]
+        evidence.update(extra)
         evidence.update({k: v for k, v in ident.items()})
-        times = "" if g["count"] == 1 else f" ({g['count']} lines)"
+        times = "" if g["count"] == 1 else f" ({g['count']} events)"
         where = g["component"] if g["component"] != NODE else "an unidentified GPU"
         via = " via Xid 45" if g["via"] else ""
         return self.finding(g["component"], severity, f"{label} on {where}{via}{times}{note}", action,
                             **evidence)
+
+    def _node_findings(self, log: Any, poll: _Poll, have_findings: bool) -> list[Finding]:
+        nvml_status = (f"watching since {_iso(poll.since)}" if poll.ok
+                       else f"unavailable: {poll.error or 'unknown reason'}")
+        if not log.available:
+            why = f"kernel log unreadable: {log.error or 'unknown reason'}"
+            if not poll.ok:
+                return [self.finding(NODE, Severity.UNKNOWN, f"{why}; NVML Xid events {nvml_status}",
+                                     kernel_log=log.source, nvml_events=nvml_status)]
+            if poll.new:
+                # NVML reports only events after the set was opened: the boot so far is unseen
+                return [self.finding(NODE, Severity.UNKNOWN,
+                                     f"{why}; NVML Xid events are watched from now on, so Xids "
+                                     "earlier in this boot cannot be seen", kernel_log=log.source,
+                                     missing_source="kernel_log", nvml_events=nvml_status)]
+            return [self.finding(NODE, Severity.OK,
+                                 f"Xids seen through NVML events only ({why})", kernel_log=log.source,
+                                 missing_source="kernel_log", nvml_events=nvml_status)]
+        if not have_findings:
+            return [self.ok(NODE, "no Xid errors in the kernel log this boot",
+                            source=log.source, records_read=log.records_read,
+                            lost_records=log.lost_records, nvml_events=nvml_status)]
+        if log.lost_records:
+            return [self.finding(NODE, Severity.WARN,
+                                 f"{log.lost_records} kernel log records were overwritten "
+                                 "before gpumon read them", source=log.source)]
+        return []
+
+
+def _open_events(ctx: CheckContext, now: float) -> _NvmlSource:
+    nvml = ctx.hw.nvml
+    if not nvml.initialized:
+        return _NvmlSource(ctx.hw, None, now, now, "NVML is not initialized", permanent=True)
+    indices = [g.index for g in ctx.inventory.gpus]
+    if not indices:
+        return _NvmlSource(ctx.hw, None, now, now, "no GPU readable through NVML")
+    try:
+        events = nvml.open_xid_events(indices)
+    except NotSupported as cond:
+        return _NvmlSource(ctx.hw, None, now, now, f"{cond.call}: {cond}", permanent=True)
+    except HwCondition as cond:
+        return _NvmlSource(ctx.hw, None, now, now, f"{cond.call}: {cond}")
+    missing = [i for i in indices if i not in events.registered]
+    if not events.registered:
+        with contextlib.suppress(HwCondition):
+            events.close()
+        return _NvmlSource(ctx.hw, None, now, now, "Xid events not supported on any GPU", permanent=True)
+    return _NvmlSource(ctx.hw, events, now, now, unsupported_gpus=missing)
+
+
+def _group(groups: dict[str, dict[str, Any]], key: str, component: str, code: int, bus: str | None,
+           when: float) -> dict[str, Any]:
+    g = groups.get(key)
+    if g is None:
+        g = groups[key] = {"component": component, "code": code, "pci": bus, "count": 0,
+                           "first": when, "last": when, "bursts": [], "samples": [],
+                           "pids": [], "processes": [], "via": [], "recovery_to": None,
+                           "sources": [], "detail": None}
+    return g
+
+
+def _count(g: dict[str, Any], when: float, params: XidConfig) -> None:
+    g["count"] += 1
+    g["first"] = min(g["first"], when)
+    g["last"] = max(g["last"], when)
+    bursts: list[float] = g["bursts"]
+    if not bursts or when - bursts[-1] > params.burst_gap_s:
+        bursts.append(when)
+        del bursts[:-50]
+
+
+def _mark(g: dict[str, Any], source: str) -> None:
+    sources: list[str] = g.setdefault("sources", [])
+    if source not in sources:
+        sources.append(source)
+        sources.sort()
+
+
+def _details(g: dict[str, Any], event: XidEvent, code: int, via: int | None) -> None:
+    if len(g["samples"]) < _MAX_SAMPLES:
+        g["samples"].append(event.message[:300])
+    if event.pid is not None and event.pid not in g["pids"] and len(g["pids"]) < _MAX_SAMPLES:
+        g["pids"].append(event.pid)
+    if event.process and event.process not in g["processes"] and len(g["processes"]) < _MAX_SAMPLES:
+        g["processes"].append(event.process)
+    if code == 154 and event.recovery_to is not None:
+        g["recovery_to"] = list(event.recovery_to)
+    if via is not None:
+        return  # the Xid 45 line carries none of its root's detail
+    if 144 <= code <= 150:
+        nvl5 = decode_nvlink5(code, event.nvlink_unit, event.nvlink_fatal, event.nvlink_words)
+        if nvl5 is not None:
+            _worst_detail(g, nvl5.severity, nvl5.action, nvl5.basis)
+            g["nvlink_unit"] = event.nvlink_unit
+            if nvl5.status is not None:
+                g["error_status"] = hex(nvl5.status)
+    elif code == 74:
+        x74 = decode_xid74(event.register_words)
+        if x74 is not None:
+            basis = ("register word 0: " + ", ".join(x74.classes) if x74.classes
+                     else "register words not decodable from NVIDIA's notes")
+            if x74.unknown_bits or x74.undecoded_words:
+                basis += " (undecoded: " + ", ".join(
+                    [f"bit {b}" for b in x74.unknown_bits] + [f"word {w}" for w in x74.undecoded_words]) + ")"
+            _worst_detail(g, x74.severity, x74.action, basis)
+            g["nvlink_classes"] = sorted(set(g.get("nvlink_classes") or []) | set(x74.classes))
+            g["register_words"] = [hex(w) for w in event.register_words]
+            if x74.ecc_parity:
+                g["ecc_lines"] = g.get("ecc_lines", 0) + 1
+
+
+def _worst_detail(g: dict[str, Any], severity: Severity, action: Action, basis: str) -> None:
+    old = g.get("detail")
+    if old is not None and (Severity(old["severity"]), Action(old["action"])) >= (severity, action):
+        return
+    g["detail"] = {"severity": severity.value, "action": action.value, "basis": basis}
+
+
+def _gpus_with(groups: dict[str, dict[str, Any]], code: int) -> set[int]:
+    return {int(g["component"].split("/")[1]) for g in groups.values()
+            if g["code"] == code and g["component"].startswith("gpu/")}
+
+
+def _remap_state(ctx: CheckContext, index: int) -> dict[str, Any] | None:
+    """What NVML says of a GPU's row remapping, for an Xid 63; None to keep the catalog verdict."""
+    nvml = ctx.hw.nvml
+    if not nvml.initialized:
+        return None
+    try:
+        rows = nvml.remapped_rows(index)
+    except NotSupported:
+        return _retired_pages_state(ctx, index)  # pre-Ampere: Xid 63 is a page retirement
+    except HwCondition as cond:
+        return {"severity": Severity.WARN, "action": Action.RESET_GPU,
+                "note": f"row remap state unreadable ({cond}); a remap may be pending",
+                "evidence": {"error": f"{cond.call}: {cond}"}}
+    ev = {"pending": rows.pending, "failure": rows.failure, "corrected_rows": rows.corrected,
+          "uncorrected_rows": rows.uncorrected}
+    if rows.failure:
+        return {"severity": Severity.FAIL, "action": Action.INSPECT_HARDWARE, "evidence": ev,
+                "note": "NVML reports a row-remapping failure (NVIDIA's RMA criterion)"}
+    if rows.pending:
+        # NVIDIA (memory error management guide, "Row-remapping pending flag"; NVML
+        # nvmlDeviceGetRemappedRows): running and new work are unaffected until the reset that
+        # applies the remap, so it is scheduled (warn), not an emergency.
+        return {"severity": Severity.WARN, "action": Action.RESET_GPU, "evidence": ev,
+                "note": "row remap pending: reset the GPU at the next drain to apply it"}
+    return {"severity": Severity.OK, "action": Action.NONE, "evidence": ev,
+            "note": "row remap already applied (nothing pending)"}
+
+
+def _retired_pages_state(ctx: CheckContext, index: int) -> dict[str, Any] | None:
+    try:
+        pages = ctx.hw.nvml.retired_pages(index)
+    except HwCondition:
+        return None
+    ev = {"retired_pages_pending": pages.pending, "retired_sbe": pages.single_bit,
+          "retired_dbe": pages.double_bit}
+    if pages.pending:
+        return {"severity": Severity.WARN, "action": Action.RESET_GPU, "evidence": ev,
+                "note": "page retirement pending: it takes effect at the next GPU reset"}
+    return {"severity": Severity.OK, "action": Action.NONE, "evidence": ev,
+            "note": "page already retired (nothing pending)"}
+
+
+def _bus_of(inv: Inventory, index: int) -> str | None:
+    for g in inv.gpus:
+        if g.index == index:
+            return g.pci_bus_id
+    return None
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
 
 
 def _when(record: Any, boot_time: float | None, now: float) -> float:

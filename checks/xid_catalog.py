@@ -5,9 +5,10 @@ one-line descriptions are our own words. The table covers every code of the Xid 
 the team's research note (shared/reference/xid-catalog.md, copied to
 tests/data/xid-catalog.md); ``tests/checks/test_xid_catalog.py`` keeps the two in step.
 
-This module only says what a single Xid means. Counting, storms, "same GPU or many
-GPUs", the Fatal/Nonfatal word of NVLink5 lines and the root Xid behind a Xid 45 are the
-xid check's business, not this table's.
+This module only says what a single Xid means: the table, and the decode rules of the two
+NVLink workflows (``decode_xid74``, ``decode_nvlink5``), which read one line's register
+words. Counting, storms, "same GPU or many GPUs", repeats on one link and the root Xid
+behind a Xid 45 are the xid check's business, not this module's.
 
 Mapping from NVIDIA's immediate action to gpumon (applied by ``_verdict`` below):
 
@@ -46,7 +47,7 @@ Per-code exceptions (``_OVERRIDES``), each backed by NVIDIA's own documentation:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -259,3 +260,155 @@ XID_CATALOG: Mapping[int, XidInfo] = _build()
 def lookup(code: int) -> XidInfo | None:
     """The catalog entry for ``code``, or None for a code NVIDIA's catalog does not list."""
     return XID_CATALOG.get(code)
+
+
+# -- WORKFLOW_NVLINK_ERR (Xid 74, NVLink 3/4) -------------------------------------------
+#
+# NVIDIA's catalog: split the seven hex words of the line; on Hopper the first, third, fourth
+# and fifth are populated. Our notes (shared/reference/xid-catalog.md, WORKFLOW_NVLINK_ERR,
+# quoting NVIDIA's text as given in NVIDIA/NVSentinel#364) give the bit classes of the FIRST
+# word only, so only that word is decoded; anything else set keeps the catalog default
+# (FAIL / RESET_GPU: the line says the link took a fatal error and a reset retrains it).
+
+XID74_BITS: Mapping[str, frozenset[int]] = MappingProxyType({
+    # "Can be safely ignored."
+    "ignorable": frozenset({0, 23, 30}),
+    # "Generally sympathetic or secondary errors": follow the other Xid/SXid seen with them.
+    "sympathetic": frozenset({1, 20}),
+    # "Likely HW issue with ECC/Parity": more than 2 times on the same link -> hardware.
+    "ecc_parity": frozenset({4, 5}),
+    # "Could possibly be a HW issue: check link mechanical connections and re-seat".
+    "mechanical": frozenset({8, 9, 12, 16, 17, 24, 28}),
+    # "Marginal channel SI issue": check link mechanical connections, run field diags.
+    "marginal_si": frozenset({21, 22}),
+})
+# NVIDIA: ECC/parity bits "seen more than 2 times on the same link" -> report (hardware).
+XID74_ECC_REPEAT_LIMIT = 2
+
+_XID74_VERDICT: Mapping[str, tuple[Severity, Action]] = MappingProxyType({
+    "ignorable": (Severity.WARN, Action.NONE),
+    "sympathetic": (Severity.WARN, Action.NONE),
+    "ecc_parity": (Severity.FAIL, Action.RESET_GPU),
+    "mechanical": (Severity.FAIL, Action.CHECK_CABLES),
+    "marginal_si": (Severity.FAIL, Action.CHECK_CABLES),
+})
+
+
+@dataclass(frozen=True)
+class Xid74Decode:
+    """One Xid 74 line's first register word, read with NVIDIA's bit classes."""
+
+    classes: tuple[str, ...]  # bit classes present in the first word, in XID74_BITS order
+    unknown_bits: tuple[int, ...]  # first-word bits NVIDIA's notes do not name
+    undecoded_words: tuple[int, ...]  # indexes of later words that are non-zero (not decoded)
+    severity: Severity
+    action: Action
+
+    @property
+    def ecc_parity(self) -> bool:
+        return "ecc_parity" in self.classes
+
+
+def decode_xid74(words: Sequence[int]) -> Xid74Decode | None:
+    """Verdict for one Xid 74 line from its register words; None when the line carried none."""
+    if not words:
+        return None
+    first = words[0] & 0xFFFFFFFF
+    bits = {b for b in range(32) if first >> b & 1}
+    classes = tuple(name for name, members in XID74_BITS.items() if bits & members)
+    known = frozenset().union(*XID74_BITS.values())
+    unknown = tuple(sorted(bits - known))
+    later = tuple(i for i, w in enumerate(words) if i > 0 and w)
+    verdicts = [_XID74_VERDICT[c] for c in classes]
+    if unknown or later or not bits:
+        verdicts.append(_verdict(74, "WORKFLOW_NVLINK_ERR"))  # not decodable from our notes
+    severity = max(v[0] for v in verdicts)
+    action = max(v[1] for v in verdicts)
+    return Xid74Decode(classes, unknown, later, severity, action)
+
+
+# -- WORKFLOW_NVLINK5_ERR (Xids 144-150, Blackwell NVLink5) -------------------------------
+#
+# NVIDIA's "XID 144-150 Decode" sheet gives a severity (Non-fatal / Fatal / Link Fatal) per
+# (unit, error status). The rules below are the ones our notes record (xid-catalog.md, notes
+# on the table: NV-CAT decode sheet via gpud catalog_generated.go nvlinkRules); the error
+# status is the second word of the line (gpud PR #1160 prints "err status" from it). A unit or
+# status outside these rules falls back to the Fatal/Nonfatal word the driver printed.
+
+_NONFATAL_ALL = frozenset({0x1, 0x2, 0x4, 0x8, 0x10, 0x20})
+_PEER_OR_SI = "investigate link SI or the peer device (bits 24..29 of word 0)"
+
+
+@dataclass(frozen=True)
+class _Nvl5Rule:
+    fatal_status: frozenset[int] = frozenset()
+    nonfatal_status: frozenset[int] = frozenset()
+    # a unit whose every status has one severity (status not consulted)
+    always: str | None = None
+    note: str = ""
+
+
+_NVL5_RULES: Mapping[tuple[int, str], _Nvl5Rule] = MappingProxyType({
+    (144, "SAW_MVB"): _Nvl5Rule(frozenset({0x2, 0x10}), frozenset({0x1, 0x4, 0x8, 0x20})),
+    (145, "RLW_REMAP"): _Nvl5Rule(frozenset({0x40, 0x80}), _NONFATAL_ALL,
+                                  note="follow the accompanying Xid 154 (XID_154_EVAL)"),
+    (149, "NETIR_LINK_EVT"): _Nvl5Rule(always="Link Fatal", note=_PEER_OR_SI),
+    (149, "NETIR_LINK_DOWN"): _Nvl5Rule(always="Link Fatal", note=_PEER_OR_SI),
+    (149, "NETIR_BER_EVENT"): _Nvl5Rule(always="Non-fatal", note="bit-error-rate event: investigate cables"),
+    (150, "MSE_WATCHDOG"): _Nvl5Rule(always="Fatal"),
+})
+
+
+@dataclass(frozen=True)
+class Nvlink5Decode:
+    level: str  # "Fatal", "Link Fatal" or "Non-fatal"
+    basis: str  # how it was decided, for the finding's message and evidence
+    severity: Severity
+    action: Action
+    status: int | None  # the error-status word, when the line had one
+
+
+def _nvl5_verdict(code: int, unit: str, level: str) -> tuple[Severity, Action]:
+    if level in ("Fatal", "Link Fatal"):
+        return Severity.FAIL, Action.RESET_GPU
+    # Non-fatal: the link keeps running. A BER event is the cable/connector's doing
+    # (NV-CAT: investigate cables); other non-fatal statuses need nothing on their own.
+    return Severity.WARN, Action.CHECK_CABLES if (code, unit) == (149, "NETIR_BER_EVENT") else Action.NONE
+
+
+def _status_level(rule: _Nvl5Rule, status: int | None) -> str | None:
+    if rule.always is not None:
+        return rule.always
+    if not status:
+        return None
+    bits = {1 << b for b in range(64) if status >> b & 1}
+    if bits & rule.fatal_status:
+        return "Fatal"
+    if bits <= rule.nonfatal_status:
+        return "Non-fatal"
+    return None  # a status the rules do not list
+
+
+def decode_nvlink5(code: int, unit: str | None, fatal_word: bool | None,
+                   words: Sequence[int]) -> Nvlink5Decode | None:
+    """Severity of one Xid 144-150 line: the decode rules first, else the Fatal/Nonfatal word.
+
+    None when neither is available (a damaged line, or an NVML event without the line).
+    """
+    status = words[1] if len(words) >= 2 else None
+    rule = _NVL5_RULES.get((code, unit or ""))
+    level = _status_level(rule, status) if rule is not None else None
+    if rule is not None and level is not None:
+        basis = f"NVIDIA decode: {unit}" + (f" status {status:#x}" if rule.always is None and status else "")
+        basis += f" is {level}"
+        if rule.note and (rule.always is not None or level == "Non-fatal"):
+            basis += f"; {rule.note}"
+    elif fatal_word is not None:
+        level = "Fatal" if fatal_word else "Non-fatal"
+        basis = f"{unit or 'unit'} printed {'Fatal' if fatal_word else 'Nonfatal'}"
+        if rule is not None:
+            basis += f" (status {status:#x} not in NVIDIA's decode rules)" if status else ""
+    else:
+        return None
+    severity, action = _nvl5_verdict(code, unit or "", level)
+    return Nvlink5Decode(level, basis, severity, action, status)

@@ -50,10 +50,9 @@ class Simulation:
             tmp = tempfile.TemporaryDirectory(prefix="gpumon-sim-")
             workdir = Path(tmp.name)
         node = SimNode(scenario, workdir)
+        t = scenario.horizon_s if at_s is None else at_s
         if live:
             t = max(0.0, time.time() - node.start_wall)
-        else:
-            t = scenario.horizon_s if at_s is None else at_s
         node.render(t)
         lib_dir = nvml_inject.build_library()
         os.environ[nvml_inject.STATE_ENV] = str(node.nvml_state_path)

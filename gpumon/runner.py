@@ -87,12 +87,16 @@ class Runner:
             self._inflight[check.name] = slot
             slot.thread.start()
             slots.append((slot, slot.started + self.config.settings(type(check)).timeout_s))
-        for slot, deadline in slots:
+        # Judge each check at its own deadline, earliest first: a check stuck
+        # behind a slower one must still be reported hung at its own timeout.
+        done: dict[int, CheckRun] = {}
+        for i, (slot, deadline) in sorted(enumerate(slots), key=lambda item: item[1][1]):
             slot.finished.wait(max(0.0, deadline - time.monotonic()))
             run = self._collect(slot)
-            runs.append(run)
+            done[i] = run
             if on_done:
                 on_done(run)
+        runs.extend(done[i] for i in range(len(slots)))
         return runs
 
     def _precheck(self, check: Check) -> CheckRun | None:

@@ -113,8 +113,8 @@ def test_hung_nvml_call_is_a_finding_within_its_bound(tmp_path: Path) -> None:
 def test_hung_check_is_reported_within_timeout_plus_1s_while_others_finish(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("timeouts:\n  nvml_call_s: 60\nchecks:\n  throttle:\n    timeout_s: 2\n")
-    proc = run_gpumon("--config", str(cfg), "check", "--simulate", str(_scenario(tmp_path, 30)),
-                      "--json", "-v", env=clean_env())
+    proc = run_gpumon("--config", str(cfg), "check", "throttle", "xid", "--simulate",
+                      str(_scenario(tmp_path, 30)), "--json", "-v", env=clean_env())
     assert proc.returncode == 2, proc.stderr
     doc = json.loads(proc.stdout)
     runs = {c["check"]: c for c in doc["checks"]}

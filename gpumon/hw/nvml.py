@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from gpumon.errors import GpuLost, HwFailure, HwTimeout, NotSupported, NvmlUnavailable
+from gpumon.errors import GpuLost, HwCondition, HwFailure, HwTimeout, NotSupported, NvmlUnavailable
 from gpumon.hw.calls import BoundedCaller
 from gpumon.model import gpu as gpu_component
 
@@ -103,7 +103,8 @@ class Nvml:
         self._timeout = timeout
         self._simulated = simulated
         self._handles: dict[int, Any] = {}
-        self._unsupported: set[tuple[int, str]] = set()
+        # (gpu, function, arguments): one unsupported threshold type must not switch off the others
+        self._unsupported: set[tuple[int, str, str]] = set()
         self._lock = threading.Lock()
         self.initialized = False
 
@@ -153,14 +154,15 @@ class Nvml:
         """Call ``pynvml.<function>(handle, *args)`` for GPU ``index``, bounded and mapped."""
         component = gpu_component(index)
         label = f"{function}({component})"
-        if (index, function) in self._unsupported:
+        key = (index, function, repr(args))
+        if key in self._unsupported:
             raise NotSupported(f"{function} not supported (remembered)", call=label, component=component)
         handle = self._handle(index)
         fn = getattr(pynvml, function)
         try:
             return self._call(f"gpu{index}", label, component, lambda: fn(handle, *args))
         except NotSupported:
-            self._unsupported.add((index, function))
+            self._unsupported.add(key)
             raise
 
     def system(self, function: str, *args: Any) -> Any:
@@ -200,7 +202,7 @@ class Nvml:
                 if link == 0:
                     return 0
                 # a link past the last one: not supported on this one index only
-                self._unsupported.discard((index, "nvmlDeviceGetNvLinkState"))
+                self._unsupported.discard((index, "nvmlDeviceGetNvLinkState", repr((link,))))
                 break
             except NvmlError as exc:
                 if exc.code == pynvml.NVML_ERROR_INVALID_ARGUMENT:
@@ -383,6 +385,14 @@ class NvmlReadings(Nvml):
                         int(self.device(index, "nvmlDeviceGetCurrPcieLinkWidth")),
                         int(self.device(index, "nvmlDeviceGetMaxPcieLinkWidth")))
 
+    def ecc_mode(self, index: int) -> tuple[bool, bool]:
+        """(current, pending) ECC mode."""
+        current, pending = self.device(index, "nvmlDeviceGetEccMode")
+        return bool(current), bool(pending)
+
+    def brand(self, index: int) -> int:
+        return int(self.device(index, "nvmlDeviceGetBrand"))
+
     def pci_bus_id(self, index: int) -> str:
         """The GPU's PCI address in sysfs form (``0000:18:00.0``)."""
         return canonical_nvml_bus_id(_text(self.device(index, "nvmlDeviceGetPciInfo").busId))
@@ -403,11 +413,14 @@ class XidEventSet:
         self._by_handle: dict[int, int] = {}
         self.registered: list[int] = []
         for index in indices:
-            handle = nvml._handle(index)
             try:
+                handle = nvml._handle(index)
                 nvml.device(index, "nvmlDeviceRegisterEvents", pynvml.nvmlEventTypeXidCriticalError,
                             self._set)
             except NotSupported:
+                continue
+            except HwCondition:
+                # a lost or hung GPU must not cost the others their events, nor leak the set
                 continue
             self._by_handle[ctypes.cast(handle, ctypes.c_void_p).value or 0] = index
             self.registered.append(index)

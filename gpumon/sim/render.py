@@ -344,14 +344,20 @@ class SimNode:
                          pcie_width_current=self.profile.pcie.width or 16)
             mask = 0
             for f in self._faults("throttle", t):
-                if f.gpu == i and f.active(t):
+                if f.gpu != i:
+                    continue
+                if f.active(t):
                     for r in f.reasons:
                         mask |= _REASON_BITS[r]
-                    held_ns = int((t - f.at_s) * 1e9)
-                    if {"hw_thermal_slowdown", "sw_thermal_slowdown"} & set(f.reasons):
-                        g.violation_ns[1] = g.violation_ns.get(1, 0) + held_ns
-                    if {"hw_power_brake_slowdown", "sw_power_cap"} & set(f.reasons):
-                        g.violation_ns[0] = g.violation_ns.get(0, 0) + held_ns
+                # NVML's violation counters are cumulative: time held so far, over every
+                # fault that has started. THERMAL counts thermal slowdowns; POWER is the
+                # SW power cap (NVML header), not the HW power brake.
+                end = f.end_s if f.end_s is not None else t
+                held_ns = int((min(t, end) - f.at_s) * 1e9)
+                if {"hw_thermal_slowdown", "sw_thermal_slowdown"} & set(f.reasons):
+                    g.violation_ns[1] = g.violation_ns.get(1, 0) + held_ns
+                if "sw_power_cap" in f.reasons:
+                    g.violation_ns[0] = g.violation_ns.get(0, 0) + held_ns
             g.clocks_event_reasons = mask or 0x1  # idle when nothing else holds clocks down
             for f in self._faults("temperature", t):
                 if f.gpu == i and f.active(t):
@@ -401,7 +407,9 @@ class SimNode:
             for f in self._faults("nvml_hang", t):
                 if f.gpu == i and f.active(t) and f.function:
                     g.calls.append(InjectedCall(f.function, hang_s=float(f.seconds or 0)))
-            for seq, f in enumerate(self._faults("xid", t), start=1):
+            for seq, f in enumerate(self.scenario.faults, start=1):
+                if f.kind != "xid" or f.at_s > t:
+                    continue
                 if f.gpu == i and f.code is not None:
                     g.xid_events.append((f.code, seq))
                     if f.code == 79:

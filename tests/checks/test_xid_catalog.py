@@ -7,9 +7,18 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpumon.model import Action, Severity
-from gpumon_checks.xid_catalog import CATALOG_SOURCE, XID_CATALOG, XidInfo, lookup
+from gpumon_checks.xid_catalog import (
+    CATALOG_SOURCE,
+    XID_CATALOG,
+    XidInfo,
+    decode_nvlink5,
+    decode_xid74,
+    lookup,
+)
 
 CATALOG_MD = Path(__file__).resolve().parent.parent / "data" / "xid-catalog.md"
 
@@ -104,3 +113,91 @@ def test_catalog_is_read_only() -> None:
 def test_source_cites_nvidia_and_the_mirror_commit() -> None:
     assert "docs.nvidia.com/deploy/xid-errors" in CATALOG_SOURCE
     assert "4a8de33a3f02e207f39e9023d67125592d599731" in CATALOG_SOURCE
+
+
+# -- decode rules of the NVLink workflows (xid-catalog.md, WORKFLOW_NVLINK_ERR / NVLINK5_ERR) ------
+
+
+@pytest.mark.parametrize(
+    ("words", "classes", "severity", "action"),
+    [
+        ((0x1, 0, 0, 0, 0, 0, 0), ("ignorable",), Severity.WARN, Action.NONE),
+        ((0x40800001,), ("ignorable",), Severity.WARN, Action.NONE),  # bits 0, 23, 30
+        ((0x2,), ("sympathetic",), Severity.WARN, Action.NONE),
+        ((0x10,), ("ecc_parity",), Severity.FAIL, Action.RESET_GPU),
+        ((0x10000, 0, 0), ("mechanical",), Severity.FAIL, Action.CHECK_CABLES),
+        ((0x200000,), ("marginal_si",), Severity.FAIL, Action.CHECK_CABLES),
+        ((0x10010,), ("ecc_parity", "mechanical"), Severity.FAIL, Action.RESET_GPU),  # worst action wins
+    ],
+)
+def test_xid74_first_word_bit_classes(words: tuple[int, ...], classes: tuple[str, ...], severity: Severity,
+                                      action: Action) -> None:
+    d = decode_xid74(words)
+    assert d is not None and (d.classes, d.severity, d.action) == (classes, severity, action)
+    assert not d.unknown_bits and not d.undecoded_words
+
+
+def test_xid74_what_the_notes_do_not_decode_keeps_the_catalog_default() -> None:
+    assert decode_xid74(()) is None
+    # NVSentinel's quoted Hopper line: only the third word is set, and our notes decode the first
+    d = decode_xid74((0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0))
+    assert d is not None and d.undecoded_words == (2,) and (d.severity, d.action) == (Severity.FAIL,
+                                                                                     Action.RESET_GPU)
+    d = decode_xid74((0x1 | 1 << 2,))  # bit 2 is not in NVIDIA's list: "report a bug"
+    assert d is not None and d.unknown_bits == (2,) and d.severity is Severity.FAIL
+
+
+@pytest.mark.parametrize(
+    ("code", "unit", "fatal", "words", "level", "severity", "action"),
+    [
+        (144, "SAW_MVB", False, (0x1, 0x2), "Fatal", Severity.FAIL, Action.RESET_GPU),
+        (144, "SAW_MVB", True, (0x1, 0x8), "Non-fatal", Severity.WARN, Action.NONE),
+        (145, "RLW_REMAP", False, (0x4, 0x40), "Fatal", Severity.FAIL, Action.RESET_GPU),
+        (145, "RLW_REMAP", False, (0x4, 0x1), "Non-fatal", Severity.WARN, Action.NONE),
+        (149, "NETIR_LINK_EVT", True, (0x025001C6, 0), "Link Fatal", Severity.FAIL, Action.RESET_GPU),
+        (149, "NETIR_BER_EVENT", False, (), "Non-fatal", Severity.WARN, Action.CHECK_CABLES),
+        (150, "MSE_WATCHDOG", False, (), "Fatal", Severity.FAIL, Action.RESET_GPU),
+        # outside the rules: the printed word
+        (145, "RLW_SRC_TRACK", False, (0x1, 0x4), "Non-fatal", Severity.WARN, Action.NONE),
+        (145, "RLW_REMAP", True, (0x4, 0x100), "Fatal", Severity.FAIL, Action.RESET_GPU),  # status not listed
+        (149, "NETIR", True, (0x000FE406, 0), "Fatal", Severity.FAIL, Action.RESET_GPU),
+    ],
+)
+def test_nvlink5_decode(code: int, unit: str, fatal: bool, words: tuple[int, ...], level: str,
+                        severity: Severity, action: Action) -> None:
+    d = decode_nvlink5(code, unit, fatal, words)
+    assert d is not None and (d.level, d.severity, d.action) == (level, severity, action), d
+
+
+def test_nvlink5_without_a_word_or_a_rule_is_not_decoded() -> None:
+    assert decode_nvlink5(146, None, None, ()) is None  # an NVML event, or a damaged line
+
+
+_words = st.lists(st.integers(min_value=0, max_value=(1 << 64) - 1), max_size=8)
+
+
+@given(_words)
+def test_xid74_decode_never_raises_and_is_never_milder_than_warn(words: list[int]) -> None:
+    d = decode_xid74(words)
+    if not words:
+        assert d is None
+        return
+    assert d is not None and d.severity in (Severity.WARN, Severity.FAIL)
+    first = words[0] & 0xFFFFFFFF
+    if first and not first & ~((1 << 0) | (1 << 23) | (1 << 30)) and not any(words[1:]):
+        assert (d.severity, d.action) == (Severity.WARN, Action.NONE)  # only ignorable bits
+
+
+@given(st.integers(min_value=144, max_value=150),
+       st.sampled_from(["SAW_MVB", "RLW_REMAP", "RLW_RXPIPE", "NETIR_LINK_EVT", "NETIR_BER_EVENT",
+                        "MSE_WATCHDOG", "TLW_RX", ""]) | st.none() | st.text(max_size=20),
+       st.booleans() | st.none(), _words)
+def test_nvlink5_decode_never_raises(code: int, unit: str | None, fatal: bool | None,
+                                    words: list[int]) -> None:
+    d = decode_nvlink5(code, unit, fatal, words)
+    if d is None:
+        return
+    assert d.level in ("Fatal", "Link Fatal", "Non-fatal")
+    assert (d.severity is Severity.FAIL) == (d.level != "Non-fatal")
+    if (code, unit) == (145, "RLW_REMAP") and len(words) > 1 and words[1] & 0xC0:
+        assert d.level == "Fatal"  # a fatal status bit is fatal whatever else is set

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +194,152 @@ def test_unreadable_kernel_log_is_unknown_not_ok(tmp_path: Path) -> None:
                        kernel_log=KernelLog(available=False, error="/dev/kmsg: permission denied"))
     [f] = XidCheck().run(ctx)
     assert f.severity is Severity.UNKNOWN and "permission denied" in f.message
+
+
+# -- simulated node: NVML Xid events as a second source, Xid 63 / 74 / NVLink5 workflows -------------
+
+
+class _Runner:
+    """Runs the xid check on a simulated node the way one daemon runner does.
+
+    The harness makes a new Hardware per call; a runner keeps one for its life, and with it the
+    NVML event set the check keeps in ``ctx.extras``. So the first Hardware and one extras dict
+    are carried over every call.
+    """
+
+    def __init__(self, h: Any) -> None:
+        self.h = h
+        self.hw: Hardware | None = None
+        self.extras: dict[str, Any] = {}
+
+    def context(self, t: float, kernel_log: KernelLog | None = None) -> CheckContext:
+        ctx: CheckContext = self.h.context(XidCheck, t)
+        self.hw = self.hw or ctx.hw
+        ctx.hw, ctx.extras = self.hw, self.extras
+        if kernel_log is not None:
+            ctx.kernel_log = kernel_log
+        return ctx
+
+    def run(self, t: float, kernel_log: KernelLog | None = None) -> dict[tuple[str, int], Finding]:
+        findings = XidCheck().run(self.context(t, kernel_log))
+        assert json.loads(json.dumps(self.h.states["xid"])) == self.h.states["xid"]  # JSON state only
+        return {(f.component, f.evidence.get("code", 0)): f for f in findings}
+
+
+NO_KMSG = KernelLog(available=False, error="/dev/kmsg: no such file (container without /dev/kmsg)")
+
+
+def _scenario(*faults: str, sku: str = "h100-sxm") -> str:
+    return f"name: t\nsku: {sku}\ngpus: 8\nfaults:\n" + ("".join(f"  - {f}\n" for f in faults) or "  []\n")
+
+
+def test_nvml_event_without_kernel_log_is_a_finding_from_nvml(sim: Any) -> None:
+    r = _Runner(sim(_scenario("{at_s: 5, kind: xid, gpu: 2, code: 48}")))
+    first = r.run(1, NO_KMSG)
+    # the event set opens now: the boot so far is unseen, so the check cannot say ok yet
+    assert first[("node", 0)].severity is Severity.UNKNOWN and "from now on" in first[("node", 0)].message
+    second = r.run(10, NO_KMSG)
+    dbe = second[("gpu/2", 48)]
+    _expect(dbe, Severity.FAIL, "reset_gpu", 1)
+    assert dbe.evidence["source"] == "nvml" and dbe.evidence["pci_bus_id"] == "0000:4c:00.0"
+    node = second[("node", 0)]
+    assert node.severity is Severity.OK and node.evidence["missing_source"] == "kernel_log"
+    assert "no such file" in node.message
+
+
+def test_neither_source_is_unknown(sim: Any) -> None:
+    h = sim(_scenario())
+    ctx = h.context(XidCheck, 1)
+    ctx.kernel_log = NO_KMSG
+    ctx.inventory = Inventory()  # no GPU NVML can read: no event set can be opened
+    [f] = XidCheck().run(ctx)
+    assert f.severity is Severity.UNKNOWN and "no GPU readable through NVML" in f.message
+
+
+_LINK6 = "NVLink: fatal error detected on link 6({})"
+_MECHANICAL = ", ".join(["0x10000"] + ["0x0"] * 6)  # bit 16: link mechanical (NVIDIA WORKFLOW_NVLINK_ERR)
+_IGNORABLE = ", ".join(["0x800001"] + ["0x0"] * 6)  # bits 0 and 23: "can be safely ignored"
+_ECC = ", ".join(["0x10"] + ["0x0"] * 6)  # bit 4: ECC/parity
+
+
+def test_both_sources_counted_once_and_the_remap_and_nvlink_workflows(sim: Any) -> None:
+    # one node, several faults, stepped like a daemon: each step is a full render of the node
+    r = _Runner(sim(_scenario(
+        "{at_s: 8, kind: xid, gpu: 6, code: 119}",
+        "{at_s: 5, kind: remap, gpu: 1, pending: true, uncorrected: 1, duration_s: 20}",
+        "{at_s: 5, kind: xid, gpu: 1, code: 63}",
+        "{at_s: 5, kind: xid, gpu: 2, code: 63}",
+        "{at_s: 5, kind: remap, gpu: 7, failure: true}",
+        "{at_s: 5, kind: xid, gpu: 7, code: 63}",
+        "{at_s: 6, kind: xid, gpu: 7, code: 64}",
+        f"{{at_s: 5, kind: xid, gpu: 3, code: 74, message: '{_LINK6.format(_MECHANICAL)}'}}",
+        f"{{at_s: 2, kind: xid, gpu: 0, code: 74, message: '{_LINK6.format(_IGNORABLE)}'}}",
+        *(f"{{at_s: {t}, kind: xid, gpu: 5, code: 74, message: '{_LINK6.format(_ECC)}'}}"
+          for t in (3, 20, 21)),
+        "{at_s: 25, kind: xid, gpu: 6, code: 119}")))
+    assert [k for k, f in r.run(1).items() if f.severity is not Severity.OK] == []
+
+    found = r.run(10)
+    gsp = found[("gpu/6", 119)]
+    _expect(gsp, Severity.FAIL, "reset_gpu", 1)  # the kernel line and NVML's event: one event
+    assert gsp.evidence["source"] == "kernel+nvml"
+    pending = found[("gpu/1", 63)]  # Xid 63 with NVML's remap pending flag set
+    assert (pending.severity, pending.action.value) == (Severity.WARN, "reset_gpu")
+    assert pending.evidence["remap"]["pending"] is True and "pending" in pending.message
+    info = found[("gpu/2", 63)]  # no remap pending: the row is already remapped
+    assert (info.severity, info.action.value) == (Severity.OK, "none")
+    failed = found[("gpu/7", 63)]
+    assert (failed.severity, failed.action.value) == (Severity.FAIL, "inspect_hardware")
+    _expect(found[("gpu/7", 64)], Severity.FAIL, "inspect_hardware", 1)
+    link = found[("nvlink/3/6", 74)]  # Xid 74 names its link: a link fault
+    _expect(link, Severity.FAIL, "check_cables", 1)
+    assert link.evidence["nvlink_classes"] == ["mechanical"] and link.evidence["source"] == "kernel+nvml"
+    assert not [k for k in found if k[1] == 74 and k[0].startswith("gpu/")]  # NVML's events matched
+    ignorable = found[("nvlink/0/6", 74)]
+    assert (ignorable.severity, ignorable.action.value) == (Severity.WARN, "none")
+    _expect(found[("nvlink/5/6", 74)], Severity.FAIL, "reset_gpu", 1)  # ECC/parity once: reset
+
+    found = r.run(30)
+    # the second fault is a second event, and neither is counted twice
+    _expect(found[("gpu/6", 119)], Severity.FAIL, "reset_gpu", 2)
+    applied = found[("gpu/1", 63)]  # the reset applied the remap: the Xid stays, as info
+    assert (applied.severity, applied.action.value) == (Severity.OK, "none")
+    assert applied.evidence["remap"]["pending"] is False and "already applied" in applied.message
+    # NVIDIA: ECC/parity bits more than 2 times on one link -> hardware
+    _expect(found[("nvlink/5/6", 74)], Severity.FAIL, "inspect_hardware", 3)
+
+
+def test_kernel_line_arriving_after_its_nvml_event_is_still_one_event(sim: Any) -> None:
+    r = _Runner(sim(_scenario("{at_s: 8, kind: xid, gpu: 4, code: 109}")))
+    r.run(1)
+    ctx = r.context(10)
+    late = ctx.kernel_log  # the line is in the log, but the check sees NVML's event first
+    ctx.kernel_log = KernelLog(source=late.source, boot_time=late.boot_time)
+    early = {(f.component, f.evidence.get("code")): f for f in XidCheck().run(ctx)}
+    assert early[("gpu/4", 109)].evidence["source"] == "nvml"
+    found = r.run(12, late)
+    _expect(found[("gpu/4", 109)], Severity.FAIL, "reset_gpu", 1)
+    assert found[("gpu/4", 109)].evidence["source"] == "kernel+nvml"
+    assert found[("gpu/4", 109)].evidence["pids"] == [1797828]  # the detail came with the line
+
+
+_RLW = "RLW_REMAP Nonfatal XC0 i0 Link 10 ({} 0x00000000 0x00000000 0x00000000 0x00000000)"
+
+
+def test_nvlink5_decode_rules_refine_the_fatal_word(sim: Any) -> None:
+    r = _Runner(sim(_scenario(
+        # RLW_REMAP status 0x40 is Fatal in NVIDIA's decode sheet, whatever word the line printed
+        f"{{at_s: 2, kind: xid, gpu: 0, code: 145, message: '{_RLW.format('0x00000004 0x00000040')}'}}",
+        f"{{at_s: 2, kind: xid, gpu: 1, code: 145, message: '{_RLW.format('0x00000004 0x00000008')}'}}",
+        # a unit the rules do not cover: the printed word decides
+        "{at_s: 2, kind: xid, gpu: 2, code: 146, "
+        "message: 'TLW_RX Fatal XC0 i0 Link 03 (0x1 0x2 0x0 0x0 0x0 0x0)'}",
+        sku="b200")))
+    found = r.run(5)
+    fatal = found[("nvlink/0/10", 145)]
+    _expect(fatal, Severity.FAIL, "reset_gpu", 1)
+    assert "status 0x40 is Fatal" in fatal.message and fatal.evidence["error_status"] == "0x40"
+    nonfatal = found[("nvlink/1/10", 145)]
+    assert (nonfatal.severity, nonfatal.action.value) == (Severity.WARN, "none")
+    assert "Xid 154" in nonfatal.message
+    _expect(found[("nvlink/2/3", 146)], Severity.FAIL, "reset_gpu", 1)

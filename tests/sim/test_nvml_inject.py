@@ -495,18 +495,23 @@ def test_xid_events_are_delivered_once_per_event_set(node: Node) -> None:
     assert pynvml.nvmlDeviceGetSupportedEventTypes(h(1)) & xid
     first = pynvml.nvmlEventSetCreate()
     pynvml.nvmlDeviceRegisterEvents(h(1), xid, first)
-    got = [pynvml.nvmlEventSetWait_v2(first, 100) for _ in range(2)]
-    assert [(e.eventType, e.eventData) for e in got] == [(xid, 48), (xid, 79)]  # lowest seq first
-    assert {pynvml.nvmlDeviceGetIndex(e.device) for e in got} == {1}
+    # Like the real driver, a set reports only what happens after it registered:
+    # GPU 1's Xids 79 and 48 in the state are history.
     start = time.monotonic()
     with pytest.raises(pynvml.NVMLError_Timeout):
         pynvml.nvmlEventSetWait(first, 150)
     assert 0.14 <= time.monotonic() - start < 2
-    # A second event set sees the same events again; GPU 0 was never registered.
+    node.state.gpus[1].xid_events += [(31, 7), (63, 6)]
+    node.write()
+    got = [pynvml.nvmlEventSetWait_v2(first, 100) for _ in range(2)]
+    assert [(e.eventType, e.eventData) for e in got] == [(xid, 63), (xid, 31)]  # lowest seq first
+    assert {pynvml.nvmlDeviceGetIndex(e.device) for e in got} == {1}
+    # A second set registered now has seen none of them; GPU 0 was never registered.
     second = pynvml.nvmlEventSetCreate()
     pynvml.nvmlDeviceRegisterEvents(h(1), xid, second)
-    assert pynvml.nvmlEventSetWait(second, 0).eventData == 48
-    # A new Xid written while a waiter blocks is picked up by that waiter.
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        pynvml.nvmlEventSetWait(second, 0)
+    # A new Xid written while a waiter blocks is picked up by that waiter, and by the other set.
     node.state.gpus[1].xid_events.append((119, 9))
     node.state.gpus[0].xid_events.append((13, 1))
     timer = threading.Timer(0.2, node.write)
@@ -515,6 +520,7 @@ def test_xid_events_are_delivered_once_per_event_set(node: Node) -> None:
         assert pynvml.nvmlEventSetWait(first, 3000).eventData == 119
     finally:
         timer.join()
+    assert pynvml.nvmlEventSetWait(second, 0).eventData == 119
     with pytest.raises(pynvml.NVMLError_NotSupported):
         pynvml.nvmlDeviceRegisterEvents(h(1), 1 << 40, first)
     pynvml.nvmlEventSetFree(first)
@@ -721,7 +727,11 @@ CHILD = textwrap.dedent("""
     es = pynvml.nvmlEventSetCreate()
     pynvml.nvmlDeviceRegisterEvents(pynvml.nvmlDeviceGetHandleByIndex(1),
                                     pynvml.nvmlEventTypeXidCriticalError, es)
-    out["xid"] = pynvml.nvmlEventSetWait(es, 500).eventData
+    try:
+        pynvml.nvmlEventSetWait(es, 0)
+        out["xid"] = "history delivered"
+    except pynvml.NVMLError_Timeout:
+        out["xid"] = "only new events"
     pynvml.nvmlShutdown()
     try:
         pynvml.nvmlDeviceGetCount()
@@ -749,7 +759,7 @@ def test_subprocess_finds_library_through_ld_library_path(lib_dir: Path, tmp_pat
     assert [g["link3"] for g in out["gpus"]] == [1, 0, "NVMLError_NotSupported", 1]
     assert [g["mem_temp"] for g in out["gpus"]] == [42, 93, None, 42]
     assert out["gpus"][1]["reasons"] == 0x48
-    assert out["xid"] == 48 and out["after_shutdown"] == "Uninitialized"
+    assert out["xid"] == "only new events" and out["after_shutdown"] == "Uninitialized"
 
 
 @pytest.mark.skipif(bool(ctypes.util.find_library("nvidia-ml")), reason="a real NVML is installed")

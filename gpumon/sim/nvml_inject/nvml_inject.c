@@ -1650,18 +1650,41 @@ EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsign
     return leave(NVML_SUCCESS);
 }
 
-EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long types, nvmlEventSet_t set) {
-    DEVICE_ENTER(device, g);
-    REQUIRE(event_set_ok(set));
-    if (types & ~g->supported_events) return leave(NVML_ERROR_NOT_SUPPORTED);
-    set->mask[gpu_index(g)] |= types;
-    return leave(NVML_SUCCESS);
-}
-
 static int was_delivered(nvmlEventSet_t set, unsigned int gpu, u64 seq) {
     for (size_t i = 0; i < set->ndelivered; i++)
         if (set->delivered[i].gpu == gpu && set->delivered[i].seq == seq) return 1;
     return 0;
+}
+
+static nvmlReturn_t mark_delivered(nvmlEventSet_t set, unsigned int gpu, u64 seq) {
+    if (set->ndelivered == set->cap) {
+        size_t cap = set->cap ? set->cap * 2 : 64;
+        void *p = realloc(set->delivered, cap * sizeof set->delivered[0]);
+        if (!p) return NVML_ERROR_MEMORY;
+        set->delivered = p;
+        set->cap = cap;
+    }
+    set->delivered[set->ndelivered].gpu = gpu;
+    set->delivered[set->ndelivered].seq = seq;
+    set->ndelivered++;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long types, nvmlEventSet_t set) {
+    DEVICE_ENTER(device, g);
+    REQUIRE(event_set_ok(set));
+    if (types & ~g->supported_events) return leave(NVML_ERROR_NOT_SUPPORTED);
+    unsigned int gi = gpu_index(g);
+    if ((types & EVENT_TYPE_XID) && !(set->mask[gi] & EVENT_TYPE_XID)) {
+        /* Like the real driver: a set only reports events that happen after it registered. */
+        for (unsigned int k = 0; k < g->nxids; k++) {
+            if (was_delivered(set, gi, g->xid[k].seq)) continue;
+            nvmlReturn_t rc = mark_delivered(set, gi, g->xid[k].seq);
+            if (rc != NVML_SUCCESS) return leave(rc);
+        }
+    }
+    set->mask[gi] |= types;
+    return leave(NVML_SUCCESS);
 }
 
 /* Delivers the undelivered Xid with the lowest seq (then lowest GPU index). g_mu held. */
@@ -1680,17 +1703,9 @@ static nvmlReturn_t deliver_locked(nvmlEventSet_t set, nvmlEventData_t *data, in
         }
     }
     if (best_gpu < 0) return NVML_SUCCESS;
-    if (set->ndelivered == set->cap) {
-        size_t cap = set->cap ? set->cap * 2 : 64;
-        void *p = realloc(set->delivered, cap * sizeof set->delivered[0]);
-        if (!p) return NVML_ERROR_MEMORY;
-        set->delivered = p;
-        set->cap = cap;
-    }
     const gpu_t *g = &g_state->gpu[best_gpu];
-    set->delivered[set->ndelivered].gpu = (unsigned int)best_gpu;
-    set->delivered[set->ndelivered].seq = g->xid[best_xid].seq;
-    set->ndelivered++;
+    nvmlReturn_t rc = mark_delivered(set, (unsigned int)best_gpu, g->xid[best_xid].seq);
+    if (rc != NVML_SUCCESS) return rc;
     memset(data, 0, sizeof *data);
     data->device = &g_devices[best_gpu];
     data->eventType = EVENT_TYPE_XID;

@@ -1,0 +1,43 @@
+"""Health state: findings become events, events fold into a reboot-aware state per component and node.
+
+``state`` is the pure fold (no I/O, no clock); ``store`` keeps the events in
+SQLite and ``Health`` ties the two together for the daemon and the CLI.
+"""
+
+from gpumon.health.state import (
+    ComponentHealth,
+    Event,
+    EventKind,
+    Fault,
+    FaultId,
+    HealthPolicy,
+    HealthState,
+    HealthView,
+    Level,
+    NodeHealth,
+    Observation,
+    Quarantine,
+    fold,
+)
+from gpumon.health.store import DB_NAME, EventStore, Health, StoreError, load_view
+
+__all__ = [
+    "DB_NAME",
+    "ComponentHealth",
+    "Event",
+    "EventKind",
+    "EventStore",
+    "Fault",
+    "FaultId",
+    "Health",
+    "HealthPolicy",
+    "HealthState",
+    "HealthView",
+    "Level",
+    "NodeHealth",
+    "Observation",
+    "Quarantine",
+    "StoreError",
+    "fold",
+    "load_view",
+]
