@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics here (default: exporter.listen, 0.0.0.0:9426)")
 
     sub.add_parser("list-checks", parents=[common], help="list the registered checks")
+
+    p = sub.add_parser("status", parents=[common], help="health state: why, since when, history")
+    p.add_argument("--state-dir", type=Path, metavar="DIR", help="default: state_dir of the config")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--history", type=int, default=10, metavar="N", help="events per component (10)")
+    p.add_argument("-v", "--verbose", action="store_true", help="list healthy components too")
+
+    p = sub.add_parser("set-healthy", parents=[common],
+                       help="operator override: mark a component (default: the whole node) healthy")
+    p.add_argument("component", nargs="?", default="node", help="node, gpu/<i>, nvlink/<gpu>/<link>, ...")
+    p.add_argument("--reason", required=True, help="why (recorded with the event)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR", help="default: state_dir of the config")
     return parser
 
 
@@ -87,6 +99,15 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # `gpumon status | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return EXIT_OK
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -97,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger().setLevel(config.log_level.upper())
         if args.command == "list-checks":
             return _list_checks(checks, config)
+        if args.command == "status":
+            return _status(config, args)
+        if args.command == "set-healthy":
+            return _set_healthy(config, args)
         simulation = None
         if args.simulate:
             scenario = load_scenario(args.simulate)
@@ -176,3 +201,77 @@ def _bootstrap(agent: Agent, args: argparse.Namespace) -> int:
         raise StartupError("no bootstrap checks to run (none registered or all skipped)")
     runs = agent.run_once(checks)
     return _emit(agent, runs, args)
+
+
+_LEVEL_EXIT = {"healthy": EXIT_OK, "degraded": EXIT_WARN, "unhealthy": EXIT_FAIL, "quarantined": EXIT_FAIL}
+
+
+def _state_dir(config: Config, args: argparse.Namespace) -> Path:
+    return Path(args.state_dir) if args.state_dir else Path(config.state_dir)
+
+
+def _status(config: Config, args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from gpumon.health import StoreError, load_view
+
+    try:
+        view = load_view(_state_dir(config, args))
+    except StoreError as exc:
+        raise StartupError(f"no health state: {exc}") from None
+    code = _LEVEL_EXIT[view.node.level.value]
+    if args.json:
+        print(json.dumps(view.to_json(history=args.history), indent=2))
+        return code
+
+    def when(t: float) -> str:
+        return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if t else "-"
+
+    console = Console(highlight=False)
+    node = view.node
+    console.print(f"node: [bold]{node.level.value}[/] (action {node.action.value}) since {when(node.since)}")
+    if node.quarantine is not None:
+        console.print(f"quarantined by {node.quarantine.by} since {when(node.quarantine.since)}: "
+                      f"{node.quarantine.reason}")
+    table = Table(title_justify="left")
+    for col in ("component", "state", "action", "since", "why"):
+        table.add_column(col, overflow="fold")
+    shown = {n: c for n, c in view.components.items() if args.verbose or c.level.value != "healthy"}
+    for name, comp in sorted(shown.items()):
+        why = "; ".join(f"{f.check}: {f.message}" for f in comp.why)
+        table.add_row(name, comp.level.value, comp.action.value, when(comp.since), why)
+    console.print(table)
+    healthy = len(view.components) - len(shown)
+    if healthy:
+        console.print(f"{healthy} more components healthy (-v lists them)")
+    for name, events in sorted(view.history.items()):
+        if name not in shown:
+            continue
+        for e in events[-args.history:]:
+            console.print(f"  {when(e.time)} {name} {e.kind.value} {e.check} "
+                          f"{e.payload.get('message', e.payload.get('reason', ''))}")
+    return code
+
+
+def _set_healthy(config: Config, args: argparse.Namespace) -> int:
+    import getpass
+
+    from gpumon.health import Health, StoreError
+    from gpumon.hw.calls import BoundedCaller
+    from gpumon.hw.hostfs import HostFs
+
+    boot = HostFs(Path(config.host_root), BoundedCaller(), config.timeouts.sysfs_read_s).boot_id()
+    health = Health.open(_state_dir(config, args), boot_id=boot)
+    try:
+        health.set_healthy(args.component, who=getpass.getuser(), reason=args.reason)
+    except ValueError as exc:
+        raise ConfigError(str(exc), key="set-healthy") from None
+    except StoreError as exc:
+        raise StartupError(f"could not record the override: {exc}") from None
+    finally:
+        health.close()
+    print(f"gpumon: {args.component} marked healthy ({args.reason})")
+    return EXIT_OK

@@ -30,6 +30,7 @@ from gpumon.config import split_listen
 from gpumon.errors import StartupError
 from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
 from gpumon.export.webserver import load_web_config, serve_metrics
+from gpumon.health import Health
 from gpumon.hw.kmsg import KernelLogFollower
 from gpumon.hw.nvrm import NvrmParser
 from gpumon.model import Phase, Severity
@@ -189,6 +190,8 @@ class Daemon:
         self._lock = threading.Lock()
         self._workers: dict[str, threading.Thread] = {}
         self._saved_at: dict[str, float] = {}
+        self._report_at = 0.0
+        self.health: Health | None = None
         self.snapshots: SnapshotHolder | None = None
         self._server: Any = None
 
@@ -228,11 +231,18 @@ class Daemon:
                  host, self._server.server_port)
 
     def _snapshot(self) -> Snapshot:
+        health: dict[str, tuple[str, str]] = {}
+        if self.health is not None:
+            view = self.health.view()
+            health["node"] = (view.node.level.value, view.node.action.value)
+            for name, comp in view.components.items():
+                health[name] = (comp.level.value, comp.action.value)
         return Snapshot(node=self.agent.node, profile=self.agent.profile.name, version=__version__,
-                        runs=dict(self.latest))
+                        runs=dict(self.latest), health=health)
 
     def serve(self, duration: float | None = None) -> int:
         checks = self.agent.selected(Phase.CONTINUOUS)
+        self.health = Health.open(self.agent.state_dir, boot_id=self.agent.hw.fs.boot_id())
         self.snapshots = SnapshotHolder(self._snapshot())
         self._start_exporter()
         pump = KernelLogPump(self.agent, self.wake,
@@ -254,6 +264,8 @@ class Daemon:
                 if now - last_watchdog >= 5.0:
                     sd_notify("WATCHDOG=1")
                     last_watchdog = now
+                    if self.health is not None:
+                        self.health.tick()
                 for check in checks:
                     event_driven = check.uses_kernel_log and pump.has_pending(check.name)
                     if (now >= due[check.name] or event_driven) and self._idle(check.name):
@@ -278,6 +290,9 @@ class Daemon:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+        self._write_report()
+        if self.health is not None:
+            self.health.close()
         self.agent.stop()
         return 0
 
@@ -305,23 +320,41 @@ class Daemon:
     def _record(self, run: CheckRun) -> None:
         with self._lock:
             self.latest[run.check] = run
+            changed = False
             for f in run.findings:
                 key = (f.check, f.component)
                 before = self._last_severity.get(key)
                 if before != f.severity:
+                    changed = True
                     self._last_severity[key] = f.severity
                     if before is not None or f.severity is not Severity.OK:
                         log.warning("%s %s: %s -> %s: %s (action %s)", f.check, f.component,
                                     before.value if before else "new", f.severity.value, f.message,
                                     f.action.value)
+            if self.health is not None:
+                self.health.record_run(run)
             if self.snapshots is not None:
                 self.snapshots.set(self._snapshot())
-            self._write_report()
+            # report.json is for people and scripts: rewrite it on a change of
+            # severity, else at most every 10 s (a 1 s check would rewrite it every second)
+            now = time.monotonic()
+            if changed or now - self._report_at >= 10.0:
+                self._write_report()
+                self._report_at = now
 
     def _write_report(self) -> None:
         state_dir = self.agent.state_dir
-        doc = json_report(list(self.latest.values()), node=self.agent.node,
-                          profile=self.agent.profile.name)
+        extra: dict[str, Any] = {}
+        if self.health is not None:
+            view = self.health.view()
+            extra["health"] = {"node": view.node.to_json(),
+                               "components": {n: c.to_json() for n, c in view.components.items()
+                                              if c.level.value != "healthy"}}
+            store = self.health.store_finding()
+            runs = [*self.latest.values(), CheckRun(store.check, [store], time.time(), 0.0, "completed")]
+        else:
+            runs = list(self.latest.values())
+        doc = json_report(runs, node=self.agent.node, profile=self.agent.profile.name, extra=extra)
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
             tmp = state_dir / "report.json.tmp"

@@ -121,3 +121,38 @@ def test_restart_keeps_check_state_and_does_not_count_old_lines_twice(tmp_path: 
     assert (simdir / "host/proc/sys/kernel/random/boot_id").read_text() == boot
     assert second[("xid", "gpu/4")]["evidence"]["count"] == 1  # type: ignore[index]
     assert (simdir / "state" / "checks" / "xid.json").is_file()
+
+
+def test_status_and_set_healthy_after_a_daemon_run(tmp_path: Path) -> None:
+    simdir = tmp_path / "sim"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("checks:\n  throttle:\n    interval_s: 2\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpumon", "--config", str(cfg), "daemon", "--simulate",
+         str(_scenario(tmp_path)), "--sim-dir", str(simdir), "--duration", "5", "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    state = str(simdir / "state")
+    status = subprocess.run([sys.executable, "-m", "gpumon", "status", "--json", "--state-dir", state],
+                            capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert status.returncode == 2, status.stderr  # unhealthy
+    doc = json.loads(status.stdout)
+    assert doc["node"]["state"] == "unhealthy"
+    dbe = doc["components"]["gpu/6"]
+    assert (dbe["state"], dbe["action"]) == ("unhealthy", "reset_gpu")
+    override = subprocess.run([sys.executable, "-m", "gpumon", "set-healthy", "gpu/6", "--reason",
+                               "swapped the GPU", "--state-dir", state],
+                              capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert override.returncode == 0, override.stderr
+    after = json.loads(subprocess.run([sys.executable, "-m", "gpumon", "status", "--json", "--state-dir",
+                                       state], capture_output=True, text=True, env=clean_env(),
+                                      timeout=60).stdout)
+    assert after["components"]["gpu/6"]["state"] == "healthy"
+    assert any(e["kind"] == "set_healthy" and e["payload"].get("reason") == "swapped the GPU"
+               for e in after["components"]["gpu/6"]["history"])
+    # gpu/2 (HW thermal slowdown) is still out: the override named only gpu/6
+    assert after["components"]["gpu/2"]["state"] == "unhealthy"
+    missing = subprocess.run([sys.executable, "-m", "gpumon", "status", "--state-dir",
+                              str(tmp_path / "none")], capture_output=True, text=True, env=clean_env(),
+                             timeout=60)
+    assert missing.returncode == 3 and "no health state" in missing.stderr
