@@ -37,7 +37,11 @@ ARCH_CODES = {"ampere": 7, "hopper": 9, "blackwell": 10}
 # each GPU has a ConnectX-7 right after it; NVSwitches at 83..86.
 GPU_BUSES = ["19", "3b", "4c", "5d", "9b", "bb", "cb", "db"]
 NIC_BUSES = ["1a", "3c", "4d", "5e", "9c", "bc", "cc", "dc"]
-NVSWITCH_BUSES = ["83", "84", "85", "86"]
+NVSWITCH_BUSES = ["83", "84", "85", "86", "87", "88"]
+# NVSwitches on the 8-GPU baseboard: (PCI device id, count). H100/H200: 4 x 22a3 in the real HGX
+# H100 lspci (realdata/pcie-aer/lspci-vvv_h100-sxm5-hgx_*); A100: 6 x 1af1 (realdata/pcie-aer/
+# lspci-nn_a100-hgx.txt; NVIDIA Fabric Manager guide: "six second generation NVSwitches").
+NVSWITCHES = {"h100-sxm": ("0x22a3", 4), "h200-sxm": ("0x22a3", 4), "a100-sxm-80gb": ("0x1af1", 6)}
 PCIE_SPEEDS = {1: "2.5 GT/s PCIe", 2: "5.0 GT/s PCIe", 3: "8.0 GT/s PCIe", 4: "16.0 GT/s PCIe",
                5: "32.0 GT/s PCIe", 6: "64.0 GT/s PCIe"}
 MELLANOX = "0x15b3"
@@ -190,10 +194,11 @@ class SimNode:
                 out.append((f"{base}/{up}/{down}:01.0", f"{down}:01.0", "0x1000", "0xc030", "0x060400",
                             None))
                 out.append((f"{base}/{up}/{down}:01.0/{nic}", nic, MELLANOX, CX7_DEVICE, "0x020700", None))
-        if (self.profile.nvlink.links_per_gpu or 0) > 0 and self.gpu_count == 8:
-            for bus in NVSWITCH_BUSES:
+        switch_id, switches = NVSWITCHES.get(self.scenario.sku, ("", 0))
+        if self.gpu_count == 8:
+            for bus in NVSWITCH_BUSES[:switches]:
                 sw = f"0000:{bus}:00.0"
-                out.append((f"sys/devices/pci0000:80/0000:80:01.0/{sw}", sw, "0x10de", "0x22a3",
+                out.append((f"sys/devices/pci0000:80/0000:80:01.0/{sw}", sw, "0x10de", switch_id,
                             "0x068000", None))
         return out
 
