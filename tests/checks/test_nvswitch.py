@@ -473,7 +473,8 @@ def test_sim_sxid_fabric_and_fm_log_faults(sim: Any) -> None:
 """))  # noqa: E501
     before = h.run(NvswitchCheck, t=1)
     assert _sim_bad(before) == []
-    assert {f.evidence.get("reading") for f in before} == {"sxid", "fabric_state", "fm_log"}
+    # the h100-sxm profile expects 4 NVSwitches: the PCI count is judged too
+    assert {f.evidence.get("reading") for f in before} == {"sxid", "fabric_state", "fm_log", "pci"}
     findings = h.run(NvswitchCheck, t=10)
     assert _sim_bad(findings) == [
         ("gpu/3", "fail", "reboot_node"), ("gpu/6", "fail", "reboot_node"),  # fabric state
