@@ -47,7 +47,7 @@ from gpumon.hw.infiniband import (
     read_port,
 )
 from gpumon.hw.inventory import Inventory
-from gpumon.model import NODE, Action, Finding, Phase, Severity
+from gpumon.model import NODE, Action, Finding, Phase, Severity, reading
 
 _STATE_VERSION = 1
 # How many outage records one port keeps; beyond it the two oldest are merged,
@@ -593,6 +593,8 @@ def _downtime_evidence(p: dict[str, Any], now: float, params: IbConfig) -> dict[
         "outages_seen_only_by_link_downed": counter_only,
         "counter_resets": p["resets"],
     }
+    ev["readings"] = [reading("ib_downtime_seconds", measured), reading("ib_outages", ev["outages"]),
+                      reading("ib_longest_outage_seconds", longest)]
     if ongoing is not None:
         ev["ongoing_outage_s"] = round(ongoing, 1)
     if records:

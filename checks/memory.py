@@ -42,7 +42,7 @@ from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvml import EccCounts, GpuInfo, RemapHistogram, RemappedRows, RetiredPages
-from gpumon.model import Action, Finding, Phase, Severity, gpu
+from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
 from gpumon.profiles import GENERIC
 
 T = TypeVar("T")
@@ -175,6 +175,11 @@ class MemoryCheck(Check):
                              "volatile_uncorrected": c.volatile_uncorrected,
                              "aggregate_corrected": c.aggregate_corrected,
                              "aggregate_uncorrected": c.aggregate_uncorrected}
+        g.evidence.setdefault("readings", []).extend([
+            reading("ecc_errors", c.volatile_corrected, kind="corrected", counter="volatile"),
+            reading("ecc_errors", c.volatile_uncorrected, kind="uncorrected", counter="volatile"),
+            reading("ecc_errors", c.aggregate_corrected, kind="corrected", counter="aggregate"),
+            reading("ecc_errors", c.aggregate_uncorrected, kind="uncorrected", counter="aggregate")])
         if c.volatile_uncorrected > 0:
             g.add(Severity.FAIL, Action.RESET_GPU,
                   f"{c.volatile_uncorrected} uncorrectable ECC error(s) since the last reset "
@@ -205,6 +210,10 @@ class MemoryCheck(Check):
         limit = ctx.profile.memory.remapped_rows_uncorrectable_limit
         g.evidence["remapped_rows"] = {"corrected": r.corrected, "uncorrected": r.uncorrected,
                                        "pending": r.pending, "failure": r.failure}
+        g.evidence.setdefault("readings", []).extend([
+            reading("remapped_rows", r.corrected, kind="correctable"),
+            reading("remapped_rows", r.uncorrected, kind="uncorrectable"),
+            reading("remapped_rows_pending", r.pending), reading("remapped_rows_failure", r.failure)])
         g.evidence["remapped_rows_uncorrectable_limit"] = limit
         if r.failure:
             g.add(Severity.FAIL, Action.INSPECT_HARDWARE,

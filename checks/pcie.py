@@ -50,7 +50,7 @@ from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition
 from gpumon.hw import pci as pcihw
 from gpumon.hw.inventory import Inventory
-from gpumon.model import NODE, Action, Finding, Phase, Severity, pci
+from gpumon.model import NODE, Action, Finding, Phase, Severity, pci, reading
 
 _MAX_LOG_DEVICES = 256
 _MAX_SAMPLES = 5
@@ -357,6 +357,8 @@ def _aer(params: PcieConfig, ds: dict[str, Any], aer: pcihw.AerStats, now: float
          evidence: dict[str, Any]) -> list[_Problem]:
     totals = {kind: aer.of(kind).total for kind in pcihw.AER_FILES}
     evidence["aer_since_boot"] = dict(totals)
+    # AER counters count since boot in the kernel: counters in Prometheus terms
+    evidence["readings"] = [reading("pcie_aer_errors_total", n, severity=kind) for kind, n in totals.items()]
     if "totals" not in ds:
         ds["totals"] = dict(totals)
         ds["names"] = {kind: dict(aer.of(kind).errors) for kind in _UNCORRECTABLE}

@@ -36,7 +36,7 @@ from typing import Any
 from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
-from gpumon.model import Action, Finding, Phase, Severity, gpu
+from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
 
 # Bounds of a believable limit (the profile schema's thermal.* bounds): a threshold outside them
 # (0 from a driver that does not fill it in) would fail or pass every GPU, so it is not used.
@@ -119,22 +119,26 @@ class ThermalCheck(Check):
         errors: dict[str, str] = {}  # limits that could not be read (the readings get findings)
         core = _read(lambda: nvml.temperature_c(index))
         hbm = _read(lambda: nvml.memory_temperature_c(index))
-        for reading, what in ((core, "core temperature"), (hbm, "HBM temperature")):
-            if isinstance(reading, HwCondition):
-                out.append(self._unread(comp, what, reading))
+        for value, what in ((core, "core temperature"), (hbm, "HBM temperature")):
+            if isinstance(value, HwCondition):
+                out.append(self._unread(comp, what, value))
         core_c = core if isinstance(core, int) else None
         hbm_c = hbm if isinstance(hbm, int) else None
 
         slowdown = self._nvml_limit(ctx, index, "slowdown", None, errors) if core_c is not None else None
         gpu_max = (self._nvml_limit(ctx, index, "gpu_max", ctx.profile.thermal.gpu_max_operating_c, errors)
                    if core_c is not None else None)
-        # Only asked where HBM is read: a GPU without an HBM sensor may answer NOT_SUPPORTED for
-        # MEM_MAX, and gpumon.hw.nvml remembers NOT_SUPPORTED per function, not per threshold type,
-        # so it would also switch off the slowdown and max-operating limits from then on
+        # Only asked where HBM is read: without an HBM sensor there is no HBM limit to judge
         hbm_max = (self._nvml_limit(ctx, index, "mem_max", ctx.profile.thermal.hbm_max_operating_c, errors)
                    if hbm_c is not None else None)
 
         evidence: dict[str, Any] = {"core_c": core_c, "hbm_c": hbm_c}
+        readings: list[list[Any]] = []
+        if core_c is not None:
+            readings.append(reading("gpu_temperature_celsius", core_c))
+        if hbm_c is not None:
+            readings.append(reading("hbm_temperature_celsius", hbm_c))
+        evidence["readings"] = readings
         judged: list[_Judgement] = []
         not_judged: list[str] = []
         if core_c is not None and slowdown is not None and gpu_max is not None:

@@ -39,7 +39,7 @@ from typing import Any
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.nvml import CLOCK_EVENT_REASONS, PERF_POLICIES
-from gpumon.model import Action, Finding, Phase, Severity, gpu
+from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
 
 # NVIDIA documents HW slowdown as engaged by the board for thermal or power
 # protection (nvmlClocksEventReasonHwSlowdown in the NVML API reference), so
@@ -257,6 +257,7 @@ class ThrottleCheck(Check):
         if resets:
             evidence["counter_resets"] = resets
         evidence.update(readings)
+        evidence["readings"] = [reading("throttle_active_ratio", win.fractions[r], reason=r) for r in shown]
         if win.observed_s < params.min_history_s:
             evidence["judged_by"] = (f"current reading ({win.observed_s:.0f} s of history in the window, "
                                      f"under min_history_s {params.min_history_s:g} s)")

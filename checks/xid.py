@@ -43,7 +43,7 @@ from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvml import XidEventSet
 from gpumon.hw.nvrm import FallenOffBus, GpuIdentity, XidEvent
-from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci
+from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci, reading
 
 from .xid_catalog import XID74_ECC_REPEAT_LIMIT, decode_nvlink5, decode_xid74, lookup
 
@@ -358,6 +358,8 @@ class XidCheck(Check):
             evidence["reported_via_xid"] = g["via"]
         evidence.update(extra)
         evidence.update({k: v for k, v in ident.items()})
+        # counted per boot: the series restarts at 0 after a reboot, as a counter may
+        evidence["readings"] = [reading("xid_events_total", g["count"], code=code)]
         times = "" if g["count"] == 1 else f" ({g['count']} events)"
         where = g["component"] if g["component"] != NODE else "an unidentified GPU"
         via = " via Xid 45" if g["via"] else ""

@@ -208,3 +208,21 @@ def overall_status(findings: Iterable[Finding]) -> Status:
     if worst in (Severity.WARN, Severity.UNKNOWN):
         return Status.WARN
     return Status.OK
+
+
+_READING_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_RESERVED_LABELS = {"check", "component"}
+
+
+def reading(name: str, value: float | int | bool, **labels: str | int) -> list[Any]:
+    """A numeric reading for ``evidence["readings"]``, exported as ``gpumon_<name>``.
+
+    A name ending in ``_total`` is a counter (keep it monotonic in the check's
+    state). Validated here so that a bad name fails in the check's own tests.
+    """
+    if not _READING_NAME.match(name) or name.startswith("gpumon_"):
+        raise ValueError(f"bad reading name {name!r}")
+    for key in labels:
+        if not _READING_NAME.match(key) or key in _RESERVED_LABELS:
+            raise ValueError(f"bad reading label {key!r}")
+    return [name, float(value), {k: str(v) for k, v in labels.items()}]

@@ -42,8 +42,6 @@ HEALTH_STATES = ("healthy", "degraded", "unhealthy", "quarantined")
 SEVERITY_VALUE = {Severity.OK: 0, Severity.SKIPPED: 1, Severity.UNKNOWN: 2, Severity.WARN: 3,
                   Severity.FAIL: 4}
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
-_LABEL = re.compile(r"^[a-z_][a-z0-9_]*$")
-_RESERVED_LABELS = {"check", "component"}
 
 
 @dataclass(frozen=True)
@@ -54,16 +52,6 @@ class Snapshot:
     runs: Mapping[str, CheckRun] = field(default_factory=dict)
     # component -> (state, recommended action); "node" for the node itself
     health: Mapping[str, tuple[str, str]] = field(default_factory=dict)
-
-
-def reading(name: str, value: float | int | bool, **labels: str | int) -> list[Any]:
-    """A reading for ``evidence["readings"]``; validated here so a bad name fails in the check's tests."""
-    if not _NAME.match(name) or name.startswith("gpumon_"):
-        raise ValueError(f"bad reading name {name!r}")
-    for key in labels:
-        if not _LABEL.match(key) or key in _RESERVED_LABELS:
-            raise ValueError(f"bad reading label {key!r}")
-    return [name, float(value), {k: str(v) for k, v in labels.items()}]
 
 
 class GpumonCollector(Collector):

@@ -15,9 +15,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry, reading
+from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
 from gpumon.export.webserver import WebConfig, load_web_config, serve_metrics
-from gpumon.model import Action, Finding, Severity
+from gpumon.model import Action, Finding, Severity, reading
 from gpumon.runner import CheckRun
 
 
@@ -154,3 +154,29 @@ def test_web_config_errors_name_the_key(tmp_path: Path) -> None:
     web.write_text("basic_auth_users:\n  prom: plaintext\n")
     with pytest.raises(ConfigError, match="bcrypt"):
         load_web_config(web)
+
+
+def test_every_check_reading_of_a_faulty_node_is_promtool_clean() -> None:
+    import json
+
+    from conftest import run_gpumon
+
+    proc = run_gpumon("check", "--simulate", "faulty-8xh100", "--json", "-v")
+    assert proc.returncode == 2, proc.stderr
+    runs: dict[str, list[Finding]] = {}
+    for f in json.loads(proc.stdout)["findings"]:
+        runs.setdefault(f["check"], []).append(Finding.from_json(f))
+    snap = Snapshot("n", "h100-sxm", "0.1.0",
+                    {c: CheckRun(c, fs, 0.0, 0.0, "completed") for c, fs in runs.items()})
+    text = generate_latest(make_registry(SnapshotHolder(snap))).decode()
+    s = _samples(text)
+    assert s[("gpumon_xid_events_total", (("check", "xid"), ("code", "79"), ("component", "gpu/3")))] == 1
+    # one reading, no window yet: the share is known only after the daemon has watched a while
+    assert ("gpumon_throttle_active_ratio",
+            (("check", "throttle"), ("component", "gpu/1"), ("reason", "hw_slowdown"))) in s
+    assert s[("gpumon_gpu_temperature_celsius", (("check", "thermal"), ("component", "gpu/0")))] == 35
+    assert ("gpumon_ib_downtime_seconds", (("check", "ib"), ("component", "ib/mlx5_2/1"))) in s
+    proc = subprocess.run([_promtool(), "check", "metrics"], input=text, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "" and proc.stderr.strip() == "", (
+        proc.stdout + proc.stderr)
