@@ -59,6 +59,49 @@ class ExporterSettings:
 
 
 @dataclass(frozen=True)
+class BreakerSettings:
+    # NVSentinel's breaker trips at 50 % in 5 min; a training fleet loses whole jobs per node
+    # taken out, so gpumon stops earlier: 20 % of the fleet within 10 min (the issue's default).
+    share: float = field(default=0.2, metadata={"min": 0.0, "max": 1.0})
+    window_s: float = field(default=600.0, metadata={"min": 1})
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    node_name: str | None = None  # default: $NODE_NAME, else node_name, else the host name
+    kubeconfig: str | None = None  # default: in-cluster, then $KUBECONFIG / ~/.kube/config
+    node_selector: str = ""  # label selector of the fleet the breaker counts
+    request_timeout_s: float = field(default=10.0, metadata={"min": 0.1, "max": 300})
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    node_name: str | None = None  # default: node_name, else the short host name
+    scontrol: str = "scontrol"
+    sinfo: str = "sinfo"
+    timeout_s: float = field(default=30.0, metadata={"min": 1, "max": 600})
+
+
+@dataclass(frozen=True)
+class RemediationSettings:
+    backend: str = field(default="none", metadata={"choices": ("none", "kubernetes", "slurm")})
+    mode: str = field(default="observe", metadata={"choices": ("observe", "enforce")})
+    interval_s: float = field(default=60.0, metadata={"min": 1})
+    take_out_actions: list[str] = field(default_factory=lambda: [
+        "check_cables", "reset_gpu", "reboot_node", "inspect_hardware"])
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+
+    def __post_init__(self) -> None:
+        allowed = ("restart_app", "check_cables", "reset_gpu", "reboot_node", "inspect_hardware")
+        for action in self.take_out_actions:
+            if action not in allowed:
+                raise ValueError(f"take_out_actions: {action!r} is not one of {', '.join(allowed)} "
+                                 "('none' never takes a node out)")
+
+
+@dataclass(frozen=True)
 class CheckSettings:
     """Settings every check has; the check's own options live in ``params``."""
 
@@ -80,6 +123,7 @@ class Config:
     timeouts: Timeouts = field(default_factory=Timeouts)
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     exporter: ExporterSettings = field(default_factory=ExporterSettings)
+    remediation: RemediationSettings = field(default_factory=RemediationSettings)
     # raw per-check sections; validated against the registered checks by load_config
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
     check_settings: dict[str, CheckSettings] = field(default_factory=dict, compare=False)

@@ -34,6 +34,7 @@ from gpumon.health import Health
 from gpumon.hw.kmsg import KernelLogFollower
 from gpumon.hw.nvrm import NvrmParser
 from gpumon.model import Phase, Severity
+from gpumon.remediate.runner import RemediationLoop
 from gpumon.report import json_report
 from gpumon.runner import CheckRun
 
@@ -191,6 +192,10 @@ class Daemon:
         self._workers: dict[str, threading.Thread] = {}
         self._saved_at: dict[str, float] = {}
         self._report_at = 0.0
+        self._folded: dict[str, tuple[tuple[Any, ...], float]] = {}
+        self.remediation: RemediationLoop | None = None
+        self._check_names: set[str] = set()
+        self._node_said: tuple[str, str] | None = None
         self.health: Health | None = None
         self.snapshots: SnapshotHolder | None = None
         self._server: Any = None
@@ -234,15 +239,23 @@ class Daemon:
         health: dict[str, tuple[str, str]] = {}
         if self.health is not None:
             view = self.health.view()
-            health["node"] = (view.node.level.value, view.node.action.value)
             for name, comp in view.components.items():
                 health[name] = (comp.level.value, comp.action.value)
+            # last: the components map has a "node" entry for findings filed on the node
+            # itself, which is not the node's overall state
+            health["node"] = (view.node.level.value, view.node.action.value)
         return Snapshot(node=self.agent.node, profile=self.agent.profile.name, version=__version__,
-                        runs=dict(self.latest), health=health)
+                        runs=dict(self.latest), health=health,
+                        remediation=self.remediation.snapshot() if self.remediation else None)
 
     def serve(self, duration: float | None = None) -> int:
         checks = self.agent.selected(Phase.CONTINUOUS)
         self.health = Health.open(self.agent.state_dir, boot_id=self.agent.hw.fs.boot_id())
+        self.remediation = RemediationLoop.build(self.agent.config.remediation, self.health,
+                                                 self.agent.config.node_name, self.agent.hw.tools)
+        self._check_names = {c.name for c in checks}
+        if self.remediation is not None:
+            self.remediation.start()
         self.snapshots = SnapshotHolder(self._snapshot())
         self._start_exporter()
         pump = KernelLogPump(self.agent, self.wake,
@@ -291,6 +304,8 @@ class Daemon:
             self._server.shutdown()
             self._server.server_close()
         self._write_report()
+        if self.remediation is not None:
+            self.remediation.close(timeout=30.0)
         if self.health is not None:
             self.health.close()
         self.agent.stop()
@@ -332,7 +347,22 @@ class Daemon:
                                     before.value if before else "new", f.severity.value, f.message,
                                     f.action.value)
             if self.health is not None:
-                self.health.record_run(run)
+                # A 1 s check (ib) repeats itself every second: fold it only when what it
+                # says changed, or once a minute so the store's last_seen stays fresh.
+                said = tuple((f.component, f.severity, f.action, f.message) for f in run.findings)
+                now_m = time.monotonic()
+                last_said, last_at = self._folded.get(run.check, ((), 0.0))
+                if said != last_said or run.outcome != "completed" or now_m - last_at >= 60.0:
+                    self.health.record_run(run)
+                    self._folded[run.check] = (said, now_m)
+            if self.remediation is not None and self.health is not None:
+                view = self.health.view()
+                node_said = (view.node.level.value, view.node.action.value)
+                if self._check_names <= set(self.latest):
+                    self.remediation.ready.set()
+                if node_said != self._node_said:
+                    self._node_said = node_said
+                    self.remediation.wake.set()
             if self.snapshots is not None:
                 self.snapshots.set(self._snapshot())
             # report.json is for people and scripts: rewrite it on a change of
@@ -347,6 +377,8 @@ class Daemon:
         extra: dict[str, Any] = {}
         if self.health is not None:
             view = self.health.view()
+            if self.remediation is not None and self.remediation.last is not None:
+                extra["remediation"] = self.remediation.last.to_json()
             extra["health"] = {"node": view.node.to_json(),
                                "components": {n: c.to_json() for n, c in view.components.items()
                                               if c.level.value != "healthy"}}

@@ -156,3 +156,33 @@ def test_status_and_set_healthy_after_a_daemon_run(tmp_path: Path) -> None:
                               str(tmp_path / "none")], capture_output=True, text=True, env=clean_env(),
                              timeout=60)
     assert missing.returncode == 3 and "no health state" in missing.stderr
+
+
+def test_metrics_show_the_node_unhealthy(tmp_path: Path) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with subprocess.Popen(
+            [sys.executable, "-m", "gpumon", "daemon", "--simulate", str(_scenario(tmp_path)), "--duration", "30",
+             "--listen", f"127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env()) as proc:
+        try:
+            deadline = time.monotonic() + 25
+            text = ""
+            want = 'gpumon_health_state{component="node",state="unhealthy"} 1.0'
+            while time.monotonic() < deadline and want not in text:
+                time.sleep(0.5)
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                        text = resp.read().decode()
+                except OSError:
+                    continue
+            assert want in text
+            assert 'gpumon_health_state{component="gpu/6",state="unhealthy"} 1.0' in text
+            assert 'gpumon_recommended_action{action="reset_gpu",component="gpu/6"} 1.0' in text
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)

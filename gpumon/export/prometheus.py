@@ -52,6 +52,8 @@ class Snapshot:
     runs: Mapping[str, CheckRun] = field(default_factory=dict)
     # component -> (state, recommended action); "node" for the node itself
     health: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    # gpumon.remediate.runner.RemediationLoop.snapshot(), when remediation is configured
+    remediation: Mapping[str, Any] | None = None
 
 
 class GpumonCollector(Collector):
@@ -98,6 +100,7 @@ class GpumonCollector(Collector):
                 severity.add_metric([name, comp], SEVERITY_VALUE[worst[comp]])
         yield from (last, duration, outcome, severity)
         yield from self._health(snap)
+        yield from self._remediation(snap)
         yield from self._reading_families(readings)
 
     def _readings(self, check: str, component: str, items: Any,
@@ -136,6 +139,27 @@ class GpumonCollector(Collector):
                 seen.add(key)
                 family.add_metric(list(key), value)
             yield family
+
+    def _remediation(self, snap: Snapshot) -> Iterable[Metric]:
+        r = snap.remediation
+        if r is None:
+            return
+        info = GaugeMetricFamily("gpumon_remediation_info", "Remediation backend and mode",
+                                 labels=["backend", "mode"])
+        info.add_metric([str(r.get("backend")), str(r.get("mode"))], 1)
+        yield info
+        yield GaugeMetricFamily("gpumon_remediation_breaker_open",
+                                "1 while the circuit breaker keeps gpumon from taking the node out",
+                                value=1.0 if r.get("breaker_open") else 0.0)
+        decision = GaugeMetricFamily("gpumon_remediation_decision", "Last remediation decision (1)",
+                                     labels=["decision"])
+        if r.get("decision"):
+            decision.add_metric([str(r["decision"])], 1)
+        yield decision
+        yield GaugeMetricFamily("gpumon_remediation_error", "1 when the last step failed (retried)",
+                                value=1.0 if r.get("error") else 0.0)
+        yield CounterMetricFamily("gpumon_remediation_errors", "Failed remediation steps",
+                                  value=float(r.get("errors_total") or 0))
 
     def _health(self, snap: Snapshot) -> Iterable[Metric]:
         state = GaugeMetricFamily("gpumon_health_state", "Health state per component (1 = current)",

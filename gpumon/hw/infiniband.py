@@ -195,9 +195,16 @@ def read_port(fs: HostFs, device: str, port: int, counters: Iterable[str] = WATC
     changes when the link retrains."""
     base = f"{CLASS_DIR}/{device}/ports/{port}"
     comp = component_for(device, port) or "node"
+    counters = list(counters)
+    attrs = ["state", "phys_state", *(["rate", "link_layer"] if details else []),
+             *(f"counters/{name}" for name in counters)]
+    texts = fs.read_many([f"{base}/{a}" for a in attrs], comp)
 
     def text(attr: str) -> str:
-        return fs.read_text(f"{base}/{attr}", comp)
+        value = texts[f"{base}/{attr}"]
+        if isinstance(value, HwCondition):
+            raise value
+        return value
 
     state = parse_state(text("state"), call=f"read({base}/state)", component=comp)
     phys = parse_state(text("phys_state"), names=PHYS_STATE_NAMES, call=f"read({base}/phys_state)",

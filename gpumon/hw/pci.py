@@ -175,6 +175,22 @@ def _attr(fs: HostFs, path: str, name: str, component: str) -> str:
     return fs.read_text(rel, component)
 
 
+def _attrs(fs: HostFs, path: str, names: list[str], component: str) -> dict[str, str | HwCondition]:
+    """Several attributes of one function in one bounded call (symlinked ones resolved one by one)."""
+    out: dict[str, str | HwCondition] = {}
+    plain = [n for n in names if not os.path.islink(fs.path(f"{path}/{n}"))]
+    for name in names:
+        if name not in plain:
+            try:
+                out[name] = _attr(fs, path, name, component)
+            except HwCondition as cond:
+                out[name] = cond
+    if plain:
+        texts = fs.read_many([f"{path}/{n}" for n in plain], component)
+        out.update({n: texts[f"{path}/{n}"] for n in plain})
+    return out
+
+
 def _id(fs: HostFs, path: str, name: str, pattern: re.Pattern[str], component: str) -> str:
     text = _attr(fs, path, name, component).lower()
     if not pattern.match(text):
@@ -323,11 +339,15 @@ def read_aer(fs: HostFs, fn: PciFunction) -> AerStats | None:
     comp = pci_component(fn.bdf)
     texts: dict[AerKind, str] = {}
     missing: list[str] = []
+    read = _attrs(fs, fn.path, [name for name, _ in AER_FILES.values()], comp)
     for kind, (name, _) in AER_FILES.items():
-        try:
-            texts[kind] = _attr(fs, fn.path, name, comp)
-        except NotSupported:
+        value = read[name]
+        if isinstance(value, NotSupported):
             missing.append(name)
+        elif isinstance(value, HwCondition):
+            raise value
+        else:
+            texts[kind] = value
     if len(missing) == len(AER_FILES):
         return None
     if missing:
@@ -398,13 +418,16 @@ def read_link(fs: HostFs, fn: PciFunction) -> LinkState | None:
     comp = pci_component(fn.bdf)
     values: dict[str, float | int | None] = {}
     present = 0
-    for name, parse in (("current_link_speed", parse_speed), ("max_link_speed", parse_speed),
-                        ("current_link_width", parse_width), ("max_link_width", parse_width)):
-        try:
-            text = _attr(fs, fn.path, name, comp)
-        except NotSupported:
+    parsers = (("current_link_speed", parse_speed), ("max_link_speed", parse_speed),
+               ("current_link_width", parse_width), ("max_link_width", parse_width))
+    read = _attrs(fs, fn.path, [name for name, _ in parsers], comp)
+    for name, parse in parsers:
+        text = read[name]
+        if isinstance(text, NotSupported):
             values[name] = None
             continue
+        if isinstance(text, HwCondition):
+            raise text
         present += 1
         try:
             values[name] = parse(text)
