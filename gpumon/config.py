@@ -80,6 +80,7 @@ class SlurmSettings:
     scontrol: str = "scontrol"
     sinfo: str = "sinfo"
     timeout_s: float = field(default=30.0, metadata={"min": 1, "max": 600})
+    slurm_conf: str | None = None  # SLURM_CONF for scontrol/sinfo (containers without /etc/slurm)
 
 
 @dataclass(frozen=True)

@@ -166,8 +166,8 @@ def test_metrics_show_the_node_unhealthy(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with subprocess.Popen(
-            [sys.executable, "-m", "gpumon", "daemon", "--simulate", str(_scenario(tmp_path)), "--duration", "30",
-             "--listen", f"127.0.0.1:{port}"],
+            [sys.executable, "-m", "gpumon", "daemon", "--simulate", str(_scenario(tmp_path)),
+             "--duration", "30", "--listen", f"127.0.0.1:{port}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env()) as proc:
         try:
             deadline = time.monotonic() + 25

@@ -40,7 +40,8 @@ def make_backend(settings: RemediationSettings, node_name: str | None, tools: To
 
         s = settings.slurm
         name = s.node_name or node_name or socket.gethostname().split(".")[0]
-        return SlurmBackend(name, tools, scontrol=s.scontrol, sinfo=s.sinfo, timeout_s=s.timeout_s)
+        return SlurmBackend(name, tools, scontrol=s.scontrol, sinfo=s.sinfo, timeout_s=s.timeout_s,
+                            slurm_conf=s.slurm_conf)
     raise StartupError(f"no remediation backend {settings.backend!r}")
 
 
