@@ -213,7 +213,7 @@ class NvswitchCheck(Check):
                 continue
             if event.pci:
                 switch_pci[event.pci] = event.switch
-            _add_sxid_line(groups, event, _event_time(event.record, log.boot_time, now), p.event_gap_s)
+            _add_sxid_line(groups, event, log.time_of(event.record, now), p.event_gap_s)
         seen.save()
         findings = []
         for g in groups.values():
@@ -462,15 +462,6 @@ def _fabric_capable(g: GpuInfo) -> bool:
     return g.architecture not in _PRE_HOPPER and (g.nvlink_count or 0) > 0
 
 
-def _event_time(record: Any, boot_time: float | None, now: float) -> float:
-    """When a record was logged: its wall clock, else boot time + kernel uptime, else now."""
-    wall = getattr(record, "wall_time", None)
-    if wall is not None:
-        return float(wall.timestamp())
-    usec = getattr(record, "monotonic_us", None)
-    if usec is not None and boot_time is not None:
-        return float(boot_time + usec / 1e6)
-    return now
 
 
 def _tagged(finding: Finding, reading: str) -> Finding:

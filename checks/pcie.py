@@ -317,7 +317,7 @@ class PcieCheck(Check):
             for line in text.splitlines():
                 msg = pcihw.parse_aer_message(line)
                 if msg is not None:
-                    _ingest(kmsg, last_header, msg, line, _when(rec, log.boot_time, now))
+                    _ingest(kmsg, last_header, msg, line, log.time_of(rec, now))
         return []
 
 
@@ -515,12 +515,3 @@ def _summary(evidence: Mapping[str, Any]) -> str:
     return "; ".join(parts) or "nothing to report"
 
 
-def _when(record: Any, boot_time: float | None, now: float) -> float:
-    """When a record was logged: its wall clock, else boot time + kernel uptime, else now."""
-    wall = getattr(record, "wall_time", None)
-    if wall is not None:
-        return float(wall.timestamp())
-    usec = getattr(record, "monotonic_us", None)
-    if usec is not None and boot_time is not None:
-        return float(boot_time + usec / 1e6)
-    return now

@@ -229,7 +229,7 @@ class XidCheck(Check):
                 code = 79
             else:
                 continue
-            when = _when(event.record, log.boot_time, now)
+            when = log.time_of(event.record, now)
             key = self._add(groups, ctx.inventory, event, event.pci, code, when, params)
             if key is None:
                 continue
@@ -541,15 +541,6 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
 
 
-def _when(record: Any, boot_time: float | None, now: float) -> float:
-    """When a record was logged: its wall clock, else boot time + kernel uptime, else now."""
-    wall = getattr(record, "wall_time", None)
-    if wall is not None:
-        return float(wall.timestamp())
-    usec = getattr(record, "monotonic_us", None)
-    if usec is not None and boot_time is not None:
-        return float(boot_time + usec / 1e6)
-    return now
 
 
 def _gpu_index(inv: Inventory, bus: str | None) -> int | None:

@@ -40,6 +40,16 @@ class KernelLog:
     # epoch seconds of this boot, to date records that carry only kernel uptime
     boot_time: float | None = None
 
+    def time_of(self, record: Any, now: float) -> float:
+        """When a record was logged: its wall clock, else boot time + kernel uptime, else ``now``."""
+        wall = getattr(record, "wall_time", None)
+        if wall is not None:
+            return float(wall.timestamp())
+        usec = getattr(record, "monotonic_us", None)
+        if usec is not None and self.boot_time is not None:
+            return float(self.boot_time + usec / 1e6)
+        return now
+
 
 @dataclass
 class CheckContext:
