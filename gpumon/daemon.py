@@ -28,7 +28,7 @@ from gpumon.agent import Agent
 from gpumon.check import Check, KernelLog
 from gpumon.config import split_listen
 from gpumon.errors import StartupError
-from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
+from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder
 from gpumon.export.webserver import load_web_config, serve_metrics
 from gpumon.health import Health
 from gpumon.hw.kmsg import KernelLogFollower
@@ -194,6 +194,8 @@ class Daemon:
         self._report_at = 0.0
         self._folded: dict[str, tuple[tuple[Any, ...], float]] = {}
         self.remediation: RemediationLoop | None = None
+        self._exposition: CachedExposition | None = None
+        self._content_changed = threading.Event()
         self._check_names: set[str] = set()
         self._node_said: tuple[str, str] | None = None
         self.health: Health | None = None
@@ -228,12 +230,27 @@ class Daemon:
         web = load_web_config(Path(settings.web_config_file)) if settings.web_config_file else None
         host, port = split_listen(settings.listen)
         try:
-            self._server, _ = serve_metrics(make_registry(self.snapshots or SnapshotHolder(self._snapshot())),
-                                            host, port, web)
+            holder = self.snapshots or SnapshotHolder(self._snapshot())
+            self._exposition = CachedExposition(holder)
+            self._server, _ = serve_metrics(self._exposition, host, port, web)
+            threading.Thread(target=self._prerender, name="gpumon-render", daemon=True).start()
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on {settings.listen}: {exc.strerror or exc}") from None
         log.info("metrics on http%s://%s:%d/metrics", "s" if web and web.tls_server_config else "",
                  host, self._server.server_port)
+
+    def _prerender(self) -> None:
+        # Scrapes must stay fast even right after the node's state changed: render the new
+        # content here, at most once a second, instead of in the scrape that first sees it.
+        rendered = -1
+        while not self.stop.is_set():
+            self._content_changed.wait(5.0)
+            self._content_changed.clear()
+            if self.stop.wait(1.0) or self._exposition is None or self.snapshots is None:
+                continue
+            if self.snapshots.version != rendered:
+                rendered = self.snapshots.version
+                self._exposition.prerender()
 
     def _snapshot(self) -> Snapshot:
         health: dict[str, tuple[str, str]] = {}
@@ -244,8 +261,13 @@ class Daemon:
             # last: the components map has a "node" entry for findings filed on the node
             # itself, which is not the node's overall state
             health["node"] = (view.node.level.value, view.node.action.value)
+        runs = dict(self.latest)
+        if self.health is not None:
+            # a store that cannot write is a finding like any other (read-only or full state dir)
+            store = self.health.store_finding()
+            runs[store.check] = CheckRun(store.check, [store], time.time(), 0.0, "completed")
         return Snapshot(node=self.agent.node, profile=self.agent.profile.name, version=__version__,
-                        runs=dict(self.latest), health=health,
+                        runs=runs, health=health,
                         remediation=self.remediation.snapshot() if self.remediation else None)
 
     def serve(self, duration: float | None = None) -> int:
@@ -364,7 +386,10 @@ class Daemon:
                     self._node_said = node_said
                     self.remediation.wake.set()
             if self.snapshots is not None:
+                version = self.snapshots.version
                 self.snapshots.set(self._snapshot())
+                if self.snapshots.version != version:
+                    self._content_changed.set()
             # report.json is for people and scripts: rewrite it on a change of
             # severity, else at most every 10 s (a 1 s check would rewrite it every second)
             now = time.monotonic()

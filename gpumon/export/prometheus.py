@@ -12,8 +12,10 @@ Metrics (all prefixed ``gpumon_``):
 - ``check_outcome{check,outcome}`` 1 for the last outcome, 0 for the others
 - ``finding_severity{check,component}``: 0 ok, 1 skipped, 2 unknown, 3 warn, 4 fail
 - ``health_state{component,state}``: 1 for the current state (healthy, degraded,
-  unhealthy, quarantined), 0 for the others; ``component="node"`` is the node
-- ``recommended_action{component,action}``: 1 for the current action, 0 for the others
+  unhealthy, quarantined); ``component="node"`` is the node, which also gets a 0 for
+  every other state (a component's other states are not sent: they would be most of
+  the exposition)
+- ``recommended_action{component,action}``: likewise for the recommended action
 - readings that checks publish in a finding's ``evidence["readings"]`` as
   ``[name, value, {labels}]``: ``gpumon_<name>{check,component,labels...}``; a
   name ending in ``_total`` is a counter (the check keeps it monotonic in its
@@ -25,6 +27,7 @@ rebuilt from the current snapshot, nothing is latched in the exporter.
 
 from __future__ import annotations
 
+import gzip
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpumon.model import Action, Severity
@@ -57,8 +61,12 @@ class Snapshot:
 
 
 class GpumonCollector(Collector):
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    """``part``: "all"; "content" (what changes only when a finding, reading or state does) or
+    "fast" (per-run timestamps and durations, which change on every run of a 1 s check)."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot], part: str = "all") -> None:
         self._snapshot = snapshot
+        self._part = part
         self.skipped_readings = 0
 
     def describe(self) -> Iterable[Metric]:
@@ -72,10 +80,12 @@ class GpumonCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         snap = self._snapshot()
-        info = GaugeMetricFamily("gpumon_build_info", "gpumon build and profile",
-                                 labels=["version", "profile", "node"])
-        info.add_metric([snap.version, snap.profile, snap.node], 1)
-        yield info
+        fast, content = self._part in ("all", "fast"), self._part in ("all", "content")
+        if content:
+            info = GaugeMetricFamily("gpumon_build_info", "gpumon build and profile",
+                                     labels=["version", "profile", "node"])
+            info.add_metric([snap.version, snap.profile, snap.node], 1)
+            yield info
         last = GaugeMetricFamily("gpumon_check_last_run_timestamp_seconds",
                                  "When each check last finished (Unix time)", labels=["check"])
         duration = GaugeMetricFamily("gpumon_check_duration_seconds", "Duration of each check's last run",
@@ -98,10 +108,13 @@ class GpumonCollector(Collector):
                 self._readings(f.check, f.component, f.evidence.get("readings"), readings)
             for comp in sorted(worst):
                 severity.add_metric([name, comp], SEVERITY_VALUE[worst[comp]])
-        yield from (last, duration, outcome, severity)
-        yield from self._health(snap)
-        yield from self._remediation(snap)
-        yield from self._reading_families(readings)
+        if fast:
+            yield from (last, duration, outcome)
+            yield from self._remediation(snap)
+        if content:
+            yield severity
+            yield from self._health(snap)
+            yield from self._reading_families(readings)
 
     def _readings(self, check: str, component: str, items: Any,
                   out: dict[str, tuple[str, list[tuple[list[str], dict[str, str], float]]]]) -> None:
@@ -169,24 +182,58 @@ class GpumonCollector(Collector):
                                    labels=["component", "action"])
         for comp in sorted(snap.health):
             current, act = snap.health[comp]
-            for s in HEALTH_STATES:
-                state.add_metric([comp, s], 1.0 if s == current else 0.0)
-            for a in Action:
-                action.add_metric([comp, a.value], 1.0 if a.value == act else 0.0)
+            if comp == "node":
+                # the node gets every state, 0 or 1, so a graph of it never has gaps
+                for s in HEALTH_STATES:
+                    state.add_metric([comp, s], 1.0 if s == current else 0.0)
+                for a in Action:
+                    action.add_metric([comp, a.value], 1.0 if a.value == act else 0.0)
+            else:
+                # ~70 components x 10 enum values of zeros were 60 % of an 8-GPU node's
+                # exposition; only the current value is sent (alerts match == 1), and a
+                # state that ends disappears from the scrape, which Prometheus marks stale
+                state.add_metric([comp, current], 1.0)
+                action.add_metric([comp, act], 1.0)
         yield state
         yield action
 
 
+def _signature(snap: Snapshot) -> tuple[Any, ...]:
+    """What the "content" part of the exposition depends on (not run times)."""
+    runs = []
+    for name in sorted(snap.runs):
+        items = []
+        for f in snap.runs[name].findings:
+            readings = f.evidence.get("readings")
+            flat: tuple[Any, ...] = ()
+            if isinstance(readings, list):
+                flat = tuple((r[0], r[1], tuple(sorted(r[2].items()))) if isinstance(r, list) and len(r) == 3
+                             and isinstance(r[2], dict) else repr(r) for r in readings)
+            items.append((f.component, f.severity.value, flat))
+        runs.append((name, tuple(items)))
+    return (snap.node, snap.profile, snap.version, tuple(runs), tuple(sorted(snap.health.items())))
+
+
 class SnapshotHolder:
-    """Where the daemon puts a new snapshot after each check run; the collector reads it."""
+    """Where the daemon puts a new snapshot after each check run; the collector reads it.
+
+    ``version`` changes only when the content part of the exposition would, so
+    the rendered text can be cached between scrapes.
+    """
 
     def __init__(self, initial: Snapshot) -> None:
         self._lock = threading.Lock()
         self._snap = initial
+        self._sig = _signature(initial)
+        self.version = 0
 
     def set(self, snap: Snapshot) -> None:
+        sig = _signature(snap)
         with self._lock:
             self._snap = snap
+            if sig != self._sig:
+                self._sig = sig
+                self.version += 1
 
     def get(self) -> Snapshot:
         with self._lock:
@@ -197,3 +244,62 @@ def make_registry(holder: SnapshotHolder) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GpumonCollector(holder.get))
     return registry
+
+
+class CachedExposition:
+    """A WSGI app serving /metrics from cached text: a scrape costs a copy, not a render.
+
+    The content part (findings, health, readings: ~90 % of the samples on an
+    8-GPU node) is rendered once per change of the snapshot's content and per
+    format; the small fast part (run times) is rendered on each scrape. Gzip
+    members may be concatenated (RFC 1952 section 2.2), so each part is
+    compressed on its own.
+    """
+
+    def __init__(self, holder: SnapshotHolder) -> None:
+        self.holder = holder
+        self._fast = CollectorRegistry(auto_describe=False)
+        self._fast.register(GpumonCollector(holder.get, part="fast"))
+        self._content = CollectorRegistry(auto_describe=False)
+        self._content.register(GpumonCollector(holder.get, part="content"))
+        self._cache: dict[tuple[int, str, bool], bytes] = {}
+        self._lock = threading.Lock()
+
+    def render(self, accept: str, gzip_ok: bool) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        openmetrics = content_type.startswith("application/openmetrics-text")
+        key = (self.holder.version, content_type, gzip_ok)
+        with self._lock:
+            head = self._cache.get(key)
+            if head is None:
+                text = encoder(self._content)
+                if openmetrics and text.endswith(b"# EOF\n"):
+                    text = text[: -len(b"# EOF\n")]  # the fast part closes the exposition
+                head = gzip.compress(text, compresslevel=6) if gzip_ok else text
+                self._cache = {k: v for k, v in self._cache.items() if k[0] == key[0]}
+                self._cache[key] = head
+        tail = encoder(self._fast)
+        if gzip_ok:
+            tail = gzip.compress(tail, compresslevel=1)
+        return head + tail, content_type
+
+    # What Prometheus 2.x sends, and a plain client: the two renders worth keeping warm.
+    WARM = (("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+             "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1", True), ("text/plain", False))
+
+    def prerender(self) -> None:
+        """Render the content part now (off the scrape path) for the usual formats."""
+        for accept, gzip_ok in self.WARM:
+            self.render(accept, gzip_ok)
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == "/favicon.ico":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found\n"]
+        gzip_ok = "gzip" in environ.get("HTTP_ACCEPT_ENCODING", "")
+        body, content_type = self.render(environ.get("HTTP_ACCEPT", ""), gzip_ok)
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
+        if gzip_ok:
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", headers)
+        return [body]

@@ -144,10 +144,15 @@ def _tls_context(tls: TlsServerConfig) -> ssl.SSLContext:
     return ctx
 
 
-def serve_metrics(registry: CollectorRegistry, address: str, port: int,
+def serve_metrics(registry: CollectorRegistry | Callable[..., Iterable[bytes]], address: str, port: int,
                   web: WebConfig | None = None) -> tuple[ThreadingWSGIServer, threading.Thread]:
-    """Start serving /metrics on a daemon thread; returns the server (``shutdown()`` stops it)."""
-    app: Callable[..., Iterable[bytes]] = make_wsgi_app(registry)
+    """Start serving /metrics on a daemon thread; returns the server (``shutdown()`` stops it).
+
+    ``registry`` is a registry (rendered per scrape) or a WSGI app such as
+    ``CachedExposition``.
+    """
+    app: Callable[..., Iterable[bytes]] = (make_wsgi_app(registry) if isinstance(registry, CollectorRegistry)
+                                           else registry)
     if web is not None and web.basic_auth_users:
         app = BasicAuth(app, web.basic_auth_users)
     httpd = make_server(address, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)

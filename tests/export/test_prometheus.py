@@ -48,7 +48,8 @@ def test_exact_values() -> None:
     assert s[("gpumon_finding_severity", (("check", "xid"), ("component", "gpu/3")))] == 4
     assert s[("gpumon_finding_severity", (("check", "thermal"), ("component", "gpu/0")))] == 0
     assert s[("gpumon_health_state", (("component", "gpu/3"), ("state", "unhealthy")))] == 1
-    assert s[("gpumon_health_state", (("component", "gpu/3"), ("state", "healthy")))] == 0
+    assert ("gpumon_health_state", (("component", "gpu/3"), ("state", "healthy"))) not in s
+    assert s[("gpumon_health_state", (("component", "node"), ("state", "healthy")))] == 0  # node: all states
     assert s[("gpumon_recommended_action", (("action", "reboot_node"), ("component", "node")))] == 1
     assert s[("gpumon_gpu_temperature_celsius", (("check", "thermal"), ("component", "gpu/0")))] == 41
     assert s[("gpumon_xid_events_total", (("check", "xid"), ("code", "79"), ("component", "gpu/3")))] == 3
@@ -64,8 +65,10 @@ def test_series_follow_the_state_back_to_healthy() -> None:
     holder.set(Snapshot(healed.node, healed.profile, healed.version, healed.runs,
                         {"node": ("healthy", "none"), "gpu/3": ("healthy", "none")}))
     s = _samples(generate_latest(registry).decode())
-    assert s[("gpumon_health_state", (("component", "gpu/3"), ("state", "unhealthy")))] == 0
+    # the unhealthy series is gone from the scrape (Prometheus marks it stale), healthy is 1
+    assert ("gpumon_health_state", (("component", "gpu/3"), ("state", "unhealthy"))) not in s
     assert s[("gpumon_health_state", (("component", "gpu/3"), ("state", "healthy")))] == 1
+    assert s[("gpumon_health_state", (("component", "node"), ("state", "unhealthy")))] == 0
 
 
 def test_bad_readings_are_refused_or_skipped() -> None:
@@ -180,3 +183,37 @@ def test_every_check_reading_of_a_faulty_node_is_promtool_clean() -> None:
                           timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "" and proc.stderr.strip() == "", (
         proc.stdout + proc.stderr)
+
+
+def test_cached_exposition_serves_the_same_samples_in_every_format() -> None:
+    import gzip as gz
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
+
+    from gpumon.export.prometheus import CachedExposition
+
+    holder = SnapshotHolder(_snapshot())
+    app = CachedExposition(holder)
+    reference = _samples(generate_latest(make_registry(holder)).decode())
+    text, ctype = app.render("text/plain", gzip_ok=False)
+    assert ctype.startswith("text/plain") and _samples(text.decode()) == reference
+    zipped, _ = app.render("text/plain", gzip_ok=True)
+    assert gz.decompress(zipped) == text  # two gzip members, one stream
+    om, ctype = app.render("application/openmetrics-text; version=1.0.0", gzip_ok=False)
+    assert ctype.startswith("application/openmetrics-text") and om.endswith(b"# EOF\n")
+    assert om.count(b"# EOF") == 1
+    parsed = {(s.name, tuple(sorted(s.labels.items()))) for f in om_families(om.decode()) for s in f.samples}
+    assert {k for k in reference if not k[0].endswith("_created")} <= parsed | {
+        k for k in reference if k[0].endswith("_total")}
+    # a new content version is rendered again; an unchanged one comes from the cache
+    before = holder.version
+    holder.set(_snapshot())
+    assert holder.version == before
+    holder.set(_snapshot(temp=55.0))
+    assert holder.version == before + 1
+    hot, _ = app.render("text/plain", gzip_ok=False)
+    assert _samples(hot.decode())[("gpumon_gpu_temperature_celsius",
+                                   (("check", "thermal"), ("component", "gpu/0")))] == 55
+    proc = subprocess.run([_promtool(), "check", "metrics"], input=hot.decode(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), proc.stdout

@@ -66,15 +66,17 @@ def test_prometheus_sees_the_fault_arrive(tmp_path: Path) -> None:
                     ok = _query(prom_port, 'gpumon_finding_severity{check="throttle",component="gpu/3"}')
                     healthy_seen = bool(ok) and ok[0]["value"][1] == "0"  # type: ignore[index]
                 fault = _query(prom_port, 'gpumon_finding_severity{check="xid",component="gpu/3"} == 4')
-                # the GPU is lost to NVML too, seen by the throttle check on its next 10 s turn
-                lost = _query(prom_port, 'gpumon_finding_severity{check="throttle",component="gpu/3"} == 4')
+                # the node's health series: what fleet alerts are built on
+                lost = _query(prom_port, 'gpumon_health_state{component="node",state="unhealthy"} == 1')
             except OSError:
                 continue  # Prometheus still starting
             if fault and lost:
                 break
         assert healthy_seen, "Prometheus never scraped the node healthy before the fault"
         assert fault, "Prometheus never saw the Xid 79 on gpu/3"
-        assert lost, "Prometheus never saw gpu/3 lost to NVML"
+        assert lost, "Prometheus never saw the node's health state turn unhealthy"
+        action = _query(prom_port, 'gpumon_recommended_action{component="gpu/3",action="reboot_node"} == 1')
+        assert action, "Prometheus never saw gpu/3's recommended action"
     finally:
         for p in (daemon, prom):
             p.terminate()

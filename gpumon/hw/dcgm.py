@@ -1,0 +1,478 @@
+"""DCGM diagnostics (``dcgmi diag``): parsers for its JSON and its tables, and a bounded run through
+DCGM's own Python bindings.
+
+Result shapes, all normalised to :class:`DiagReport` (one :class:`DiagTest` per test, each with
+per-GPU :class:`DiagResult` entries and its warning/info texts):
+
+- JSON, DCGM 2.x/3.x (``dcgmi diag -j``): ``{"DCGM GPU Diagnostic": {"test_categories": [{"category",
+  "tests": [{"name", "results": [{"gpu_ids" | "gpu_id": "0", "status": "Pass", "warnings": [...],
+  "info": [...]}]}]}]}}``; a deployment test's ``gpu_ids`` is a CSV of every GPU.
+- JSON, DCGM 4.x (NVIDIA/DCGM testing/python3/dcgm_diag_schema.json): ``{"DCGM Diagnostic":
+  {"test_categories": [{"category", "tests": [{"name", "results": [{"entity_group": "GPU",
+  "entity_id": 0, "status", "warnings": [{"warning", "error_id", ...}]}], "test_summary":
+  {"status"}}]}], "runtime_error"}, "metadata": {"version"}}``.
+- Tables, three generations (captures in tests/data/dcgmi-diag): 2.x and 3.x print ``| Test | Pass |``,
+  ``Fail - All``, or one ``Pass - GPU: 1`` / ``Fail - GPU: 0`` line per group, followed by ``Warning``
+  and ``Info`` rows; 4.x prints lower-case test names with a summary and one ``GPU0: Pass`` line per
+  GPU. Long texts are cut into fixed-width slices, mid-word (``Run a fie`` / ``ld diagnostic``):
+  the slices are joined back exactly, without adding or dropping a character.
+
+Text that is neither (a JSON fragment, a table cut off mid-row, no table at all) raises
+:class:`DcgmParseError` with what was wrong, or yields a report whose ``truncated`` says so; the
+check turns either into ``unknown``, never into a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpumon.hw.tools import ToolResult, ToolRunner
+
+PASS, FAIL, WARN, SKIP, NOT_RUN = "pass", "fail", "warn", "skip", "not_run"
+_STATUS_WORDS = {
+    "pass": PASS, "passed": PASS,
+    "fail": FAIL, "failed": FAIL,
+    "warn": WARN, "warning": WARN,
+    "skip": SKIP, "skipped": SKIP,
+    "not run": NOT_RUN, "notrun": NOT_RUN, "not_run": NOT_RUN,
+}
+STATUS_RANK = {PASS: 0, SKIP: 1, NOT_RUN: 2, WARN: 3, FAIL: 4}
+
+# Where DCGM installs its Python bindings (they ship with DCGM, not on PyPI): DCGM 4 packages
+# (datacenter-gpu-manager-4-core), and DCGM 3 and older.
+BINDINGS_DIRS = (
+    "/usr/share/datacenter-gpu-manager-4/bindings/python3",
+    "/usr/local/dcgm/bindings/python3",
+    "/usr/local/dcgm/bindings",
+)
+
+
+class DcgmParseError(ValueError):
+    """Output from which no diagnostic result can be read."""
+
+
+@dataclass(frozen=True)
+class DiagResult:
+    gpu: int | None  # None: the result covers every GPU ("Fail - All", a deployment test)
+    status: str  # pass | fail | warn | skip | not_run
+
+
+@dataclass(frozen=True)
+class DiagMessage:
+    gpu: int | None  # the GPU the text names, when it names one
+    text: str
+    error_id: int | None = None
+
+
+@dataclass
+class DiagTest:
+    category: str
+    name: str
+    summary: str | None = None  # the test's overall status, when DCGM prints one
+    results: list[DiagResult] = field(default_factory=list)
+    warnings: list[DiagMessage] = field(default_factory=list)
+    info: list[DiagMessage] = field(default_factory=list)
+
+    def status_for(self, gpu: int) -> str | None:
+        """This test's verdict for one GPU: its own result, else an all-GPU one, else the summary."""
+        own = [r.status for r in self.results if r.gpu == gpu]
+        if own:
+            return max(own, key=STATUS_RANK.__getitem__)
+        shared = [r.status for r in self.results if r.gpu is None]
+        if shared:
+            return max(shared, key=STATUS_RANK.__getitem__)
+        if not self.results and self.summary is not None:
+            return self.summary
+        return None
+
+    def messages_for(self, gpu: int | None) -> list[DiagMessage]:
+        return [m for m in self.warnings if m.gpu is None or m.gpu == gpu]
+
+
+@dataclass
+class DiagReport:
+    source: str  # "json" | "table" | "bindings"
+    tests: list[DiagTest] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+    runtime_error: str | None = None
+    # the output ended before DCGM finished printing it (why, in words), or None
+    truncated: str | None = None
+    # messages that belong to no test (a fragment starting after its test's row)
+    orphans: list[str] = field(default_factory=list)
+
+    @property
+    def version(self) -> str | None:
+        return self.metadata.get("version") or self.metadata.get("DCGM Version")
+
+    @property
+    def gpus(self) -> list[int]:
+        """GPUs named by any result, in order."""
+        return sorted({r.gpu for t in self.tests for r in t.results if r.gpu is not None})
+
+
+def status_word(text: str) -> str | None:
+    return _STATUS_WORDS.get(" ".join(text.strip().lower().split()))
+
+
+_GPU_IN_TEXT = re.compile(r"\bGPU\s?(\d+)\b")
+
+
+def _gpu_named(text: str) -> int | None:
+    found = {int(g) for g in _GPU_IN_TEXT.findall(text)}
+    return found.pop() if len(found) == 1 else None
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def parse_diag_json(text: str) -> DiagReport:
+    """``dcgmi diag -j`` output (DCGM 2.x..4.x); DcgmParseError if it is not a whole JSON document."""
+    start = text.find("{")
+    if start < 0:
+        raise DcgmParseError("no JSON object in the output")
+    try:
+        # dcgmi may print a line before the document (DCGM's own JSON tests show a WARNING line)
+        data, _ = json.JSONDecoder().raw_decode(text[start:])
+    except json.JSONDecodeError as exc:
+        line = text[: start].count("\n") + exc.lineno
+        raise DcgmParseError(f"not valid JSON (line {line}, column {exc.colno}: {exc.msg}): "
+                             "the output is cut off or mangled") from None
+    return diag_from_json(data)
+
+
+def diag_from_json(data: Any) -> DiagReport:
+    if not isinstance(data, Mapping):
+        raise DcgmParseError(f"expected a JSON object, got {type(data).__name__}")
+    root = data.get("DCGM GPU Diagnostic", data.get("DCGM Diagnostic"))
+    if not isinstance(root, Mapping):
+        raise DcgmParseError("no 'DCGM GPU Diagnostic' or 'DCGM Diagnostic' object in the JSON")
+    report = DiagReport("json")
+    for src in (data, root, data.get("metadata") or {}):
+        if isinstance(src, Mapping):
+            for key in ("version", "Driver Version Detected", "DCGM Version"):
+                if isinstance(src.get(key), str):
+                    report.metadata.setdefault(key, src[key])
+    err = root.get("runtime_error") or data.get("runtime_error")
+    if err:
+        report.runtime_error = str(err)
+    categories = root.get("test_categories") or []
+    if not isinstance(categories, list):
+        raise DcgmParseError("'test_categories' is not a list")
+    pairs: list[tuple[str, Any]] = []
+    for cat in categories:
+        if not isinstance(cat, Mapping):
+            raise DcgmParseError(f"a test category is {type(cat).__name__}, not an object")
+        tests = cat.get("tests") or []
+        if not isinstance(tests, list):
+            raise DcgmParseError(f"category {cat.get('category')!r}: 'tests' is not a list")
+        pairs.extend((str(cat.get("category", "")), t) for t in tests)
+    # DCGM 4 builds that hoist "tests" to the top of the diagnostic object
+    hoisted = root.get("tests") or []
+    pairs.extend(("", t) for t in (hoisted if isinstance(hoisted, list) else []))
+    for category, test in pairs:
+        if test is None:
+            continue  # DCGM 3.2 prints null between tests (its own JSON tests keep one)
+        report.tests.append(_json_test(category, test))
+    if not report.tests and report.runtime_error is None:
+        raise DcgmParseError("the JSON holds no test results and no runtime_error")
+    return report
+
+
+def _json_test(category: str, test: Any) -> DiagTest:
+    if not isinstance(test, Mapping) or not isinstance(test.get("name"), str):
+        raise DcgmParseError(f"a test entry without a name: {json.dumps(test)[:80]}")
+    out = DiagTest(category, test["name"])
+    summary = test.get("test_summary")
+    if isinstance(summary, Mapping) and isinstance(summary.get("status"), str):
+        out.summary = status_word(summary["status"])
+    results = test.get("results") or []
+    if not isinstance(results, list):
+        raise DcgmParseError(f"test {out.name!r}: 'results' is not a list")
+    for res in results:
+        if not isinstance(res, Mapping):
+            raise DcgmParseError(f"test {out.name!r}: a result is {type(res).__name__}, not an object")
+        gpus = _json_gpus(res)
+        if gpus == "other":
+            continue  # a CPU or another entity group: not a GPU verdict
+        status = status_word(str(res.get("status", "")))
+        if status is None:
+            raise DcgmParseError(f"test {out.name!r}: unknown status {res.get('status')!r}")
+        for g in gpus:
+            out.results.append(DiagResult(g, status))
+        one = gpus[0] if len(gpus) == 1 else None
+        for w in _as_list(res.get("warnings")):
+            out.warnings.append(_json_message(w, one))
+        for i in _as_list(res.get("info")):
+            out.info.append(_json_message(i, one))
+    return out
+
+
+def _json_gpus(res: Mapping[str, Any]) -> list[int | None] | str:
+    if "entity_group" in res or "entity_id" in res:
+        group = str(res.get("entity_group", "GPU"))
+        if group.upper() != "GPU":
+            return "other"
+        return [int(res["entity_id"])]
+    ids = res.get("gpu_ids", res.get("gpu_id"))
+    if ids is None:
+        return [None]
+    parts = [p.strip() for p in str(ids).split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise DcgmParseError(f"gpu id {ids!r} is not a number or a list of numbers")
+    if len(parts) > 1:
+        return [None]  # a deployment test covering every GPU of the group
+    return [int(parts[0])]
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _json_message(value: Any, gpu: int | None) -> DiagMessage:
+    if isinstance(value, Mapping):
+        text = str(value.get("warning", value.get("info", value.get("message", ""))))
+        code = value.get("error_id")
+        return DiagMessage(gpu if gpu is not None else _gpu_named(text), text,
+                           int(code) if isinstance(code, int) else None)
+    text = str(value)
+    return DiagMessage(gpu if gpu is not None else _gpu_named(text), text)
+
+
+# --------------------------------------------------------------------------- tables
+
+_BORDER_RE = re.compile(r"^\+[-=+]+\+$")
+_SECTION_RE = re.compile(r"^[|+]-+\s+(?P<name>[A-Za-z][A-Za-z0-9 /_-]*?)\s+-+\+-+[|+]$")
+_LEGACY_STATUS_RE = re.compile(r"^(?P<status>Pass|Fail|Warn|Skip|Not Run)(?:\s*-\s*(?P<who>All|GPUs?:\s*(?P<ids>[\d,\s]+)))?$",
+                               re.IGNORECASE)
+_ENTITY_STATUS_RE = re.compile(r"^GPU\s?(?P<id>\d+)\s*:\s*(?P<status>Pass|Fail|Warn|Skip|Not Run)$", re.IGNORECASE)
+_METADATA = "Metadata"
+
+
+@dataclass
+class _Cell:
+    name: str
+    text: str  # the value cell's content slice, exactly as printed (padding trimmed at the end only)
+
+
+def _row(line: str) -> _Cell | None:
+    """A two-cell table row ``| name | value |``; None for anything else."""
+    if not (line.startswith("|") and line.endswith("|")) or line.count("|") != 3:
+        return None
+    _, name, value, _ = line.split("|")
+    # cells are printed as " " + content + padding + " ": the content is the slice between
+    return _Cell(name.strip(), value[1:-1] if len(value) >= 2 else value)
+
+
+def parse_diag_table(text: str) -> DiagReport:
+    """A ``dcgmi diag`` table (DCGM 2.x, 3.x or 4.x layout), whole or in part."""
+    report = DiagReport("table")
+    lines = [ln.rstrip("\r\n") for ln in text.splitlines()]
+    # the diagnostic table starts at its header; anything before it (a shell prompt, kubectl's
+    # "Defaulted container" line, another dcgmi command's output) is not part of it
+    start = 0
+    for i, line in enumerate(lines):
+        if re.match(r"^\|\s*Diagnostic\s*\|\s*Result\s*\|$", line.strip()):
+            start = i + 1
+    body = [ln.rstrip() for ln in lines[start:]]
+    table_lines = [i for i, ln in enumerate(body) if ln.startswith(("|", "+"))]
+    if not table_lines:
+        raise DcgmParseError("no dcgmi diag table in the output (no '| name | value |' rows)")
+    category = ""
+    test: DiagTest | None = None
+    # the row a continuation line belongs to: ("status", test) | ("message", test, kind, parts) | None
+    cont: tuple[str, DiagTest | None, str, list[str]] | None = None
+    last = table_lines[-1]
+    closed = False
+    for i, raw in enumerate(body):
+        line = raw.strip() if not raw.startswith(("|", "+")) else raw
+        if not line:
+            continue
+        if not line.startswith(("|", "+")):
+            if i > last:
+                break
+            continue
+        closed = False
+        if m := _SECTION_RE.match(line):
+            _flush(cont)
+            cont, test = None, None
+            category = m.group("name").strip()
+            continue
+        if _BORDER_RE.match(line):
+            _flush(cont)
+            cont, test = None, None
+            closed = True
+            continue
+        cell = _row(line)
+        if cell is None:
+            _flush(cont)
+            cont = None
+            report.truncated = f"table row cut off: {line.strip()[:80]!r}"
+            break
+        if category == _METADATA and cell.name:
+            report.metadata[cell.name] = cell.text.strip()
+            continue
+        if not cell.name:
+            if cont is None:
+                report.orphans.append(cell.text.strip())
+            elif cont[0] == "status":
+                if cont[1] is not None:
+                    _status_line(cont[1], cell.text.strip(), report)
+            else:
+                cont[3].append(cell.text)
+            continue
+        _flush(cont)
+        kind = cell.name.split(":")[0].strip().lower()
+        if kind in ("warning", "info"):
+            named = _gpu_named(cell.name)
+            if test is None:
+                cont = ("message", None, kind, [cell.text])
+                report.orphans.append(cell.text.strip())
+                cont = ("orphan", None, kind, [])
+            else:
+                cont = ("message", test, f"{kind}:{'' if named is None else named}", [cell.text])
+            continue
+        test = DiagTest(category, cell.name)
+        report.tests.append(test)
+        _status_line(test, cell.text.strip(), report, first=True)
+        cont = ("status", test, "", [])
+    _flush(cont)
+    if report.truncated is None and not closed:
+        report.truncated = "no closing border after the last row: the output was cut off"
+    if not report.tests and not report.metadata and not report.orphans:
+        raise DcgmParseError("no test rows in the dcgmi diag table")
+    return report
+
+
+def _status_line(test: DiagTest, text: str, report: DiagReport, first: bool = False) -> None:
+    if m := _ENTITY_STATUS_RE.match(text):
+        test.results.append(DiagResult(int(m.group("id")), _STATUS_WORDS[m.group("status").lower()]))
+        return
+    m = _LEGACY_STATUS_RE.match(text)
+    if m is None:
+        # not a status: a value printed under a test row (older layouts wrap long values)
+        report.orphans.append(f"{test.name}: {text}")
+        return
+    status = _STATUS_WORDS[m.group("status").lower()]
+    ids = m.group("ids")
+    if ids:
+        for g in re.findall(r"\d+", ids):
+            test.results.append(DiagResult(int(g), status))
+    elif m.group("who"):
+        test.results.append(DiagResult(None, status))  # "- All"
+    elif first:
+        # a bare status on the test's own row: DCGM 4's summary (per-GPU lines follow), or a
+        # 2.x/3.x deployment test that covers every GPU
+        test.summary = status
+        test.results.append(DiagResult(None, status))
+    else:
+        test.results.append(DiagResult(None, status))
+
+
+def _flush(cont: tuple[str, DiagTest | None, str, list[str]] | None) -> None:
+    if cont is None or cont[0] != "message" or cont[1] is None:
+        return
+    test, tag, parts = cont[1], cont[2], cont[3]
+    kind, _, named = tag.partition(":")
+    # the slices are consecutive pieces of one string: join them exactly, trim the padding at the end
+    text = "".join(parts).strip()
+    gpu = int(named) if named else _gpu_named(text)
+    (test.warnings if kind == "warning" else test.info).append(DiagMessage(gpu, text))
+
+
+def _drop_summaries(report: DiagReport) -> None:
+    """DCGM 4: once per-GPU lines are known, the summary is not a result of its own."""
+    for test in report.tests:
+        if test.summary is not None and any(r.gpu is not None for r in test.results):
+            test.results = [r for r in test.results if r.gpu is not None]
+
+
+def parse_diag(text: str) -> DiagReport:
+    """JSON when the output is JSON, else a table."""
+    stripped = text.lstrip()
+    if stripped.startswith("{") or ('"DCGM' in text and "{" in text and "|" not in text):
+        return parse_diag_json(text)
+    report = parse_diag_table(text)
+    _drop_summaries(report)
+    return report
+
+
+# --------------------------------------------------------------------------- running it
+
+
+def find_bindings(dirs: Iterable[str] = BINDINGS_DIRS) -> Path | None:
+    """The first directory holding DCGM's Python bindings (``pydcgm.py`` and ``dcgm_structs.py``)."""
+    for d in dirs:
+        p = Path(d)
+        if (p / "pydcgm.py").is_file() and (p / "dcgm_structs.py").is_file():
+            return p
+    return None
+
+
+# Runs in a child process (bounded and killable: a DCGM call that hangs in this process could never
+# be interrupted) with the bindings directory on sys.path. It drives DCGM's own DcgmDiag helper and
+# prints the response as DCGM 4's JSON layout, which parse_diag_json reads. Response layout:
+# dcgm_structs.c_dcgmDiagResponse_v12 (tests[].name/resultIndices/errorIndices, results[].entity/result,
+# errors[].entity/msg/code), as DCGM's testing/python3/DcgmDiag.py helpers read it.
+_BINDINGS_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+level, gpus = sys.argv[2], [int(g) for g in sys.argv[3].split(",") if g]
+try:
+    import dcgm_structs, dcgm_fields, pydcgm, DcgmDiag
+except Exception as exc:
+    print("gpumon-dcgm: cannot import DCGM's bindings: %s: %s" % (type(exc).__name__, exc), file=sys.stderr)
+    sys.exit(3)
+try:
+    try:
+        handle = pydcgm.DcgmHandle(ipAddress="127.0.0.1")
+    except Exception:
+        handle = pydcgm.DcgmHandle()  # no nv-hostengine running: DCGM embedded in this process
+    diag = DcgmDiag.DcgmDiag(gpuIds=gpus or None, testNamesStr=level)
+    resp = diag.Execute(handle.handle)
+except Exception as exc:
+    print(json.dumps({"DCGM Diagnostic": {"runtime_error": "%s: %s" % (type(exc).__name__, exc)}}))
+    sys.exit(0)
+if not hasattr(resp, "tests") or not hasattr(resp, "results"):
+    print("gpumon-dcgm: this DCGM's diag response has no tests/results (older than DCGM 4)", file=sys.stderr)
+    sys.exit(4)
+words = {dcgm_structs.DCGM_DIAG_RESULT_PASS: "Pass", dcgm_structs.DCGM_DIAG_RESULT_FAIL: "Fail",
+         dcgm_structs.DCGM_DIAG_RESULT_WARN: "Warn", dcgm_structs.DCGM_DIAG_RESULT_SKIP: "Skip",
+         dcgm_structs.DCGM_DIAG_RESULT_NOT_RUN: "Not Run"}
+tests = []
+for test in resp.tests[:resp.numTests]:
+    results = []
+    errors = [resp.errors[i] for i in test.errorIndices[:test.numErrors]]
+    for idx in test.resultIndices[:test.numResults]:
+        r = resp.results[idx]
+        if r.entity.entityGroupId != dcgm_fields.DCGM_FE_GPU:
+            continue
+        mine = [e for e in errors if e.entity.entityGroupId == r.entity.entityGroupId
+                and e.entity.entityId == r.entity.entityId]
+        results.append({"entity_group": "GPU", "entity_id": int(r.entity.entityId),
+                        "status": words.get(r.result, "Not Run"),
+                        "warnings": [{"warning": str(e.msg), "error_id": int(e.code)} for e in mine]})
+    tests.append({"name": str(test.name), "results": results,
+                  "test_summary": {"status": words.get(test.result, "Not Run")}})
+print(json.dumps({"DCGM Diagnostic": {"test_categories": [{"category": "", "tests": tests}]},
+                  "metadata": {"version": "bindings"}}))
+"""
+
+
+def run_diag_bindings(tools: ToolRunner, bindings: Path, level: int, *, gpus: Sequence[int] = (),
+                      timeout: float, python: str = sys.executable) -> ToolResult:
+    """Run a diagnostic through DCGM's Python bindings in a child process; its stdout is JSON
+    for :func:`parse_diag_json`. Exit 3/4: the bindings are unusable here (fall back to dcgmi)."""
+    return tools.run([python, "-c", _BINDINGS_SCRIPT, str(bindings), str(level), ",".join(map(str, gpus))],
+                     timeout=timeout)
+
+
+def run_dcgmi(tools: ToolRunner, level: int, *, timeout: float, binary: str = "dcgmi") -> ToolResult:
+    return tools.run([binary, "diag", "-r", str(level), "-j"], timeout=timeout)
