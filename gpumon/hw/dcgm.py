@@ -259,7 +259,7 @@ _METADATA = "Metadata"
 @dataclass
 class _Cell:
     name: str
-    text: str  # the value cell's content slice, exactly as printed (padding trimmed at the end only)
+    text: str  # the value cell's content slice, exactly as printed
 
 
 def _row(line: str) -> _Cell | None:
@@ -267,87 +267,103 @@ def _row(line: str) -> _Cell | None:
     if not (line.startswith("|") and line.endswith("|")) or line.count("|") != 3:
         return None
     _, name, value, _ = line.split("|")
-    # cells are printed as " " + content + padding + " ": the content is the slice between
-    return _Cell(name.strip(), value[1:-1] if len(value) >= 2 else value)
+    # a value cell is " " + a fixed-width slice + "  ": long texts are cut into such slices
+    # (mid-word), so the slice is kept exactly, trailing blanks included, and joined as is
+    return _Cell(name.strip(), value[1:len(value) - 2] if len(value) >= 3 else value.strip())
+
+
+@dataclass
+class _Open:
+    """The row that continuation lines (an empty name cell) belong to."""
+
+    kind: str  # "status": more results of ``test``; "message": more text of a warning/info row
+    test: DiagTest | None
+    message_kind: str = ""  # "warning" | "info"
+    gpu: int | None = None  # the GPU the row's name cell names ("Warning: GPU0")
+    parts: list[str] = field(default_factory=list)
+
+    def close(self, report: DiagReport) -> None:
+        if self.kind != "message":
+            return
+        text = "".join(self.parts).strip()
+        if self.test is None:
+            report.orphans.append(text)  # a fragment that starts below its test's row
+            return
+        gpu = self.gpu if self.gpu is not None else _gpu_named(text)
+        (self.test.warnings if self.message_kind == "warning" else self.test.info).append(DiagMessage(gpu, text))
 
 
 def parse_diag_table(text: str) -> DiagReport:
     """A ``dcgmi diag`` table (DCGM 2.x, 3.x or 4.x layout), whole or in part."""
     report = DiagReport("table")
-    lines = [ln.rstrip("\r\n") for ln in text.splitlines()]
+    lines = [ln.rstrip() for ln in text.splitlines()]
     # the diagnostic table starts at its header; anything before it (a shell prompt, kubectl's
     # "Defaulted container" line, another dcgmi command's output) is not part of it
     start = 0
     for i, line in enumerate(lines):
         if re.match(r"^\|\s*Diagnostic\s*\|\s*Result\s*\|$", line.strip()):
             start = i + 1
-    body = [ln.rstrip() for ln in lines[start:]]
-    table_lines = [i for i, ln in enumerate(body) if ln.startswith(("|", "+"))]
-    if not table_lines:
+    body = lines[start:]
+    if not any(ln.startswith(("|", "+")) for ln in body):
         raise DcgmParseError("no dcgmi diag table in the output (no '| name | value |' rows)")
     category = ""
     test: DiagTest | None = None
-    # the row a continuation line belongs to: ("status", test) | ("message", test, kind, parts) | None
-    cont: tuple[str, DiagTest | None, str, list[str]] | None = None
-    last = table_lines[-1]
+    open_row: _Open | None = None
     closed = False
-    for i, raw in enumerate(body):
-        line = raw.strip() if not raw.startswith(("|", "+")) else raw
-        if not line:
-            continue
+    seen_table = False
+    for line in body:
         if not line.startswith(("|", "+")):
-            if i > last:
+            if seen_table and line.strip():
+                # text after the table started: the paste or the output stops here
                 break
             continue
+        seen_table = True
         closed = False
-        if m := _SECTION_RE.match(line):
-            _flush(cont)
-            cont, test = None, None
-            category = m.group("name").strip()
-            continue
-        if _BORDER_RE.match(line):
-            _flush(cont)
-            cont, test = None, None
-            closed = True
+        section = _SECTION_RE.match(line)
+        if section or _BORDER_RE.match(line):
+            if open_row:
+                open_row.close(report)
+            open_row, test = None, None
+            if section:
+                category = section.group("name").strip()
+            else:
+                closed = True
             continue
         cell = _row(line)
         if cell is None:
-            _flush(cont)
-            cont = None
             report.truncated = f"table row cut off: {line.strip()[:80]!r}"
             break
         if category == _METADATA and cell.name:
             report.metadata[cell.name] = cell.text.strip()
             continue
         if not cell.name:
-            if cont is None:
+            if open_row is None:
                 report.orphans.append(cell.text.strip())
-            elif cont[0] == "status":
-                if cont[1] is not None:
-                    _status_line(cont[1], cell.text.strip(), report)
+            elif open_row.kind == "status" and open_row.test is not None:
+                _status_line(open_row.test, cell.text.strip(), report)
             else:
-                cont[3].append(cell.text)
+                open_row.parts.append(cell.text)
             continue
-        _flush(cont)
+        if open_row:
+            open_row.close(report)
         kind = cell.name.split(":")[0].strip().lower()
         if kind in ("warning", "info"):
-            named = _gpu_named(cell.name)
-            if test is None:
-                cont = ("message", None, kind, [cell.text])
-                report.orphans.append(cell.text.strip())
-                cont = ("orphan", None, kind, [])
-            else:
-                cont = ("message", test, f"{kind}:{'' if named is None else named}", [cell.text])
+            open_row = _Open("message", test, kind, _gpu_named(cell.name), [cell.text])
             continue
         test = DiagTest(category, cell.name)
         report.tests.append(test)
         _status_line(test, cell.text.strip(), report, first=True)
-        cont = ("status", test, "", [])
-    _flush(cont)
+        open_row = _Open("status", test)
+    if open_row:
+        open_row.close(report)
     if report.truncated is None and not closed:
         report.truncated = "no closing border after the last row: the output was cut off"
     if not report.tests and not report.metadata and not report.orphans:
         raise DcgmParseError("no test rows in the dcgmi diag table")
+    for t in report.tests:
+        # DCGM 4: once per-GPU lines are known, the summary on the test's own row is not a result
+        if t.summary is not None and any(r.gpu is not None for r in t.results):
+            t.results = [r for r in t.results if r.gpu is not None]
     return report
 
 
@@ -357,41 +373,20 @@ def _status_line(test: DiagTest, text: str, report: DiagReport, first: bool = Fa
         return
     m = _LEGACY_STATUS_RE.match(text)
     if m is None:
-        # not a status: a value printed under a test row (older layouts wrap long values)
+        # not a status: text under a test row that no layout we know prints there
         report.orphans.append(f"{test.name}: {text}")
         return
-    status = _STATUS_WORDS[m.group("status").lower()]
+    status = _STATUS_WORDS[" ".join(m.group("status").lower().split())]
     ids = m.group("ids")
     if ids:
         for g in re.findall(r"\d+", ids):
             test.results.append(DiagResult(int(g), status))
-    elif m.group("who"):
-        test.results.append(DiagResult(None, status))  # "- All"
-    elif first:
+        return
+    if first and not m.group("who"):
         # a bare status on the test's own row: DCGM 4's summary (per-GPU lines follow), or a
         # 2.x/3.x deployment test that covers every GPU
         test.summary = status
-        test.results.append(DiagResult(None, status))
-    else:
-        test.results.append(DiagResult(None, status))
-
-
-def _flush(cont: tuple[str, DiagTest | None, str, list[str]] | None) -> None:
-    if cont is None or cont[0] != "message" or cont[1] is None:
-        return
-    test, tag, parts = cont[1], cont[2], cont[3]
-    kind, _, named = tag.partition(":")
-    # the slices are consecutive pieces of one string: join them exactly, trim the padding at the end
-    text = "".join(parts).strip()
-    gpu = int(named) if named else _gpu_named(text)
-    (test.warnings if kind == "warning" else test.info).append(DiagMessage(gpu, text))
-
-
-def _drop_summaries(report: DiagReport) -> None:
-    """DCGM 4: once per-GPU lines are known, the summary is not a result of its own."""
-    for test in report.tests:
-        if test.summary is not None and any(r.gpu is not None for r in test.results):
-            test.results = [r for r in test.results if r.gpu is not None]
+    test.results.append(DiagResult(None, status))  # "- All", or the bare status
 
 
 def parse_diag(text: str) -> DiagReport:
@@ -399,9 +394,7 @@ def parse_diag(text: str) -> DiagReport:
     stripped = text.lstrip()
     if stripped.startswith("{") or ('"DCGM' in text and "{" in text and "|" not in text):
         return parse_diag_json(text)
-    report = parse_diag_table(text)
-    _drop_summaries(report)
-    return report
+    return parse_diag_table(text)
 
 
 # --------------------------------------------------------------------------- running it

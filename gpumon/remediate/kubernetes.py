@@ -5,7 +5,9 @@ What gpumon sets on an unhealthy node, and lifts again after its retest:
 =====================================  =========================================================
 ``spec.unschedulable: true``           only if the node was schedulable; then also the
                                        annotation ``gpumon.io/cordoned: "true"``. A node someone
-                                       else cordoned keeps its cordon, and gpumon never lifts it.
+                                       else cordoned first is left entirely alone (nothing of
+                                       gpumon's is added); gpumon never lifts a cordon it did
+                                       not set.
 taint ``gpumon.io/unhealthy=<action>:  keeps new pods off even if someone uncordons the node
 NoSchedule``                           (running pods stay: NoSchedule, not NoExecute)
 condition ``GpuHealthy``               ``False`` with reason and message (``nodes/status``);
@@ -182,7 +184,14 @@ class KubernetesBackend:
             cordoned_by_gpumon = True
             changes.append("cordon (spec.unschedulable: true)")
         elif not cordoned_by_gpumon:
-            notes.append("the node was already cordoned by someone else: that cordon is left as it is")
+            if ANN_SINCE not in ann:
+                # Someone else took the node out first: it is theirs. gpumon changes nothing on
+                # it (no taint, condition or annotation either), so lifting later can never
+                # touch their work; the fault stays visible in gpumon's metrics and status.
+                return Outcome(False, "the node was already cordoned by someone else: gpumon leaves "
+                                      "it alone", [])
+            notes.append("the node was cordoned by someone else after gpumon marked it: that cordon "
+                         "is left as it is")
 
         taint = {"key": TAINT_KEY, "value": action.value, "effect": TAINT_EFFECT}
         taints = self._taints(node)

@@ -18,12 +18,11 @@ health state, under these rules (DESIGN.md "Own your cordon"):
   only after gpumon's own retest passed, so "no action needed" already means
   "the retest passed"; and ``degraded`` (warnings, a hung probe, a failure with
   no remedy) must not keep a node out (NVSentinel #911).
-- **Someone else's mark** (an operator's cordon or drain): never lifted.
-  While the node is unhealthy gpumon still adds its own marks beside it (on
-  Kubernetes a taint, a condition and annotations, without touching the
-  cordon): the operator may uncordon for their own reasons at any time, and
-  the taint then still keeps jobs off a GPU that is known bad. A backend
-  whose only mark is the one the operator already set (a Slurm drain reason)
+- **Someone else's mark** (an operator's cordon or drain): never lifted, and
+  never added to: a node someone else took out first is theirs, so the
+  backends change nothing on it (no taint, condition or drain reason of
+  gpumon's) and the result is ``left_alone``; the fault stays visible in
+  gpumon's state and metrics. A backend
   must leave it as it is; see ``SchedulerBackend.take_out``.
 - **Circuit breaker**: before a new take-out, ``backend.fleet_share(window)``
   says how much of the fleet gpumon took out within the window; above
