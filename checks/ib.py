@@ -143,7 +143,14 @@ class IbCheck(Check):
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: IbConfig = ctx.params or IbConfig()
         now = ctx.clock()
-        state = _load_state(ctx.state)
+        # The state is checked once per object: after a load from disk it may be anything,
+        # but the dict this check wrote itself a second ago needs no second look (the
+        # check runs every second, and the check cost more than the sampling).
+        if ctx.extras.get("ib.checked_state") is ctx.state:
+            state = ctx.state
+        else:
+            state = _load_state(ctx.state)
+            ctx.extras["ib.checked_state"] = ctx.state
         boot = ctx.hw.fs.boot_id()
         if state["boot_id"] != boot:
             _new_boot(state)
