@@ -186,3 +186,37 @@ def test_metrics_show_the_node_unhealthy(tmp_path: Path) -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=15)
+
+
+def test_kill_9_during_a_burst_keeps_committed_events_and_the_state(tmp_path: Path) -> None:
+    """SIGKILL the daemon while faults pour in; what the store had committed is all there after."""
+    simdir = tmp_path / "sim"
+    scenario = tmp_path / "burst.yaml"
+    faults = "".join(f"  - {{at_s: {1 + i * 0.1:.1f}, kind: xid, gpu: {i % 8}, code: 48}}\n" for i in range(30))
+    scenario.write_text("name: burst\nsku: h100-sxm\nfaults:\n" + faults)
+    cmd = [sys.executable, "-m", "gpumon", "daemon", "--simulate", str(scenario), "--sim-dir", str(simdir),
+           "--listen", "127.0.0.1:0"]
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env()) as proc:
+        time.sleep(3.5)  # in the middle of the burst (1.0 .. 3.9 s)
+        proc.kill()
+        proc.wait(timeout=10)
+    state = str(simdir / "state")
+
+    def status() -> dict[str, object]:
+        out = subprocess.run([sys.executable, "-m", "gpumon", "status", "--json", "--state-dir", state],
+                             capture_output=True, text=True, env=clean_env(), timeout=60)
+        assert out.returncode in (0, 1, 2), out.stderr
+        return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+    before = status()
+    unhealthy = {c for c, v in before["components"].items()  # type: ignore[attr-defined]
+                 if v["state"] == "unhealthy"}
+    assert unhealthy, "the daemon committed nothing before it was killed"
+    # restart on the same node (same boot): the burst finishes, nothing committed is lost
+    proc2 = subprocess.run([*cmd, "--duration", "5"], capture_output=True, text=True, env=clean_env(),
+                           timeout=60)
+    assert proc2.returncode == 0, proc2.stderr
+    after = status()
+    still = {c for c, v in after["components"].items() if v["state"] == "unhealthy"}  # type: ignore[attr-defined]
+    assert unhealthy <= still
+    assert {f"gpu/{i}" for i in range(8)} <= still  # every GPU got its Xid 48 by the end
