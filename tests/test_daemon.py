@@ -192,7 +192,8 @@ def test_kill_9_during_a_burst_keeps_committed_events_and_the_state(tmp_path: Pa
     """SIGKILL the daemon while faults pour in; what the store had committed is all there after."""
     simdir = tmp_path / "sim"
     scenario = tmp_path / "burst.yaml"
-    faults = "".join(f"  - {{at_s: {1 + i * 0.1:.1f}, kind: xid, gpu: {i % 8}, code: 48}}\n" for i in range(30))
+    faults = "".join(f"  - {{at_s: {1 + i * 0.1:.1f}, kind: xid, gpu: {i % 8}, code: 48}}\n"
+                     for i in range(30))
     scenario.write_text("name: burst\nsku: h100-sxm\nfaults:\n" + faults)
     cmd = [sys.executable, "-m", "gpumon", "daemon", "--simulate", str(scenario), "--sim-dir", str(simdir),
            "--listen", "127.0.0.1:0"]
@@ -217,6 +218,7 @@ def test_kill_9_during_a_burst_keeps_committed_events_and_the_state(tmp_path: Pa
                            timeout=60)
     assert proc2.returncode == 0, proc2.stderr
     after = status()
-    still = {c for c, v in after["components"].items() if v["state"] == "unhealthy"}  # type: ignore[attr-defined]
+    comps = after["components"]
+    still = {c for c, v in comps.items() if v["state"] == "unhealthy"}  # type: ignore[attr-defined]
     assert unhealthy <= still
     assert {f"gpu/{i}" for i in range(8)} <= still  # every GPU got its Xid 48 by the end
