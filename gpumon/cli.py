@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run-bootstrap", parents=[common], help="run the bootstrap suite")
     p.add_argument("--only", metavar="N,..", help="run only these checks")
     p.add_argument("--skip", metavar="N,..", help="skip these checks")
+    p.add_argument("--fail-fast", action="store_true", help="stop after the first check that fails")
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("-v", "--verbose", action="store_true", help="show ok findings too")
 
@@ -192,15 +193,26 @@ def _split(value: str | None) -> list[str]:
 
 
 def _bootstrap(agent: Agent, args: argparse.Namespace) -> int:
-    only, skip = _split(args.only), _split(args.skip)
-    for name in (*only, *skip):
-        if name not in agent.checks:
-            raise ConfigError(f"unknown check {name!r}", key="--only/--skip")
-    checks = [c for c in agent.selected(Phase.BOOTSTRAP, only) if c.name not in skip]
+    from rich.console import Console
+
+    from gpumon.bootstrap import print_suite, record_health, run_suite, select
+    from gpumon.health import Health
+
+    checks = select(agent, _split(args.only), _split(args.skip))  # ConfigError on unknown names
     if not checks:
         raise StartupError("no bootstrap checks to run (none registered or all skipped)")
-    runs = agent.run_once(checks)
-    return _emit(agent, runs, args)
+    # progress on stderr, so that stdout is the report
+    result = run_suite(agent, checks, fail_fast=args.fail_fast, console=Console(stderr=True, highlight=False))
+    health = Health.open(agent.state_dir, boot_id=agent.hw.fs.boot_id())
+    try:
+        record_health(result, health)  # every run; retest_passed(by="bootstrap") when the suite passed
+    finally:
+        health.close()
+    if args.json:
+        print(json.dumps(result.report(verbose=args.verbose), indent=2))
+    else:
+        print_suite(result, Console(highlight=False), verbose=args.verbose)
+    return int(result.exit_code)
 
 
 _LEVEL_EXIT = {"healthy": EXIT_OK, "degraded": EXIT_WARN, "unhealthy": EXIT_FAIL, "quarantined": EXIT_FAIL}

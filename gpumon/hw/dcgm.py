@@ -120,7 +120,9 @@ def status_word(text: str) -> str | None:
     return _STATUS_WORDS.get(" ".join(text.strip().lower().split()))
 
 
-_GPU_IN_TEXT = re.compile(r"\bGPU\s?(\d+)\b")
+# "GPU 0" in DCGM's texts; DCGM 2.4 glues names together ("GPU 0GPU 0's NvLink link 0 ..."),
+# so a word boundary cannot be required before "GPU"
+_GPU_IN_TEXT = re.compile(r"(?<![A-Za-z])GPU\s?(\d+)(?!\d)")
 
 
 def _gpu_named(text: str) -> int | None:
@@ -198,7 +200,7 @@ def _json_test(category: str, test: Any) -> DiagTest:
         if not isinstance(res, Mapping):
             raise DcgmParseError(f"test {out.name!r}: a result is {type(res).__name__}, not an object")
         gpus = _json_gpus(res)
-        if gpus == "other":
+        if gpus is None:
             continue  # a CPU or another entity group: not a GPU verdict
         status = status_word(str(res.get("status", "")))
         if status is None:
@@ -213,12 +215,16 @@ def _json_test(category: str, test: Any) -> DiagTest:
     return out
 
 
-def _json_gpus(res: Mapping[str, Any]) -> list[int | None] | str:
+def _json_gpus(res: Mapping[str, Any]) -> list[int | None] | None:
+    """The GPUs a result is about ([None]: every GPU); None for another entity group (a CPU)."""
     if "entity_group" in res or "entity_id" in res:
         group = str(res.get("entity_group", "GPU"))
         if group.upper() != "GPU":
-            return "other"
-        return [int(res["entity_id"])]
+            return None
+        entity = res.get("entity_id")
+        if isinstance(entity, bool) or not isinstance(entity, (int, str)) or not str(entity).isdigit():
+            raise DcgmParseError(f"entity_id {entity!r} is not a GPU number")
+        return [int(entity)]
     ids = res.get("gpu_ids", res.get("gpu_id"))
     if ids is None:
         return [None]
@@ -250,9 +256,10 @@ def _json_message(value: Any, gpu: int | None) -> DiagMessage:
 
 _BORDER_RE = re.compile(r"^\+[-=+]+\+$")
 _SECTION_RE = re.compile(r"^[|+]-+\s+(?P<name>[A-Za-z][A-Za-z0-9 /_-]*?)\s+-+\+-+[|+]$")
-_LEGACY_STATUS_RE = re.compile(r"^(?P<status>Pass|Fail|Warn|Skip|Not Run)(?:\s*-\s*(?P<who>All|GPUs?:\s*(?P<ids>[\d,\s]+)))?$",
+_LEGACY_STATUS_RE = re.compile(r"^(?P<status>Pass|Fail|Warn|Skip|Not Run)"
+                               r"(?:\s*-\s*(?P<who>All|GPUs?:\s*(?P<ids>[\d,\s]+)))?$", re.IGNORECASE)
+_ENTITY_STATUS_RE = re.compile(r"^GPU\s?(?P<id>\d+)\s*:\s*(?P<status>Pass|Fail|Warn|Skip|Not Run)$",
                                re.IGNORECASE)
-_ENTITY_STATUS_RE = re.compile(r"^GPU\s?(?P<id>\d+)\s*:\s*(?P<status>Pass|Fail|Warn|Skip|Not Run)$", re.IGNORECASE)
 _METADATA = "Metadata"
 
 
@@ -290,7 +297,8 @@ class _Open:
             report.orphans.append(text)  # a fragment that starts below its test's row
             return
         gpu = self.gpu if self.gpu is not None else _gpu_named(text)
-        (self.test.warnings if self.message_kind == "warning" else self.test.info).append(DiagMessage(gpu, text))
+        where = self.test.warnings if self.message_kind == "warning" else self.test.info
+        where.append(DiagMessage(gpu, text))
 
 
 def parse_diag_table(text: str) -> DiagReport:

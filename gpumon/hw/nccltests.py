@@ -25,6 +25,7 @@ answer ``unknown`` with that reason. Nothing recognisable at all is a :class:`Nc
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -115,7 +116,8 @@ class NcclResult:
     def problem(self) -> str | None:
         """Why this result cannot be judged as a whole, or None."""
         if self.malformed:
-            return f"{len(self.malformed)} row(s) that do not have nccl-tests' shape, e.g. {self.malformed[0]!r}"
+            return (f"{len(self.malformed)} row(s) that do not have nccl-tests' shape, "
+                    f"e.g. {self.malformed[0]!r}")
         if not self.rows:
             where = "the rank list" if self.ranks else "the settings line" if self.settings else "the start"
             return f"no result rows (the output ends after {where})"
@@ -141,7 +143,7 @@ _NUM_RE = re.compile(r"^-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$")
 def _num(token: str) -> float | None:
     if token == "N/A":
         return None
-    if not _NUM_RE.match(token):
+    if not _NUM_RE.match(token) or not math.isfinite(float(token)):
         raise ValueError(token)
     return float(token)
 
@@ -153,7 +155,8 @@ def _point(tokens: list[str], legacy: bool | None) -> tuple[NcclPoint, bool]:
         return NcclPoint(t, a, b), bool(legacy)
     is_legacy = legacy if legacy is not None else not _INT_RE.match(last)
     if is_legacy:
-        return NcclPoint(t, a, b, error=float(last)), True
+        error = _num(last)
+        return NcclPoint(t, a, b, error=error), True
     if not _INT_RE.match(last):
         raise ValueError(last)
     return NcclPoint(t, a, b, wrong=int(last)), False
@@ -183,7 +186,8 @@ def parse_row(line: str, legacy: bool | None = None) -> tuple[NcclRow, bool] | N
         in_place, legacy_b = _point(inp, legacy)
     except ValueError:
         return None
-    return NcclRow(int(tokens[0]), int(tokens[1]), dtype, redop, root, out_of_place, in_place), legacy_a or legacy_b
+    row = NcclRow(int(tokens[0]), int(tokens[1]), dtype, redop, root, out_of_place, in_place)
+    return row, legacy_a or legacy_b
 
 
 @dataclass
@@ -249,7 +253,8 @@ def parse_all(text: str) -> list[NcclResult]:
                 cur.settings.update(_SETTINGS_WORDS.findall(stripped))
                 cur.settings.update(_SETTINGS_COLON.findall(stripped))
             elif m := _RANK_RE.match(stripped):
-                cur.ranks.append(NcclRank(int(m.group(1)), m.group(2), int(m.group(3)), m.group(4), m.group(5)))
+                cur.ranks.append(NcclRank(int(m.group(1)), m.group(2), int(m.group(3)), m.group(4),
+                                          m.group(5)))
             elif m := _OOB_RE.match(stripped):
                 cur.oob, cur.oob_ok = int(m.group(1)), m.group(2).upper() == "OK"
             elif m := _AVG_RE.match(stripped):

@@ -23,6 +23,7 @@ process groups killed on timeout).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -133,6 +134,9 @@ def parse_bw(text: str) -> BwReport:
         except ValueError:
             # the run ended mid-table (an error message, a shell prompt): what came before stands
             break
+        if not all(math.isfinite(n) and n >= 0 for n in numbers):
+            raise PerftestParseError(f"line {number}: a value that is not a finite, non-negative number: "
+                                     f"{stripped[:120]!r}")
         if len(numbers) != len(header):
             raise PerftestParseError(f"line {number}: {len(numbers)} numbers where the header has "
                                      f"{len(header)} columns: {stripped[:120]!r}")
@@ -249,7 +253,7 @@ def run_loopback(tools: ToolRunner, spec: LoopbackSpec, *, timeout: float = 60.0
     server = threading.Thread(target=serve, name=f"gpumon-perftest-server-{spec.device}", daemon=True)
     server.start()
     deadline = time.monotonic() + connect_window_s
-    time.sleep(0.2)
+    time.sleep(0.1)  # the server opens the device before it listens; the client retries meanwhile
     try:
         while True:
             out.attempts += 1
@@ -273,15 +277,16 @@ def run_loopback(tools: ToolRunner, spec: LoopbackSpec, *, timeout: float = 60.0
     try:
         out.report = parse_bw(client.stdout)
     except PerftestParseError as exc:
-        detail = (client.stderr.strip().splitlines() or [""])[-1][:200]
+        err_lines = [ln.strip() for ln in client.stderr.splitlines() if ln.strip()]
+        detail = _reason(err_lines) or (err_lines[-1][:200] if err_lines else "")
         out.error = f"exit {client.returncode}: {exc}" + (f" (stderr: {detail})" if detail else "")
     return out
 
 
 def run_loopbacks(tools: ToolRunner, specs: Sequence[LoopbackSpec], *, parallel: bool = True,
                   timeout: float = 60.0, connect_window_s: float = 10.0) -> list[LoopbackRun]:
-    """Run several loopbacks, in parallel by default (each NIC is its own hardware, and Azure's
-    GPUDirect check runs all NICs of a node at once); results in the order of ``specs``."""
+    """Run several loopbacks, at once or one after another; results in the order of ``specs``.
+    The caller keeps two runs on one NIC (or one GPU) out of the same parallel batch."""
     if not specs:
         return []
     if not parallel or len(specs) == 1:
