@@ -1,0 +1,223 @@
+"""host_bandwidth: pinned host <-> device copy bandwidth per GPU (the bandwidth part of pcie-topology).
+
+One worker process measures each GPU in turn (one at a time, as nvbandwidth's
+host_to_device_memcpy_ce / device_to_host_memcpy_ce do, so GPUs behind one PCIe switch do not
+share its uplink during the measurement): ``nbytes`` from page-locked host memory to the GPU and
+back, ``iterations`` times each, GB/s = bytes / s / 1e9. Before each GPU the worker binds itself to
+the CPUs local to that GPU (sysfs ``local_cpulist`` of the GPU's PCI function, under the host
+root), so the pinned buffer lives on the GPU's own NUMA node as a well-placed job's would; a
+buffer on the far socket measures the inter-socket link, not the GPU's.
+
+Both directions are compared with the profile's ``min_gbps``; a GPU below it is measured once
+more and fails only if it stays low (``retryable: true``). A low link is usually a PCIe link
+trained down (width or generation: see the ``pcie`` check) or a failing riser/retimer:
+``inspect_hardware``, as ``pcie`` does for a narrow link. GPU only: without CUDA the check is
+``skipped`` with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumon import compute
+from gpumon.check import Check, CheckContext
+from gpumon.errors import HwCondition
+from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+
+
+@dataclass(frozen=True)
+class HostBandwidthConfig:
+    nbytes: int = field(default=256 << 20, metadata={
+        "min": 4096,
+        "source": "argued: ~5 ms per copy at 50 GB/s, well past the per-copy overhead; small enough to pin "
+                  "quickly on any host"})
+    iterations: int = field(default=20, metadata={"min": 1})
+    # from the SKU profile (checks.host_bandwidth.min_gbps, with its source there)
+    min_gbps: float | None = field(default=None, metadata={"min": 0})
+    numa_local: bool = field(default=True, metadata={
+        "source": "argued: Azure's checks pin to the GPU's NUMA node for the same reason "
+                  "(azure_nccl_allreduce.nhc: mpirun -bind-to numa)"})
+    startup_s: float = field(default=60.0, metadata={"min": 1})
+    per_gpu_s: float = field(default=20.0, metadata={
+        "min": 0.1, "source": "argued: pinning 256 MiB and 2 x 20 copies take well under a second"})
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One GPU's result: best of its attempts per direction."""
+
+    index: int
+    ordinal: int  # the CUDA device number it was measured as
+    h2d: float
+    d2h: float
+    attempts: dict[str, list[float]]
+    cpus: tuple[int, ...]
+    pinned: bool
+
+
+def below(results: Mapping[int, Measured], minimum: float | None) -> dict[int, list[str]]:
+    """GPU index -> directions below ``minimum``."""
+    if minimum is None:
+        return {}
+    out: dict[int, list[str]] = {}
+    for index, m in results.items():
+        low = [d for d, v in (("host-to-device", m.h2d), ("device-to-host", m.d2h)) if v < minimum]
+        if low:
+            out[index] = low
+    return out
+
+
+class HostBandwidthCheck(Check):
+    name = "host_bandwidth"
+    phase = Phase.BOOTSTRAP
+    description = "pinned host-to-device and device-to-host copy bandwidth per GPU vs the profile"
+    interval = 86400.0
+    # seconds a healthy run takes (suite order and ETA), an estimate, not measured:
+    # 8 GPUs x ~0.5 s plus start-up
+    cost = 15.0
+    timeout = 600.0
+    Config = HostBandwidthConfig
+
+    def supported(self, inventory: Any) -> str | None:
+        if not inventory.gpus and not inventory.unreadable_gpus:
+            return "no GPUs visible to NVML"
+        return compute.torch_missing()
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        params: HostBandwidthConfig = ctx.params or HostBandwidthConfig()
+        try:
+            place = compute.placement(0, nvml_gpus=len(ctx.inventory.gpus), simulated=ctx.hw.simulated)
+        except compute.NoCudaOnGpuNode as exc:
+            return [self.finding(NODE, Severity.UNKNOWN, f"GPUs not tested: {exc}")]
+        if not place.is_cuda:
+            return [self.finding(NODE, Severity.SKIPPED,
+                                 "host-device bandwidth needs CUDA devices; torch sees none"
+                                 + (" (simulated node)" if ctx.hw.simulated else ""))]
+        by_uuid = compute.gpu_index_by_uuid(ctx.inventory)
+        cpus = local_cpus(ctx) if params.numa_local else {}
+        ordinals = tuple(range(place.devices))
+        first = self._measure(params, ordinals, cpus, by_uuid)
+        if isinstance(first, Finding):
+            return [first]
+        results, unmapped = first
+        low = below(results, params.min_gbps)
+        if low:
+            # bandwidth varies run to run: measure the low GPUs once more before failing
+            redo = tuple(results[index].ordinal for index in low)
+            again = self._measure(params, redo, cpus, by_uuid)
+            if not isinstance(again, Finding):
+                for index, m in again[0].items():
+                    old = results[index]
+                    results[index] = Measured(index, m.ordinal, max(old.h2d, m.h2d), max(old.d2h, m.d2h),
+                                              {k: old.attempts[k] + m.attempts[k] for k in old.attempts},
+                                              m.cpus, m.pinned)
+        return judge(ctx, results, unmapped, params, place)
+
+    def _measure(self, params: HostBandwidthConfig, ordinals: tuple[int, ...],
+                 cpus: Mapping[str, tuple[int, ...]], by_uuid: Mapping[str, int]
+                 ) -> tuple[dict[int, Measured], list[compute.HostCopy]] | Finding:
+        """Measurements by NVML index (and those of CUDA devices NVML does not know), or a finding."""
+        spec = compute.HostCopySpec(devices=ordinals, nbytes=params.nbytes, iterations=params.iterations,
+                                    cpus_by_uuid=dict(cpus))
+        deadline = params.startup_s + params.per_gpu_s * len(ordinals)
+        try:
+            run = compute.run_workers(compute.host_copy_worker, [spec], kind="cuda", bind=False,
+                                      timeout_s=deadline, name=self.name,
+                                      lock_wait_s=compute.lock_wait(self.timeout, 2 * deadline))
+        except compute.DevicesBusy as exc:
+            return self.finding(NODE, Severity.UNKNOWN, str(exc))
+        outcome = run.outcomes[0]
+        if not outcome.ok:
+            # a copy that hangs or crashes names the GPU it was on (the worker's last phase)
+            return self.finding(NODE, Severity.FAIL, f"host copy worker: {outcome.describe()}",
+                                Action.RESET_GPU if outcome.state in ("hung", "stuck") else Action.NONE,
+                                phase=outcome.phase, error=outcome.error[-2000:])
+        out: dict[int, Measured] = {}
+        unmapped: list[compute.HostCopy] = []
+        for c in outcome.result:
+            index = by_uuid.get(c.uuid or "")
+            if index is None:
+                unmapped.append(c)
+                continue
+            out[index] = Measured(index, c.device, c.h2d_gbps, c.d2h_gbps,
+                                  {"h2d": [round(c.h2d_gbps, 2)], "d2h": [round(c.d2h_gbps, 2)]},
+                                  c.cpus, c.pinned)
+        return out, unmapped
+
+def local_cpus(ctx: CheckContext) -> dict[str, tuple[int, ...]]:
+    """Normalized GPU UUID -> its local CPUs from sysfs (empty where unreadable: not bound)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for info in ctx.inventory.gpus:
+        uuid = compute.normalize_uuid(info.uuid)
+        if not uuid:
+            continue
+        try:
+            text = ctx.hw.fs.read_text(f"sys/bus/pci/devices/{info.pci_bus_id}/local_cpulist")
+            out[uuid] = compute.parse_cpulist(text)
+        except (HwCondition, ValueError):
+            continue
+    return out
+
+
+def judge(ctx: CheckContext, results: Mapping[int, Measured], unmapped: Sequence[compute.HostCopy],
+          params: HostBandwidthConfig, place: compute.Placement) -> list[Finding]:
+    """One finding per GPU: both directions against the profile's minimum (best of the attempts)."""
+    low = below(results, params.min_gbps)
+    name = HostBandwidthCheck.name
+    source = ctx.profile.source_of("checks.host_bandwidth.min_gbps")
+    out: list[Finding] = []
+    for index, m in sorted(results.items()):
+        ev: dict[str, Any] = {
+            "h2d_gbps": round(m.h2d, 2), "d2h_gbps": round(m.d2h, 2), "attempts_gbps": m.attempts,
+            "bytes": params.nbytes, "iterations": params.iterations, "pinned": m.pinned,
+            "cpus": _ranges(m.cpus) or "unbound", "min_gbps": params.min_gbps, "source": source,
+            "retryable": True,
+            "readings": [reading("host_bandwidth_gbps", m.h2d, direction="h2d"),
+                         reading("host_bandwidth_gbps", m.d2h, direction="d2h")],
+        }
+        if index in low:
+            out.append(Finding(name, gpu(index), Severity.FAIL,
+                               f"GPU {index}: {' and '.join(low[index])} below the profile's "
+                               f"{params.min_gbps:g} GB/s (h2d {m.h2d:.3g}, d2h {m.d2h:.3g}; best of "
+                               f"{len(m.attempts['h2d'])} measurements)", Action.INSPECT_HARDWARE, ev))
+        else:
+            judged = (f"profile minimum {params.min_gbps:g}" if params.min_gbps is not None
+                      else "not judged: no min_gbps in the profile")
+            out.append(Finding(name, gpu(index), Severity.OK,
+                               f"GPU {index}: h2d {m.h2d:.3g} GB/s, d2h {m.d2h:.3g} GB/s ({judged})",
+                               Action.NONE, ev))
+    tested = set(results)
+    for info in ctx.inventory.gpus:
+        if info.index not in tested:
+            out.append(Finding(name, gpu(info.index), Severity.UNKNOWN,
+                               f"GPU {info.index} not tested: no CUDA device with its UUID is visible "
+                               "to torch"))
+    if unmapped:
+        measured = {f"cuda:{c.device}": {"h2d_gbps": round(c.h2d_gbps, 2),
+                                         "d2h_gbps": round(c.d2h_gbps, 2)} for c in unmapped}
+        out.append(Finding(name, NODE, Severity.UNKNOWN,
+                           f"{len(unmapped)} CUDA device(s) whose UUID NVML does not know: measured, "
+                           "not judged",
+                           Action.NONE, {"measured": measured}))
+    if not out:
+        out.append(Finding(name, NODE, Severity.UNKNOWN, f"no GPU measured ({place.note})"))
+    return out
+
+
+def _ranges(cpus: Sequence[int]) -> str:
+    """(0, 1, 2, 3, 8) -> "0-3,8", as sysfs writes CPU lists."""
+    out: list[str] = []
+    start = prev = None
+    for c in sorted(cpus):
+        if start is None:
+            start = prev = c
+        elif prev is not None and c == prev + 1:
+            prev = c
+        else:
+            out.append(f"{start}-{prev}" if start != prev else f"{start}")
+            start = prev = c
+    if start is not None:
+        out.append(f"{start}-{prev}" if start != prev else f"{start}")
+    return ",".join(out)
