@@ -22,6 +22,7 @@ from gpumon.errors import ConfigError, GpumonError, StartupError
 from gpumon.model import Phase, Status
 from gpumon.registry import load_checks
 from gpumon.report import json_report, print_table
+from gpumon.sdc import cli as canary_cli
 from gpumon.sim.scenario import load_scenario
 
 EXIT_OK = 0
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list-checks", parents=[common], help="list the registered checks")
 
+    canary_cli.add_parser(sub, [common])
+
     p = sub.add_parser("status", parents=[common], help="health state: why, since when, history")
     p.add_argument("--state-dir", type=Path, metavar="DIR", help="default: state_dir of the config")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -114,6 +117,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s gpumon %(levelname)s %(message)s")
     try:
+        if args.command == "canary":
+            return int(canary_cli.main(args))
         checks = load_checks()
         config = load_config(args.config, checks, overrides=_overrides(args))
         logging.getLogger().setLevel(config.log_level.upper())

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ruff_clean() -> None:
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "gpumon", "checks", "tests", "bench"],
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "gpumon", "checks", "tests", "bench", "examples"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

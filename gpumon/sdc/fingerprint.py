@@ -10,36 +10,37 @@ strides):
 
 where ``m`` is the identity for elements of up to 32 bits. Equal bits give
 equal fingerprints; different bits give different ones with high probability,
-and always when one element changed, or two elements changed in a tensor of
-fewer than 2^31 elements (for 32-bit elements: the two sums stay equal only if
-``d1 = -d2`` and ``(i - j) * d1 = 0 mod 2^64``, which needs ``|i - j| >= 2^33``
-because ``0 < |d1| < 2^32``).
+and always when one element changed. For elements of up to 32 bits, also always
+when two elements changed, in a tensor of fewer than 2^33 elements: the sums stay
+equal only if ``d1 = -d2`` and ``(i - j) * d1 = 0 mod 2^64``, which needs
+``|i - j| >= 2^33`` because ``0 < |d1| < 2^32``.
 
 Why ``m`` is not the identity for 64-bit elements: with 64-bit words the
 literal scheme has blind spots that real data hits. Swapping +0.0 and -0.0
 between positions 0 and 2 of an fp64 tensor changes the words by +2^63 and
 -2^63: the plain sum is unchanged and the weighted one changes by
-``(1 - 3) * 2^63 = -2^64 = 0 mod 2^64``. No pair of sums that are linear in
-64-bit words can avoid this (two positions need weights whose difference is
-odd, which at most two positions can have), so for 64-bit elements the
-weighted sum reads ``m(u) = u XOR (u >> 32)``: a bijection that folds the high
-half (sign, exponent) into the low half, so that a change confined to the high
-bits (sign flips, exponent changes, ``x <-> -x`` swaps) moves the low 32 bits
-of the weighted term and needs ``|i - j| >= 2^33`` to cancel. Some two-element
-changes of 64-bit words still collide (128 bits of fingerprint cannot tell
-apart every pair of 64-bit changes: that needs a field, e.g. GF(2^64), which
-torch has no kernels for); they need the same XOR pattern in both halves of
-both words and are not what a bit flip or a swap produces.
+``(1 - 3) * 2^63 = -2^64 = 0 mod 2^64``. No pair of sums linear in 64-bit
+words avoids this (every two positions would need weights whose difference is
+odd, which at most two positions can have), so for 64-bit elements the weighted
+sum reads ``m(u) = u XOR (u >> 32)``: a bijection that folds the high half
+(sign, exponent) into the low half. With it, in a tensor of at most 2^31
+elements, two single-bit flips always change the fingerprint, and so does a swap
+of two values whose folded low halves differ (``x <-> -x``, values differing
+only in sign, exponent or low half). Other two-element changes of 64-bit words
+collide only by coincidence: some must (two changes carry 128 bits plus their
+positions, more than 128 bits of fingerprint can tell apart without a field
+such as GF(2^64), which torch has no kernels for), and the property tests find
+none among random, single-bit, sign/exponent and compensating (+d, -d) changes.
 
 How the sums stay on the device: the tensor is reinterpreted with
-``Tensor.view(int dtype)`` (no copy), widened to int64 chunk by chunk on its
-own device (torch has no uint64 arithmetic on every backend; int64 addition and
+``Tensor.view(int dtype)`` (no copy), widened chunk by chunk on its own device
+(torch has no uint64 arithmetic on every backend; int64 addition and
 multiplication wrap modulo 2^64 exactly like uint64), and reduced there. The
 only data that leaves the device is the final pair of int64 sums (16 bytes), and
 ``fingerprint_many`` brings the pairs of a whole workload over in one transfer.
-The weighted sum of a chunk uses the identity
-``sum((o + k + 1) * y[k]) = o * sum(y) + sum((k + 1) * y[k])`` so that every
-chunk reuses one cached weight vector.
+A chunk is reduced as a (rows, 1024) matrix: with row sums R and column sums C,
+``sum(w * y) = offset * sum(y) + 1024 * sum(r * R[r]) + sum((k + 1) * C[k])``,
+two reductions instead of a multiply by a weight vector and a third pass.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Chunk sizes in elements: on a CPU a chunk's int64 working set (8 bytes per
-# element, one or two buffers) should stay in the L2/L3 cache; on a GPU a chunk
-# must be large enough that kernel launches (~5 us each) do not dominate.
-_CHUNK_CPU = 1 << 18
+# Chunk sizes: on a CPU a chunk's widened buffer (4 MiB: 2^20 int32 or 2^19 int64
+# words; measured best of 2^16..2^20 on an EPYC, bench/sdc_fingerprint.py) should
+# stay in the cache while it is reduced twice; on a GPU a chunk (in elements) must
+# be large enough that kernel launches (~5 us each) do not dominate.
+_CHUNK_CPU_BYTES = 4 << 20
 _CHUNK_GPU = 1 << 24
 # A chunk is reduced as a (rows, _ROW) matrix: row sums and column sums give both
 # sums in two cheap reductions (an int64 dot product is 5x slower on CPUs and
@@ -150,10 +152,11 @@ def fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
     weighted = torch.zeros((), dtype=torch.int64, device=device)
     if n == 0:
         return torch.stack((plain, weighted))
-    chunk = min(n, _CHUNK_CPU if device.type == "cpu" else _CHUNK_GPU)
     # Words of up to 16 bits are summed in int32, which halves the memory traffic: a row sum is
     # at most 1024 * 65535 < 2^27 and a column sum at most (2^24 / 1024) * 65535 < 2^31.
     acc = torch.int32 if bits <= 16 else torch.int64
+    per_chunk = _CHUNK_CPU_BYTES // acc.itemsize if device.type == "cpu" else _CHUNK_GPU
+    chunk = min(n, per_chunk)
     buf = torch.empty(chunk, dtype=acc, device=device)
     row_index = _arange(device, 0, max(chunk // _ROW, 1))
     col_weight = _arange(device, 1, _ROW)

@@ -1,0 +1,352 @@
+"""``gpumon canary record|run|replay``: the SDC canaries from the command line.
+
+Exit codes follow gpumon's (NHC): 0 every GPU bit-exact, 1 warnings only (``unknown``: no golden
+and no majority, a GPU that did not run), 2 at least one GPU computed wrong bits (or, for
+``record``, the hardware disagreed with itself), 3 could not run (bad golden file, bad bundle, bad
+``--inject``, no device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpumon.errors import ConfigError, GpumonError
+from gpumon.model import Finding, Severity, Status, overall_status
+
+EXIT_CANNOT_RUN = 3
+
+
+def add_parser(subparsers: Any,
+               common_parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    """Add ``canary`` with its three subcommands to gpumon's subparsers; returns the new parser."""
+    parents = list(common_parents)
+    canary: argparse.ArgumentParser = subparsers.add_parser("canary", parents=parents,
+                                   help="SDC canaries: bit-exact workloads vs a golden run and across GPUs")
+    sub = canary.add_subparsers(dest="canary_command", required=True, metavar="SUBCOMMAND")
+
+    def shared(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--workers", type=int, metavar="N",
+                       help="devices to run on at once (default: every GPU; 4 CPU workers without GPUs)")
+        p.add_argument("--gpus", metavar="I,J,..",
+                       help="run on these GPU indices (one worker each; default: 0..workers-1)")
+        p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                       help="where workers compute (default: cuda when torch sees GPUs, else cpu)")
+        p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                       help="per-iteration limit; a worker over it is reported hung (600)")
+        p.add_argument("--json", action="store_true", help="print the JSON report")
+        p.add_argument("-v", "--verbose", action="store_true", help="show ok findings too")
+
+    p = sub.add_parser("record", parents=parents, help="run on known-good hardware, write the golden file")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE",
+                   help="golden file (entries for other keys already in it are kept)")
+    p.add_argument("--iterations", type=int, default=2, metavar="N",
+                   help="runs per worker that must all agree before anything is recorded (2)")
+    p.add_argument("--workload", action="append", default=[], metavar="NAME",
+                   help="only this built-in workload (repeatable; default all)")
+    p.add_argument("--bundle", action="append", default=[], type=Path, metavar="PATH",
+                   help="also record this captured step (repeatable)")
+    shared(p)
+
+    p = sub.add_parser("run", parents=parents,
+                       help="run on every GPU, compare with the golden and each other")
+    p.add_argument("--golden", type=Path, metavar="FILE", help="golden file (default: majority only)")
+    p.add_argument("--iterations", type=int, default=1, metavar="N", help="iterations per GPU (1)")
+    p.add_argument("--workload", action="append", default=[], metavar="NAME",
+                   help="only this built-in workload (repeatable; default all, or none with --bundle)")
+    p.add_argument("--bundle", action="append", default=[], type=Path, metavar="PATH",
+                   help="replay this captured training step on every GPU (repeatable)")
+    p.add_argument("--inject", metavar="SPEC",
+                   help="fault harness: make one worker flip bits, e.g. worker=2,dtype=float32,rate=1 "
+                        "(worker N: the N-th worker, i.e. the N-th of --gpus; see gpumon.sdc.inject)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="keep replay bundles of failing runs under DIR/sdc/bundles (default: state_dir)")
+    shared(p)
+
+    p = sub.add_parser("replay", parents=parents, help="replay a bundle (a failing run or a captured step)")
+    p.add_argument("bundle", type=Path, metavar="BUNDLE")
+    p.add_argument("--iterations", type=int, default=1, metavar="N", help="iterations per GPU (1)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="keep replay bundles of failing runs under DIR/sdc/bundles (default: state_dir)")
+    shared(p)
+    canary.set_defaults(handler=main)
+    return canary
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``gpumon canary ...``; returns the exit code. Errors are reported here, never raised."""
+    try:
+        import torch  # noqa: F401  (the canaries need it; say so plainly when it is missing)
+    except ImportError:
+        print("gpumon: canary: torch is not installed (pip install 'gpumon[compute]')", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    from gpumon.sdc.bundle import BundleError
+    from gpumon.sdc.inject import FaultSpecError
+    from gpumon.sdc.runner import CanaryError
+
+    try:
+        if args.canary_command == "record":
+            return _record(args)
+        if args.canary_command == "run":
+            return _run(args)
+        if args.canary_command == "replay":
+            return _replay(args)
+    except (ConfigError, FaultSpecError) as exc:
+        print(f"gpumon: canary: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except (CanaryError, BundleError, GpumonError) as exc:
+        print(f"gpumon: canary: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    print(f"gpumon: canary: unknown subcommand {args.canary_command}", file=sys.stderr)
+    return EXIT_CANNOT_RUN
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def _gpus(args: argparse.Namespace) -> tuple[int, ...]:
+    if not args.gpus:
+        return ()
+    try:
+        gpus = tuple(int(g) for g in args.gpus.split(",") if g.strip())
+    except ValueError:
+        raise ConfigError(f"not a list of GPU indices: {args.gpus!r}", key="--gpus") from None
+    if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+        raise ConfigError(f"GPU indices must be distinct and >= 0: {args.gpus!r}", key="--gpus")
+    return gpus
+
+
+def _workers(args: argparse.Namespace) -> int:
+    import torch
+
+    if _gpus(args):
+        return len(_gpus(args))
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ConfigError("must be at least 1", key="--workers")
+        return int(args.workers)
+    if args.device != "cpu" and torch.cuda.is_available():
+        return int(torch.cuda.device_count())
+    return 4
+
+
+def _host_root(args: argparse.Namespace) -> Path:
+    return Path(getattr(args, "host_root", None) or "/")
+
+
+def _state_dir(args: argparse.Namespace) -> Path | None:
+    if getattr(args, "state_dir", None):
+        return Path(args.state_dir)
+    from gpumon.config import load_config
+    from gpumon.registry import load_checks
+
+    config = load_config(getattr(args, "config", None), load_checks())
+    return Path(config.state_dir)
+
+
+def _driver(args: argparse.Namespace) -> str | None:
+    """The NVIDIA driver version for the golden key, from NVML (through the hardware layer)."""
+    import torch
+
+    if args.device == "cpu" or not torch.cuda.is_available():
+        return None
+    from gpumon.errors import GpumonError
+    from gpumon.hw.calls import BoundedCaller
+    from gpumon.hw.nvml import Nvml
+
+    nvml = Nvml(BoundedCaller(), 10.0)
+    try:
+        nvml.init()
+        return nvml.driver_version()
+    except GpumonError:
+        return None  # the key then says "unknown": a golden made so is matched only by another such run
+    finally:
+        nvml.shutdown()
+
+
+def _options(args: argparse.Namespace, **extra: Any) -> Any:
+    from gpumon.sdc.golden import cpu_model
+    from gpumon.sdc.runner import Options
+
+    if getattr(args, "iterations", 1) < 1:
+        raise ConfigError("must be at least 1", key="--iterations")
+    return Options(workers=_workers(args), device_indices=_gpus(args), device=args.device,
+                   timeout_s=args.timeout, cpu_model=cpu_model(_host_root(args)), driver=_driver(args),
+                   **extra)
+
+
+def _bundle_dir(args: argparse.Namespace) -> Path | None:
+    state = _state_dir(args)
+    return state / "sdc" / "bundles" if state is not None else None
+
+
+def _emit(args: argparse.Namespace, findings: list[Finding], summary: dict[str, Any],
+          headline: str) -> int:
+    status = overall_status(findings)
+    if args.json:
+        doc = {"status": status.value, "node": socket.gethostname(), "profile": None,
+               "findings": [f.to_json() for f in findings if args.verbose or f.severity is not Severity.OK
+                            or not any(g.severity is not Severity.OK for g in findings)],
+               "canary": summary}
+        print(json.dumps(doc, indent=2, default=str))
+        return status.exit_code
+    print(headline)
+    for f in findings:
+        if f.severity is Severity.OK and not args.verbose and status is not Status.OK:
+            continue
+        action = f" [{f.action.value}]" if f.action.value != "none" else ""
+        print(f"  {f.severity.value.upper():8s} {f.component:8s} {f.message}{action}")
+        if f.severity is not Severity.OK and args.verbose:
+            for k in ("first_differing_tensor", "expected_fingerprint", "observed_fingerprint", "bundle"):
+                if k in f.evidence:
+                    print(f"           {k}: {f.evidence[k]}")
+    for b in summary.get("bundles") or []:
+        print(f"  replay bundle kept: {b}")
+    return status.exit_code
+
+
+# -- subcommands -----------------------------------------------------------------------------------
+
+def _record(args: argparse.Namespace) -> int:
+    from gpumon.sdc import runner
+    from gpumon.sdc.golden import FORMAT, Golden, GoldenKey
+
+    # entries of other keys (other SKUs, drivers) already in the file are kept
+    golden = Golden.load(args.out) if args.out.exists() and args.out.stat().st_size else Golden()
+    options = _options(args, iterations=args.iterations, workloads=tuple(args.workload),
+                       bundles=tuple(args.bundle), keep_tensors=False)
+    report = runner.run(options)
+    findings = report.findings()
+    problems = [f for f in findings if f.severity is not Severity.OK]
+    # every run of every worker must agree, with itself across iterations and with the others
+    disagree: list[str] = []
+    recorded = 0
+    for w in report.workers:
+        for name in report.workloads:
+            runs = [report.runs[(w.index, it, name)] for it in range(report.iterations.get(w.index, 0))]
+            if not runs:
+                continue
+            if any(r.error for r in runs):
+                error = next(r.error for r in runs if r.error)
+                disagree.append(f"{name} raised on worker {w.index}: {error}")
+                continue
+            if len({r.signature() for r in runs}) > 1:
+                disagree.append(f"{name} is not repeatable on worker {w.index}")
+    keys: dict[GoldenKey, list[Any]] = {}
+    for (i, _it, name), r in report.runs.items():
+        info = next(w for w in report.workers if w.index == i)
+        keys.setdefault(GoldenKey(name, r.params, info.key), []).append(r)
+    for key, runs in keys.items():
+        if len({r.signature() for r in runs}) > 1:
+            disagree.append(f"{key.workload}: workers of one key disagree")
+    if report.worker_failures:
+        disagree.extend(f"worker {i}: {why}" for i, why in sorted(report.worker_failures.items()))
+    if problems or disagree:
+        summary = {**runner.summary_json(report), "recorded": 0, "refused": disagree}
+        head = ("gpumon canary record: NOT recorded: the hardware disagrees with itself or a worker "
+                "failed:\n  " + "\n  ".join(disagree or ["see below"]))
+        _emit(args, findings, summary, head)
+        return max(overall_status(findings).exit_code, 2)
+    for key, runs in sorted(keys.items()):
+        golden.put(key, runs[0].points, workers=len(report.workers),
+                   iterations=max(report.iterations.values(), default=0))
+        recorded += 1
+    golden.save(args.out)
+    summary = {**runner.summary_json(report), "recorded": recorded, "golden": str(args.out),
+               "format": FORMAT}
+    return _emit(args, findings, summary,
+                 f"gpumon canary record: {recorded} golden entries written to {args.out} "
+                 f"({len(report.workers)} workers x {args.iterations} iterations agreed)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gpumon.sdc import runner
+    from gpumon.sdc.bundle import expected_golden
+    from gpumon.sdc.golden import Golden
+    from gpumon.sdc.inject import FaultSpec
+
+    golden = Golden.load(args.golden) if args.golden else Golden()
+    for b in args.bundle:
+        extra = expected_golden(b)
+        for key, points in extra.entries.items():
+            golden.entries.setdefault(key, points)
+    inject = FaultSpec.parse(args.inject) if args.inject else None
+    options = _options(args, iterations=args.iterations, workloads=tuple(args.workload),
+                       bundles=tuple(args.bundle), golden=golden, inject=inject,
+                       bundle_dir=_bundle_dir(args))
+    if inject is not None and inject.worker >= options.workers:
+        raise ConfigError(f"worker {inject.worker} does not exist ({options.workers} workers)",
+                          key="--inject")
+    report = runner.run(options)
+    findings = report.findings()
+    summary = runner.summary_json(report)
+    if inject is not None:
+        summary["injected_fault"] = inject.to_text()
+    bad = [f for f in findings if f.severity is Severity.FAIL]
+    head = (f"gpumon canary run: {len(report.workers)} workers, {args.iterations} iterations, "
+            f"{len(report.workloads)} workloads: "
+            + (f"{len(bad)} GPU(s) computed wrong bits" if bad else "no GPU computed wrong bits"))
+    if inject is not None:
+        head += f" (fault harness on: {inject.to_text()})"
+    return _emit(args, findings, summary, head)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from gpumon.sdc import runner
+    from gpumon.sdc.bundle import expected_golden, read_manifest, tensor_diff
+
+    manifest = read_manifest(args.bundle)
+    golden = expected_golden(args.bundle)
+    options = _options(args, iterations=args.iterations, bundles=(args.bundle,), golden=golden,
+                       bundle_dir=_bundle_dir(args))
+    report = runner.run(options)
+    findings = report.findings()
+    summary = runner.summary_json(report)
+    summary["bundle"] = {"path": str(args.bundle), "kind": manifest.get("kind"),
+                         "workload": manifest.get("workload") or manifest.get("name")}
+    if manifest.get("kind") == "failure":
+        summary["bundle"].update({
+            "failed_on_worker": manifest.get("worker"), "iteration": manifest.get("iteration"),
+            "first_differing_tensor": manifest.get("first_differing_tensor"),
+            "compared_with": manifest.get("compared_with"),
+            "expected_is_golden": manifest.get("expected_is_golden")})
+        diff = tensor_diff(args.bundle)
+        if diff is not None:
+            summary["bundle"]["kept_tensors_diff"] = diff
+    head = (f"gpumon canary replay {args.bundle} ({manifest.get('kind')}): "
+            f"{len(report.workers)} workers, {args.iterations} iterations")
+    if manifest.get("kind") == "failure":
+        failed = sorted({report.gpu_of(m.worker) for m in report.mismatches})
+        head += (f"; the failure of GPU {manifest.get('worker')} reproduced on GPU(s) "
+                 f"{', '.join(map(str, failed))}" if failed else
+                 f"; the failure of GPU {manifest.get('worker')} did not reproduce here")
+    if not golden.entries:
+        head += "; the bundle carries no golden: comparing the workers with each other only"
+    elif report.no_golden:
+        head += "; the bundle's golden was made under another key: comparing the workers with each other only"
+    code = _emit(args, findings, summary, head)
+    diff = summary["bundle"].get("kept_tensors_diff")
+    if diff and not args.json:
+        print(f"  kept tensors of the failing run vs an agreeing worker: {json.dumps(diff)}")
+    return code
+
+
+def _standalone(argv: Sequence[str] | None = None) -> int:
+    """``python -m gpumon.sdc.cli SUBCOMMAND ...``: the same commands without gpumon's global flags."""
+    parser = argparse.ArgumentParser(prog="gpumon-canary", description="gpumon SDC canaries")
+    parser.add_argument("--config", type=Path, metavar="FILE", help="gpumon config (for state_dir)")
+    parser.add_argument("--host-root", metavar="DIR", help="where the host's /proc is (default /)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    canary = add_parser(sub)
+    # drop the "canary" level: its subcommands become this program's commands
+    args = parser.parse_args(["canary", *(sys.argv[1:] if argv is None else argv)])
+    del canary
+    return main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(_standalone())
