@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ruff_clean() -> None:
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "gpumon", "checks", "tests", "bench", "examples"],
+    paths = ["gpumon", "checks", "tests", "bench", "examples"]
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", *paths],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
