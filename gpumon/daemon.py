@@ -271,11 +271,14 @@ class Daemon:
                         remediation=self.remediation.snapshot() if self.remediation else None)
 
     def serve(self, duration: float | None = None) -> int:
-        checks = self.agent.selected(Phase.CONTINUOUS)
+        # SDC canaries run in the daemon too, on their own (long) interval, never at startup:
+        # a daemon restart must not start a heavy run on GPUs that may be busy
+        canaries = self.agent.selected(Phase.CANARY)
+        checks = self.agent.selected(Phase.CONTINUOUS) + canaries
         self.health = Health.open(self.agent.state_dir, boot_id=self.agent.hw.fs.boot_id())
         self.remediation = RemediationLoop.build(self.agent.config.remediation, self.health,
                                                  self.agent.config.node_name, self.agent.hw.tools)
-        self._check_names = {c.name for c in checks}
+        self._check_names = {c.name for c in checks if c.phase is Phase.CONTINUOUS}
         if self.remediation is not None:
             self.remediation.start()
         self.snapshots = SnapshotHolder(self._snapshot())
@@ -285,6 +288,8 @@ class Daemon:
         sim_thread = self._start_simulation_clock()
         start = time.monotonic()
         due = {c.name: start for c in checks}
+        for c in canaries:
+            due[c.name] = start + self.next_delay(self.agent.config.settings(type(c)).interval_s)
         with self._signals():
             pump.start()
             log.info("gpumon daemon on %s: profile %s, %d GPUs, checks: %s", self.agent.node,
