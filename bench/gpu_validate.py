@@ -1,0 +1,76 @@
+"""Run the bootstrap suite on a real GPU node and print the measured baselines.
+
+For the day a GPU machine is lent: installs nothing, runs
+``gpumon run-bootstrap --json -v`` (pass ``--simulate SCENARIO`` to try it on a
+simulated node), times it against the 5-minute budget of issue 5, and prints
+every reading the checks published (TFLOP/s per dtype, memory and copy
+bandwidth, all-reduce busbw per size, RDMA Gb/s, ...) with the check, the
+component and the verdict, plus the machine (NVML inventory via gpumon).
+
+    .venv/bin/python bench/gpu_validate.py [--simulate healthy-8xh100] [-- extra gpumon args]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _machine import describe
+
+BUDGET_S = 300.0  # issue 5: the default suite finishes in <= 5 minutes on an 8xH100 node
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--simulate", metavar="SCENARIO")
+    ap.add_argument("extra", nargs="*", help="more gpumon arguments (after --)")
+    args = ap.parse_args()
+    cmd = [sys.executable, "-m", "gpumon", "run-bootstrap", "--json", "-v", *args.extra]
+    if args.simulate:
+        cmd[3:3] = ["--simulate", args.simulate]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * 3600)
+    wall = time.monotonic() - start
+    print(f"machine: {describe()}")
+    print(f"command: {' '.join(cmd[1:])}")
+    if proc.returncode == 3 or not proc.stdout.strip():
+        print(f"gpumon could not run (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        return proc.returncode or 3
+    doc = json.loads(proc.stdout)
+    gpus = doc.get("inventory", {}).get("gpus") if isinstance(doc.get("inventory"), dict) else None
+    print(f"node: {doc.get('node')}, profile {doc.get('profile')}, gpus: {gpus if gpus else 'see profile'}")
+    boot = doc.get("bootstrap", {})
+    print(f"suite: {doc.get('status')} (exit {proc.returncode}) in {wall:.1f} s "
+          f"({'within' if wall <= BUDGET_S else 'OVER'} the {BUDGET_S:.0f} s budget); "
+          f"order: {', '.join(boot.get('order', []))}")
+    print("\nper check (seconds, outcome):")
+    for run in doc.get("checks", []):
+        print(f"  {run['check']:<16} {run['seconds']:>8.1f} s  {run['outcome']}")
+    print("\nmeasured baselines (every reading the checks published):")
+    rows = 0
+    for f in doc.get("findings", []):
+        for item in f.get("evidence", {}).get("readings", []) or []:
+            try:
+                name, value, labels = item
+            except (TypeError, ValueError):
+                continue
+            label = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            print(f"  {f['check']:<16} {f['component']:<14} {name}{{{label}}} = {value:g}  [{f['severity']}]")
+            rows += 1
+    if not rows:
+        print("  (none)")
+    print("\nnot ok:")
+    for f in doc.get("findings", []):
+        if f["severity"] not in ("ok",):
+            print(f"  {f['check']:<16} {f['component']:<14} {f['severity']:<8} {f['action']:<16} {f['message']}")
+    return int(proc.returncode)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
