@@ -67,8 +67,9 @@ def main() -> int:
         print("  (none)")
     print("\nnot ok:")
     for f in doc.get("findings", []):
-        if f["severity"] not in ("ok",):
-            print(f"  {f['check']:<16} {f['component']:<14} {f['severity']:<8} {f['action']:<16} {f['message']}")
+        if f["severity"] != "ok":
+            where = f"{f['check']:<16} {f['component']:<14}"
+            print(f"  {where} {f['severity']:<8} {f['action']:<16} {f['message']}")
     return int(proc.returncode)
 
 
