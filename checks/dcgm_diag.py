@@ -88,9 +88,7 @@ class DcgmDiagCheck(Check):
     Config = DcgmDiagConfig
 
     def supported(self, inventory: Inventory) -> str | None:
-        if not inventory.gpus and not inventory.unreadable_gpus:
-            return "no GPUs visible to NVML"
-        return None
+        return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: DcgmDiagConfig = ctx.params or DcgmDiagConfig()

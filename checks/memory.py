@@ -101,9 +101,7 @@ class MemoryCheck(Check):
     Config = MemoryConfig
 
     def supported(self, inventory: Inventory) -> str | None:
-        if not inventory.gpus and not inventory.unreadable_gpus:
-            return "no GPUs visible to NVML"
-        return None
+        return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: MemoryConfig = ctx.params or MemoryConfig()
@@ -163,7 +161,8 @@ class MemoryCheck(Check):
             datacenter = int(brand) in DATACENTER_BRANDS
             g.evidence["brand"] = int(brand)
         if not datacenter:
-            g.add(Severity.OK, Action.NONE, "ECC disabled (not a datacenter GPU: not flagged)")
+            # not a fault on a consumer GPU, but ECC errors cannot be judged either: skipped, not ok
+            g.add(Severity.SKIPPED, Action.NONE, "ECC disabled (not a datacenter GPU: ECC errors not judged)")
         elif pending:
             g.add(Severity.WARN, Action.RESET_GPU, "ECC disabled; set to come on at the next GPU reset")
         else:

@@ -214,9 +214,7 @@ class NvlinkCheck(Check):
     Config = NvlinkConfig
 
     def supported(self, inventory: Inventory) -> str | None:
-        if not inventory.gpus and not inventory.unreadable_gpus:
-            return "no GPUs visible to NVML"
-        return None
+        return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: NvlinkConfig = ctx.params or NvlinkConfig()

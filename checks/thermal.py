@@ -96,9 +96,7 @@ class ThermalCheck(Check):
     Config = ThermalConfig
 
     def supported(self, inventory: Inventory) -> str | None:
-        if not inventory.gpus and not inventory.unreadable_gpus:
-            return "no GPUs visible to NVML"
-        return None
+        return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: ThermalConfig = ctx.params or ThermalConfig()

@@ -38,6 +38,7 @@ from typing import Any
 
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
+from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvml import CLOCK_EVENT_REASONS, PERF_POLICIES
 from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
 
@@ -202,10 +203,8 @@ class ThrottleCheck(Check):
     timeout = 20.0
     Config = ThrottleConfig
 
-    def supported(self, inventory: Any) -> str | None:
-        if not inventory.gpus and not inventory.unreadable_gpus:
-            return "no GPUs visible to NVML"
-        return None
+    def supported(self, inventory: Inventory) -> str | None:
+        return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: ThrottleConfig = ctx.params or ThrottleConfig()

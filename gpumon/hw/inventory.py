@@ -57,6 +57,12 @@ class Inventory:
                 return g
         return None
 
+    def no_nvml_gpus(self) -> str | None:
+        """The capability gate of checks that read GPUs through NVML (lost GPUs count: they get findings)."""
+        if not self.gpus and not self.unreadable_gpus:
+            return "no GPUs visible to NVML"
+        return None
+
     @property
     def has_nvlink(self) -> bool:
         return any((g.nvlink_count or 0) > 0 for g in self.gpus)

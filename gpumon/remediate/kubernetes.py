@@ -217,17 +217,8 @@ class KubernetesBackend:
         if status is not None:
             changes.append(f"condition {CONDITION_TYPE}=False ({condition_reason(action)})")
 
-        detail = "; ".join(notes)
-        if dry_run:
-            return Outcome(False, _joined("observe: nothing sent", detail), changes)
-        if spec or annotations:
-            self._patch(node, annotations, spec)
-        if status is not None:
-            self._call("patch node status", lambda: self.api.patch_node_status(
-                self.node_name, status, field_manager=self.field_manager,
-                _request_timeout=self.request_timeout_s))
-        return Outcome(True, _joined("taken out" if changes else "already out: nothing to change", detail),
-                       changes)
+        return self._apply(node, annotations, spec, status, changes, notes, dry_run,
+                           "taken out", "already out: nothing to change")
 
     def bring_back(self, summary: str, *, dry_run: bool) -> Outcome:
         node = self._read()
@@ -261,6 +252,13 @@ class KubernetesBackend:
             if status is not None:
                 changes.append(f"condition {CONDITION_TYPE}=True ({REASON_HEALTHY})")
 
+        return self._apply(node, annotations, spec, status, changes, notes, dry_run,
+                           "brought back", "nothing of gpumon's to lift")
+
+    def _apply(self, node: Any, annotations: dict[str, str | None], spec: dict[str, Any],
+               status: Any, changes: list[str], notes: list[str], dry_run: bool, done: str,
+               nothing: str) -> Outcome:
+        """Send the node patch and the status patch (or, observing, send nothing)."""
         detail = "; ".join(notes)
         if dry_run:
             return Outcome(False, _joined("observe: nothing sent", detail), changes)
@@ -270,8 +268,7 @@ class KubernetesBackend:
             self._call("patch node status", lambda: self.api.patch_node_status(
                 self.node_name, status, field_manager=self.field_manager,
                 _request_timeout=self.request_timeout_s))
-        return Outcome(True, _joined("brought back" if changes else "nothing of gpumon's to lift", detail),
-                       changes)
+        return Outcome(True, _joined(done if changes else nothing, detail), changes)
 
     def fleet_share(self, window_s: float) -> FleetShare:
         now = self.clock()
