@@ -83,8 +83,9 @@ class DcgmDiagCheck(Check):
     description = "NVIDIA DCGM diagnostic (dcgmi diag -r 2 or DCGM's Python bindings), per test and GPU"
     interval = 86400.0
     timeout = 300.0
-    # what a healthy run costs (seconds): the suite orders by it and shows it as the ETA
-    cost = 150.0
+    # what a healthy run costs (seconds): the suite orders by it and shows it as the ETA. DCGM's
+    # dcgmi-diag reference: level 2 is "medium validation, normally lasting approximately two minutes"
+    cost = 120.0
     Config = DcgmDiagConfig
 
     def supported(self, inventory: Inventory) -> str | None:

@@ -13,6 +13,10 @@ stand-ins) and runs a sweep of all-reduce (sum) sizes (gpumon/compute.py ``allre
   ``judged_from_bytes`` is compared with the profile's ``busbw_min_gbps``. Below it, those sizes
   are measured once more in a fresh process group (bandwidth varies run to run) and only a
   second low result fails; the finding says ``retryable: true``.
+- **nccl-tests**: with ``nccl_tests`` (``auto``: on CUDA nodes where ``all_reduce_perf`` is on the
+  tool path), the tool measures instead and its rows are judged by the same ``verdict``.
+- **simulated nodes**: one gloo rank per simulated GPU; a GPU whose device model corrupts its
+  all-reduce results (gpumon/sim/devices.py) is the only rank with wrong sums, and is named.
 - **hangs**: a rank that does not finish within the check's own deadline is killed and named
   with the phase it hung in; once one rank has died or failed, the others (stuck in a collective
   that can no longer complete) get ``peer_failure_grace_s`` before they are killed too.
@@ -21,6 +25,7 @@ stand-ins) and runs a sweep of all-reduce (sum) sizes (gpumon/compute.py ``allre
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -29,8 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon import compute
-from gpumon.check import Check, CheckContext
-from gpumon.model import NODE, Action, Finding, Phase, Severity, reading
+from gpumon.check import Check, CheckContext, condition_finding
+from gpumon.errors import HwTimeout
+from gpumon.hw import nccltests
+from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+
+NCCL_TESTS_MODES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,14 @@ class NcclConfig:
     peer_failure_grace_s: float = field(default=15.0, metadata={
         "min": 0, "source": "argued: ranks of a collective whose peer died never finish on their own"})
     cpu: NcclCpu = field(default_factory=NcclCpu)
+    # nccl-tests' all_reduce_perf is NVIDIA's own reference for these figures (the profile's busbw
+    # floor was measured with it) and needs no torch in the agent's process; the torch sweep stays
+    # for nodes without it and for CPU stand-ins, which the tool cannot run on
+    nccl_tests: str = field(default="auto", metadata={
+        "choices": NCCL_TESTS_MODES,
+        "source": "auto: all_reduce_perf when torch sees CUDA devices and the tool is on the tool path, "
+                  "else the torch sweep; always: the tool whenever it is found (skipped when it is not); "
+                  "never: the torch sweep only"})
 
     def __post_init__(self) -> None:
         if self.min_bytes > self.max_bytes:
@@ -146,6 +163,8 @@ class Sweep:
     note: str = ""
     wall_s: float = 0.0
     waited_for_devices_s: float = 0.0
+    as_gpu: bool = False  # the devices are GPUs (real or simulated): GPU components and remedies
+    gpu_of: dict[int, int] = field(default_factory=dict)  # rank -> NVML index of its GPU
 
 
 def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str | None) -> list[Finding]:
@@ -174,10 +193,18 @@ def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str
                     by_device[label] = by_device.get(label, 0) + n
         sizes = ", ".join(compute.size_label(r.nbytes) for r in rows if r.wrong)
         checked = sum(r.checked for r in rows)
-        return [Finding(name, NODE, Severity.FAIL,
-                        f"all-reduce gave {wrong} wrong element(s) of {checked} checked exact integer sums "
-                        f"(at {sizes}); seen on {', '.join(sorted(by_device))}",
-                        Action.INSPECT_HARDWARE if sweep.cuda else Action.NONE,
+        gpus = sweep.cuda or sweep.as_gpu
+        message = (f"all-reduce gave {wrong} wrong element(s) of {checked} checked exact integer sums "
+                   f"(at {sizes}); seen on {', '.join(sorted(by_device))}")
+        component = NODE
+        ranks = {rank for r in rows for rank, n in r.wrong_by_rank.items() if n}
+        if gpus and len(ranks) == 1 and len(sweep.labels) > 2 and next(iter(ranks)) in sweep.gpu_of:
+            # every other rank received exact sums from the same collective: the wrong ones were
+            # made on this GPU's side (its memory, or its link's receive path), not in the reduction
+            component = gpu(sweep.gpu_of[next(iter(ranks))])
+            message += " only; every other rank's sums were exact"
+        return [Finding(name, component, Severity.FAIL, message,
+                        Action.INSPECT_HARDWARE if gpus else Action.NONE,
                         {**evidence, "wrong": wrong, "checked": checked, "wrong_by_device": by_device,
                          "retryable": False})]
     top = rows[-1]
@@ -253,9 +280,11 @@ class NcclCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: NcclConfig = ctx.params or NcclConfig()
+        by_tool = nccl_tests_findings(ctx, params)
+        if by_tool is not None:
+            return by_tool
         try:
-            place = compute.placement(params.cpu.devices, nvml_gpus=len(ctx.inventory.gpus),
-                                      simulated=ctx.hw.simulated)
+            place = compute.node_placement(ctx.inventory, ctx.hw, params.cpu.devices)
         except compute.NoCudaOnGpuNode as exc:
             return [self.finding(NODE, Severity.UNKNOWN, f"GPUs not tested: {exc}")]
         if place.devices < 2:
@@ -285,8 +314,11 @@ class NcclCheck(Check):
             return [self.finding(NODE, Severity.UNKNOWN, str(exc))]
         labels = {o.rank: compute.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind).label
                   for o in first.outcomes}
+        gpu_of = {o.rank: n.gpu_index for o in first.outcomes
+                  if (n := compute.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind)).gpu_index
+                  is not None}
         sweep = Sweep(rows, place.is_cuda, labels, retry, place.note, first.wall_s,
-                      first.waited_for_devices_s)
+                      first.waited_for_devices_s, as_gpu=place.names_gpus, gpu_of=gpu_of)
         return verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
 
 
@@ -304,7 +336,8 @@ def measure(place: compute.Placement, sizes: tuple[int, ...], iterations: int, w
         return compute.run_workers(compute.allreduce_worker, [spec] * place.devices, kind=place.kind,
                                    timeout_s=deadline, peer_failure_grace_s=params.peer_failure_grace_s,
                                    name=NcclCheck.name,
-                                   lock_wait_s=compute.lock_wait(NcclCheck.timeout, budget))
+                                   lock_wait_s=compute.lock_wait(NcclCheck.timeout, budget),
+                                   stand_ins=place.stand_ins)
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(store_dir)
@@ -312,3 +345,222 @@ def measure(place: compute.Placement, sizes: tuple[int, ...], iterations: int, w
 
 def _wrong(rows: Sequence[SizeRow]) -> int:
     return sum(r.wrong for r in rows)
+
+
+# ------------------------------------------------------------------ nccl-tests' all_reduce_perf
+
+MEASURED_BY_TOOL = "nccl-tests all_reduce_perf"
+TOOL = nccltests.ALL_REDUCE_PERF
+
+
+def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] | None:
+    """The check measured with ``all_reduce_perf`` as ``nccl_tests`` says, or None: torch measures.
+
+    The tool's figures go through the same judgement as the torch sweep's (``verdict``): its rows
+    become ``SizeRow`` records, the judged sizes are measured once more (a second run of the tool
+    over just those sizes) before a low busbw fails. Wrong elements (``#wrong``, or the
+    ``Out of bounds values`` footer of builds without that column) fail at once.
+    """
+    mode = params.nccl_tests
+    if mode == "never":
+        return None
+    if mode not in NCCL_TESTS_MODES:
+        return [_tool_finding(Severity.UNKNOWN, f"checks.nccl.nccl_tests must be one of "
+                              f"{', '.join(NCCL_TESTS_MODES)}; got {mode!r}")]
+    if ctx.hw.tools.which(TOOL) is None:
+        if mode == "auto":
+            return None
+        return [_tool_finding(Severity.SKIPPED, f"nccl-tests' {TOOL} is not installed (not found on the "
+                              "tool path) and checks.nccl.nccl_tests is 'always': all-reduce not measured")]
+    gpus = _tool_gpus(ctx, params, mode)
+    if gpus is None:
+        return None
+    count, note = gpus
+    if count == 1:
+        return [_tool_finding(Severity.SKIPPED, f"an all-reduce needs at least 2 devices; {note}")]
+    # no GPU seen at all ('always'): nccl-tests' own default of one GPU, so that the tool says in
+    # its own words why it cannot run here
+    spec = nccltests.PerfSpec(params.min_bytes, params.max_bytes, params.step_factor, max(count, 1),
+                              params.iterations, params.warmup)
+    try:
+        # the tool loads every GPU: not while another compute check runs
+        with compute.devices_held(NcclCheck.name, compute.lock_wait(NcclCheck.timeout,
+                                                                   2 * _tool_deadline(params, spec))):
+            return measure_with_tool(ctx, params, spec, note)
+    except compute.DevicesBusy as exc:
+        return [NcclCheck().finding(NODE, Severity.UNKNOWN, str(exc))]
+
+
+def _tool_gpus(ctx: CheckContext, params: NcclConfig, mode: str) -> tuple[int, str] | None:
+    """How many GPUs to give the tool (``-g``) and why; None where 'auto' leaves it to torch.
+
+    CUDA's count first: the tool sees the same CUDA devices (CUDA_VISIBLE_DEVICES included),
+    which NVML's count ignores.
+    """
+    nvml = len(ctx.inventory.gpus)
+    try:
+        place = compute.placement(params.cpu.devices, nvml_gpus=nvml, simulated=ctx.hw.simulated)
+    except compute.NoCudaOnGpuNode as exc:
+        # 'auto': the torch path says the same as an unknown finding
+        return None if mode == "auto" else (nvml, str(exc))
+    if place.is_cuda:
+        return place.devices, place.note
+    if mode == "auto":
+        return None
+    if nvml:
+        where = " of a simulated node" if ctx.hw.simulated else ""
+        return nvml, f"{nvml} GPU(s){where} seen by NVML, none by torch"
+    return 0, "no GPU seen by torch or NVML"
+
+
+def _tool_deadline(params: NcclConfig, spec: nccltests.PerfSpec) -> float:
+    # the torch sweep's budget for the same sizes: start-up, then each size
+    return params.startup_s + params.per_size_s * max(1, len(spec.sizes()))
+
+
+def measure_with_tool(ctx: CheckContext, params: NcclConfig, spec: nccltests.PerfSpec,
+                      note: str) -> list[Finding]:
+    """Run the sweep (and, when busbw is low, the judged sizes again) and judge it as ``verdict`` does."""
+    first = nccltests.run_all_reduce_perf(ctx.hw.tools, spec, timeout=_tool_deadline(params, spec))
+    rows = tool_rows(first, spec)
+    if isinstance(rows, Finding):
+        return [rows]
+    minimum = params.busbw_min_gbps
+    retry: list[SizeRow] | None = None
+    again: nccltests.PerfRun | None = None
+    measured = judged_busbw(rows, params.judged_from_bytes)
+    if minimum is not None and measured is not None and measured < minimum:
+        # bandwidth varies run to run: measure the judged sizes once more before failing
+        judged = [r.nbytes for r in rows if r.nbytes >= params.judged_from_bytes]
+        again_spec = dataclasses.replace(spec, min_bytes=min(judged), max_bytes=max(judged))
+        again = nccltests.run_all_reduce_perf(ctx.hw.tools, again_spec,
+                                              timeout=_tool_deadline(params, again_spec))
+        retried = tool_rows(again, again_spec, first=first)
+        if isinstance(retried, Finding):
+            return [retried]
+        retry = retried
+    assert first.result is not None  # tool_rows answered a Finding otherwise
+    labels = tool_labels(first.result, ctx, spec.gpus)
+    sweep = Sweep(rows, True, labels, retry, f"all_reduce_perf -g {spec.gpus}: {note}", first.seconds)
+    extra = _tool_evidence(first, again)
+    if len(labels) != spec.gpus:
+        extra["ranks_note"] = f"the tool ran {len(labels)} rank(s) where -g asked for {spec.gpus}"
+    return [dataclasses.replace(f, evidence={**f.evidence, **extra})
+            for f in verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))]
+
+
+def tool_rows(run: nccltests.PerfRun, spec: nccltests.PerfSpec,
+              first: nccltests.PerfRun | None = None) -> list[SizeRow] | Finding:
+    """The run's rows as the torch sweep's records, or the finding that stops it from being judged.
+
+    ``first``: the sweep this run re-measures (its evidence goes with a failure of the retry).
+    """
+    evidence = _tool_evidence(first, run) if first is not None else _tool_evidence(run, None)
+    again = " (re-measuring the judged sizes)" if first is not None else ""
+    cond = run.condition
+    if isinstance(cond, HwTimeout):
+        # as a hung torch collective with every rank alive: the interconnect, not one GPU
+        return _tool_finding(Severity.FAIL, f"{TOOL} hung{again}: {cond}",
+                             Action.REBOOT_NODE, call=cond.call, timeout_s=cond.seconds, **evidence)
+    if cond is not None:
+        found = condition_finding(NcclCheck.name, cond, NODE)
+        return dataclasses.replace(found, evidence={**found.evidence, **evidence})
+    result = run.result
+    if result is not None:
+        wrong = tool_wrong(result)
+        if wrong is not None:
+            return _tool_finding(Severity.FAIL, f"{TOOL} found {wrong}{again}",
+                                 Action.INSPECT_HARDWARE, retryable=False, **evidence)
+    if result is None or run.problem is not None:
+        return _tool_finding(Severity.UNKNOWN, f"{TOOL} gave no result that can be "
+                             f"judged{again}: {run.problem}", **evidence)
+    if result.settings.get("validation") == "0" or (not result.legacy and result.wrong_elements is None):
+        return _tool_finding(Severity.UNKNOWN, f"{TOOL} did not check its results (#wrong is N/A "
+                             "although -c 1 was given): correctness not known", **evidence)
+    ranks = len(result.ranks) or spec.gpus
+    if ranks < 2:
+        return _tool_finding(Severity.SKIPPED, f"an all-reduce needs at least 2 devices; "
+                             f"{TOOL} ran on {ranks}", **evidence)
+    rows: list[SizeRow] = []
+    for row in result.rows:
+        size_row = _size_row(row)
+        if size_row is None:
+            return _tool_finding(Severity.UNKNOWN, f"{TOOL} printed no usable time and bandwidth "
+                                 f"for {compute.size_label(row.size)}{again}", **evidence)
+        rows.append(size_row)
+    return rows
+
+
+def tool_wrong(result: nccltests.NcclResult) -> str | None:
+    """Words for the wrong elements the tool counted, or None when it counted none."""
+    rows = result.wrong_elements or 0
+    oob = result.out_of_bounds or 0
+    if not rows and not oob and result.out_of_bounds_ok is not False:
+        return None
+    sizes = ", ".join(compute.size_label(r.size) for r in result.rows if r.wrong)
+    parts = [f"{max(rows, oob)} wrong element(s) in the all-reduce results"]
+    if sizes:
+        parts.append(f"at {sizes}")
+    if result.out_of_bounds is not None:
+        parts.append(f"'Out of bounds values : {result.out_of_bounds} "
+                     f"{'OK' if result.out_of_bounds_ok else 'FAILED'}'")
+    return parts[0] + (f" ({'; '.join(parts[1:])})" if parts[1:] else "")
+
+
+def _size_row(row: nccltests.NcclRow) -> SizeRow | None:
+    """One row as a sweep point: the better half (in-place and out-of-place cross the same links)."""
+    best: tuple[float, float, float] | None = None
+    for half in (row.out_of_place, row.in_place):
+        if half.time_us is None or half.algbw_gbs is None or half.busbw_gbs is None:
+            continue
+        if min(half.time_us, half.algbw_gbs, half.busbw_gbs) < 0:
+            return None
+        if best is None or half.busbw_gbs > best[2]:
+            best = (half.time_us / 1e6, half.algbw_gbs, half.busbw_gbs)
+    if best is None:
+        return None
+    seconds, algbw, busbw = best
+    # nccl-tests names no rank and prints no count of checked elements
+    return SizeRow(row.size, seconds, algbw, busbw, row.wrong or 0, {}, 0)
+
+
+def _bus_key(bus_id: str) -> tuple[int, int, int] | None:
+    """``0000:04:00`` (nccl-tests) and ``00000000:04:00.0`` (NVML) as one key."""
+    parts = bus_id.strip().lower().split(".")[0].split(":")
+    if len(parts) == 2:
+        parts = ["0", *parts]
+    try:
+        domain, bus, device = (int(p, 16) for p in parts)
+    except ValueError:
+        return None
+    return domain, bus, device
+
+
+def tool_labels(result: nccltests.NcclResult, ctx: CheckContext, gpus: int) -> dict[int, str]:
+    """Rank -> the GPU NVML knows at the bus id the tool printed (one host), else the tool's words."""
+    by_bus = {_bus_key(g.pci_bus_id): g.index for g in ctx.inventory.gpus}
+    one_host = len({r.host for r in result.ranks}) == 1
+    out: dict[int, str] = {}
+    for r in result.ranks:
+        index = by_bus.get(_bus_key(r.bus_id)) if one_host else None
+        out[r.rank] = (f"GPU {index}" if index is not None
+                       else f"{r.host} cuda:{r.device} [{r.bus_id}] {r.name}".strip())
+    return out or {rank: f"cuda:{rank}" for rank in range(gpus)}
+
+
+def _tool_evidence(run: nccltests.PerfRun, again: nccltests.PerfRun | None) -> dict[str, Any]:
+    ev: dict[str, Any] = {"measured_by": MEASURED_BY_TOOL, "command": run.command,
+                          "nccl_tests_table": list(run.table)}
+    if run.result is not None:
+        ev.update(nccl_tests_version=run.result.version, nccl_tests_avg_busbw_gbps=run.result.avg_busbw_gbs,
+                  out_of_bounds=run.result.out_of_bounds)
+    if run.returncode is not None:
+        ev["exit_status"] = run.returncode
+    if again is not None:
+        ev.update(retry_command=again.command, retry_nccl_tests_table=list(again.table))
+    return ev
+
+
+def _tool_finding(severity: Severity, message: str, action: Action = Action.NONE, **evidence: Any) -> Finding:
+    return Finding(NcclCheck.name, NODE, severity, message, action,
+                   {"measured_by": MEASURED_BY_TOOL, **evidence})

@@ -10,22 +10,33 @@ even without a golden). A GPU that computes different bits is ``fail``/``inspect
 workload, iteration, first differing tensor and both fingerprints as evidence; the failing run is
 kept as a replay bundle (``gpumon canary replay``).
 
-It runs only on GPUs NVML reports idle (utilization at or below ``idle_max_utilization_pct``): a
-canary must not steal a job's GPU, and a busy GPU's results would be compared under other heat.
-Between iterations it stops when a GPU it is not using turns busy (a job is arriving). See
-``gpumon.sdc`` for the workloads, fingerprints and bundles.
+It runs only on idle GPUs: a canary must not steal a job's GPU, and a busy GPU's results would be
+compared under other heat. A GPU is idle when NVML lists no compute process on it
+(``nvmlDeviceGetComputeRunningProcesses``; this gpumon process's own pid aside) AND its utilization is
+at or below ``idle_max_utilization_pct``. Processes come first because utilization is a sampled share
+of time with a kernel running: a job between steps, loading data or waiting on a collective reads 0 %
+while its processes still hold the GPU. A busy GPU is ``skipped`` with the pids (or the utilization)
+in the evidence. Where the driver cannot list processes (NotSupported) idle falls back to utilization
+alone, and the finding's evidence (``idle_gate``) says so; any other NVML error on either reading is
+that GPU's finding and the GPU is left alone. Between iterations it stops when a GPU it is not using
+turns busy by utilization (a job is arriving). See ``gpumon.sdc`` for the workloads, fingerprints and
+bundles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpumon.check import Check, CheckContext
-from gpumon.errors import ConfigError, HwCondition
+from gpumon.errors import ConfigError, HwCondition, NotSupported
 from gpumon.model import NODE, Finding, Phase, Severity, gpu
+
+PIDS_SHOWN = 8  # in a busy GPU's message; the evidence lists them all
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,38 @@ class SdcCanaryConfig:
             raise ValueError("gpus: listed twice")
 
 
+@dataclass(frozen=True)
+class IdleGate:
+    """Whether one GPU may take a canary, and what that was judged on."""
+
+    busy: str | None  # why the GPU is busy; None: idle
+    evidence: dict[str, Any]
+
+
+def idle_gate(ctx: CheckContext, index: int, max_utilization_pct: int) -> IdleGate:
+    """Compute processes first, utilization second (module docstring). Raises HwCondition."""
+    # a CUDA context of gpumon's own (torch initialised in-process) must not make its GPU busy
+    own_pid = os.getpid()
+    evidence: dict[str, Any] = {}
+    try:
+        procs = [p for p in ctx.hw.nvml.compute_processes(index) if p.pid != own_pid]
+    except NotSupported as cond:
+        evidence["compute_processes"] = f"not supported ({cond}): idle judged by utilization only"
+    else:
+        evidence["compute_processes"] = [{"pid": p.pid, "used_memory_bytes": p.used_memory_bytes}
+                                         for p in procs]
+        if procs:
+            pids = ", ".join(str(p.pid) for p in procs[:PIDS_SHOWN])
+            more = f" (+{len(procs) - PIDS_SHOWN} more)" if len(procs) > PIDS_SHOWN else ""
+            return IdleGate(f"GPU {index} busy: {len(procs)} compute process(es): pids {pids}{more}",
+                            evidence)
+    util = ctx.hw.nvml.utilization_pct(index)
+    evidence["utilization_pct"] = util
+    if util > max_utilization_pct:
+        return IdleGate(f"GPU {index} busy ({util} % utilization)", evidence)
+    return IdleGate(None, evidence)
+
+
 class SdcCanaryCheck(Check):
     name = "sdc_canary"
     phase = Phase.CANARY
@@ -87,33 +130,33 @@ class SdcCanaryCheck(Check):
                                  "no golden_file configured and majority mode off: nothing to compare with")]
         out: list[Finding] = []
         wanted = {g.index for g in ctx.inventory.gpus if not params.gpus or g.index in params.gpus}
-        idle: list[int] = []
+        gates: dict[int, dict[str, Any]] = {}  # idle GPUs we canary -> what idle was judged on
         idle_elsewhere: list[int] = []
         for info in ctx.inventory.gpus:
             index = info.index
             try:
-                util = ctx.hw.nvml.utilization_pct(index)
+                gate = idle_gate(ctx, index, params.idle_max_utilization_pct)
             except HwCondition as cond:
                 if index in wanted:
                     out.append(self.from_condition(cond, gpu(index)))
                 continue
             if index not in wanted:
-                if util <= params.idle_max_utilization_pct:
+                if gate.busy is None:
                     idle_elsewhere.append(index)
-            elif util > params.idle_max_utilization_pct:
+            elif gate.busy is not None:
                 out.append(self.finding(gpu(index), Severity.SKIPPED,
-                                        f"GPU {index} busy ({util} % utilization): canaries run on idle GPUs",
-                                        utilization_pct=util))
+                                        f"{gate.busy}; canaries run on idle GPUs", **gate.evidence))
             else:
-                idle.append(index)
+                gates[index] = gate.evidence
+        idle = list(gates)
         if not idle:
             return out or [self.finding(NODE, Severity.SKIPPED, "no idle GPU to run canaries on")]
         if not params.golden_file and len(idle) < 2:
             out.append(self.finding(gpu(idle[0]), Severity.SKIPPED,
                                     "one idle GPU and no golden_file: nothing to compare with"))
-            return out
+            return with_idle_gate(out, gates)
         # GPUs already busy stay busy; an idle one we left alone turning busy means a job arrived
-        return out + self._canary(ctx, params, idle, idle_elsewhere)
+        return with_idle_gate(out + self._canary(ctx, params, idle, idle_elsewhere), gates)
 
     def _canary(self, ctx: CheckContext, params: SdcCanaryConfig, idle: list[int],
                 others: list[int]) -> list[Finding]:
@@ -154,3 +197,10 @@ class SdcCanaryCheck(Check):
         except (runner.CanaryError, BundleError) as exc:
             return [self.finding(NODE, Severity.UNKNOWN, f"canary could not run: {exc}")]
         return report.findings(self.name)
+
+
+def with_idle_gate(findings: list[Finding], gates: dict[int, dict[str, Any]]) -> list[Finding]:
+    """Each canaried GPU's findings carry what its idleness was judged on (``idle_gate``)."""
+    by_component = {gpu(i): ev for i, ev in gates.items()}
+    return [dataclasses.replace(f, evidence={**f.evidence, "idle_gate": by_component[f.component]})
+            if f.component in by_component else f for f in findings]

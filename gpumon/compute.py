@@ -35,7 +35,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -44,6 +44,7 @@ from gpumon.errors import GpumonError
 if TYPE_CHECKING:
     import torch
 
+    from gpumon.hw import Hardware
     from gpumon.hw.inventory import Inventory
 
 A = TypeVar("A")
@@ -160,24 +161,47 @@ def lock_wait(check_timeout_s: float, work_s: float, margin_s: float = 30.0) -> 
 
 
 @dataclass(frozen=True)
+class StandIn:
+    """A simulated GPU that a CPU worker stands in for, and how it behaves (gpumon/sim/devices.py)."""
+
+    index: int  # the simulated GPU's NVML index
+    uuid: str | None  # normalized
+    name: str
+    model: dict[str, Any] = field(default_factory=dict)  # DeviceModel.to_json(); {} healthy
+
+
+@dataclass(frozen=True)
 class Placement:
-    """Where the workers run: ``cuda`` devices, or ``cpu`` stand-ins."""
+    """Where the workers run: ``cuda`` devices, or ``cpu`` stand-ins.
+
+    On a simulated node the CPU workers stand in for the simulated GPUs (``stand_ins``, one worker
+    each): findings then name those GPUs with the actions a GPU would get, while sizes and
+    thresholds stay the CPU ones (``is_cuda`` is false: nothing is compared with a datasheet).
+    """
 
     kind: str  # "cuda" | "cpu"
     devices: int  # CUDA devices torch sees, or CPU stand-ins configured
     note: str
+    stand_ins: tuple[StandIn, ...] = ()
 
     @property
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
+
+    @property
+    def names_gpus(self) -> bool:
+        """Findings go to GPUs (``gpu/<i>``, GPU actions): real CUDA devices or simulated GPUs."""
+        return self.is_cuda or bool(self.stand_ins)
 
 
 class NoCudaOnGpuNode(GpumonError):
     """NVML sees GPUs but torch sees no CUDA device: a CPU stand-in would prove nothing here."""
 
 
-def placement(cpu_devices: int, *, nvml_gpus: int = 0, simulated: bool = False) -> Placement:
-    """CUDA devices when torch sees any; else ``cpu_devices`` CPU stand-ins.
+def placement(cpu_devices: int, *, nvml_gpus: int = 0, simulated: bool = False,
+              stand_ins: Sequence[StandIn] = ()) -> Placement:
+    """CUDA devices when torch sees any; else CPU stand-ins: one per simulated GPU in ``stand_ins``,
+    or ``cpu_devices`` of them.
 
     On a real node whose GPUs NVML sees, torch without CUDA (a CPU-only build, an empty
     CUDA_VISIBLE_DEVICES, a broken driver/runtime pair) raises ``NoCudaOnGpuNode``: burning CPUs
@@ -193,9 +217,24 @@ def placement(cpu_devices: int, *, nvml_gpus: int = 0, simulated: bool = False) 
         why = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         raise NoCudaOnGpuNode(f"NVML sees {nvml_gpus} GPU(s) but torch sees no CUDA device{why}: "
                               "a CPU-only torch build or a broken CUDA runtime")
+    if simulated and stand_ins:
+        return Placement("cpu", len(stand_ins),
+                         f"simulated node: {len(stand_ins)} CPU worker processes stand in for the simulated "
+                         "GPUs (device cpu)", tuple(stand_ins))
     where = "simulated node" if simulated else "no GPU"
     return Placement("cpu", cpu_devices,
                      f"{where}: {cpu_devices} CPU worker processes stand in for GPUs (device cpu)")
+
+
+def node_placement(inventory: Inventory, hw: Hardware, cpu_devices: int) -> Placement:
+    """``placement`` for this node: on a simulated node, a stand-in for each simulated GPU."""
+    stand_ins: list[StandIn] = []
+    if hw.simulated:
+        models = hw.sim_devices()
+        stand_ins = [StandIn(g.index, normalize_uuid(g.uuid), g.name,
+                             models[g.index].to_json() if g.index in models else {})
+                     for g in sorted(inventory.gpus, key=lambda g: g.index)]
+    return placement(cpu_devices, nvml_gpus=len(inventory.gpus), simulated=hw.simulated, stand_ins=stand_ins)
 
 
 @dataclass(frozen=True)
@@ -300,11 +339,13 @@ class WorkerRun:
 class WorkerContext:
     """Handed to a worker function: its rank, device, and a line back to the parent."""
 
-    def __init__(self, rank: int, world: int, kind: str, device: str, conn: Any, barrier: Any) -> None:
+    def __init__(self, rank: int, world: int, kind: str, device: str, conn: Any, barrier: Any,
+                 stand_ins: Sequence[StandIn] = ()) -> None:
         self.rank = rank
         self.world = world
         self.kind = kind
         self.device = device
+        self.stand_ins = tuple(stand_ins)
         self._conn = conn
         self._barrier = barrier
 
@@ -328,6 +369,19 @@ class WorkerContext:
 
             torch.cuda.synchronize()
 
+    def device_for(self, ordinal: int) -> str:
+        """The torch device of device ``ordinal`` in a worker that drives every device (``bind=False``)."""
+        return f"cuda:{ordinal}" if self.is_cuda else "cpu"
+
+    def link(self, src: int, dst: int) -> contextlib.AbstractContextManager[None]:
+        """Copies inside the block go from device ``src`` to ``dst``: on a simulated node they run
+        over that simulated link (gpumon/sim/devices.py); on real devices this changes nothing."""
+        if self.stand_ins:
+            from gpumon.sim import devices
+
+            return devices.link(src, dst)
+        return contextlib.nullcontext()
+
 
 def _mp_context() -> Any:
     import torch.multiprocessing as tmp
@@ -348,7 +402,8 @@ def cuda_identity(index: int) -> dict[str, Any]:
 
 
 def _entry(fn: Callable[[WorkerContext, Any], Any], rank: int, world: int, kind: str, bind: bool,
-           threads: int, env: Mapping[str, str], barrier: Any, arg: Any, conn: Any) -> None:
+           threads: int, env: Mapping[str, str], barrier: Any, arg: Any, conn: Any,
+           stand_ins: Sequence[StandIn] = ()) -> None:
     """A worker process: set up the device, say who it is, run ``fn``, send the answer."""
     try:
         os.environ.update(env)
@@ -375,8 +430,10 @@ def _entry(fn: Callable[[WorkerContext, Any], Any], rank: int, world: int, kind:
             torch.set_num_threads(threads)
             identity = {"device": f"cpu worker {rank}", "name": "cpu"}
             device = "cpu"
+            if stand_ins:
+                identity = _stand_in(stand_ins, rank if bind else None)
         conn.send(("ident", identity))
-        ctx = WorkerContext(rank, world, kind, device, conn, barrier)
+        ctx = WorkerContext(rank, world, kind, device, conn, barrier, stand_ins)
         result = fn(ctx, arg)
         conn.send(("result", result))
     except BaseException:
@@ -390,6 +447,21 @@ def _entry(fn: Callable[[WorkerContext, Any], Any], rank: int, world: int, kind:
     finally:
         with contextlib.suppress(Exception):
             conn.close()
+
+
+def _stand_in(stand_ins: Sequence[StandIn], rank: int | None) -> dict[str, Any]:
+    """Install the simulated GPUs' device models in this worker; its identity (as a CUDA worker's)."""
+    from gpumon.sim import devices
+
+    models = {s.index: devices.DeviceModel.from_json(s.model) for s in stand_ins}
+    if rank is None:
+        devices.install(models, None)
+        return {"device": "cpu", "devices": [{"index": i, "uuid": s.uuid, "name": s.name}
+                                             for i, s in enumerate(stand_ins)]}
+    own = stand_ins[rank]
+    devices.install(models, own.index)
+    return {"device": f"cpu worker {rank}", "name": f"{own.name} (CPU stand-in)", "uuid": own.uuid,
+            "stands_in_for": own.index}
 
 
 @dataclass
@@ -434,7 +506,8 @@ def run_workers(fn: Callable[[WorkerContext, A], R], args: Sequence[A], *, kind:
                 bind: bool = True, threads: int = 1, env: Mapping[str, str] | None = None,
                 barrier: bool = False, on_tick: Callable[[Mapping[int, Progress]], None] | None = None,
                 tick_s: float = 1.0, peer_failure_grace_s: float | None = None,
-                lock_wait_s: float = 0.0, name: str = "compute") -> WorkerRun:
+                lock_wait_s: float = 0.0, name: str = "compute",
+                stand_ins: Sequence[StandIn] = ()) -> WorkerRun:
     """Run ``fn(ctx, args[rank])`` in one process per rank; every worker answers within ``timeout_s``.
 
     ``fn`` must be a module-level function (it is pickled by name). ``bind``: rank r uses CUDA
@@ -443,21 +516,36 @@ def run_workers(fn: Callable[[WorkerContext, A], R], args: Sequence[A], *, kind:
     ``peer_failure_grace_s``, once a worker has failed the others get that long and are then
     killed (ranks of a collective hang forever when a peer dies). ``lock_wait_s``: how long to
     wait for another compute job to release the devices before raising ``DevicesBusy``.
+    ``stand_ins`` (``kind="cpu"`` on a simulated node): the simulated GPUs the workers stand in
+    for, rank r for ``stand_ins[r]`` (with ``bind=False`` one worker for all of them).
     """
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"kind must be cuda or cpu, got {kind!r}")
+    if stand_ins and (kind != "cpu" or (bind and len(stand_ins) != len(args))):
+        raise ValueError("stand_ins need kind cpu and, with bind, one per worker")
     if not args:
         return WorkerRun([], 0.0)
+    with devices_held(name, lock_wait_s) as waited:
+        return _run_locked(fn, args, kind=kind, timeout_s=timeout_s, bind=bind, threads=threads,
+                           env=dict(env or {}), barrier=barrier, on_tick=on_tick, tick_s=tick_s,
+                           grace=peer_failure_grace_s, name=name, waited=waited, stand_ins=tuple(stand_ins))
+
+
+@contextlib.contextmanager
+def devices_held(name: str, lock_wait_s: float = 0.0) -> Iterator[float]:
+    """Hold the node's compute devices for ``name`` (yields the seconds waited for them).
+
+    Every compute job of this process takes them, the workers of ``run_workers`` and external
+    tools that load the GPUs (nccl-tests) alike: two at once would measure each other.
+    ``DevicesBusy`` when another job keeps them longer than ``lock_wait_s``.
+    """
     t_lock = time.monotonic()
     if not _DEVICES.acquire(timeout=max(0.0, lock_wait_s)):
         holder = _HOLDER[0] if _HOLDER else "another compute job"
         raise DevicesBusy(f"devices busy: {holder} holds them (waited {lock_wait_s:g} s)")
-    waited = time.monotonic() - t_lock
     _HOLDER[:] = [name]
     try:
-        return _run_locked(fn, args, kind=kind, timeout_s=timeout_s, bind=bind, threads=threads,
-                           env=dict(env or {}), barrier=barrier, on_tick=on_tick, tick_s=tick_s,
-                           grace=peer_failure_grace_s, name=name, waited=waited)
+        yield time.monotonic() - t_lock
     finally:
         _HOLDER[:] = []
         _DEVICES.release()
@@ -466,7 +554,7 @@ def run_workers(fn: Callable[[WorkerContext, A], R], args: Sequence[A], *, kind:
 def _run_locked(fn: Callable[[WorkerContext, A], R], args: Sequence[A], *, kind: str, timeout_s: float,
                 bind: bool, threads: int, env: dict[str, str], barrier: bool,
                 on_tick: Callable[[Mapping[int, Progress]], None] | None, tick_s: float,
-                grace: float | None, name: str, waited: float) -> WorkerRun:
+                grace: float | None, name: str, waited: float, stand_ins: tuple[StandIn, ...]) -> WorkerRun:
     mp = _mp_context()
     world = len(args)
     shared_barrier = mp.Barrier(world) if barrier else None
@@ -477,7 +565,8 @@ def _run_locked(fn: Callable[[WorkerContext, A], R], args: Sequence[A], *, kind:
         for rank, arg in enumerate(args):
             reader, writer = mp.Pipe(duplex=False)
             proc = mp.Process(target=_entry, name=f"gpumon-{name}-{rank}", daemon=True,
-                              args=(fn, rank, world, kind, bind, threads, env, shared_barrier, arg, writer))
+                              args=(fn, rank, world, kind, bind, threads, env, shared_barrier, arg, writer,
+                                    stand_ins))
             proc.start()
             writer.close()  # the child holds the only writer: EOF when it is gone
             slots.append(_Slot(rank, proc, reader, time.monotonic(), Progress(since=time.monotonic())))
@@ -688,11 +777,13 @@ def _timed_gemm_block(ctx: WorkerContext, a: torch.Tensor, b: torch.Tensor, c: t
             bad_iters.add_((diff > 0).to(bad_iters.dtype))
         torch.cuda.synchronize()
         return float(sum(begin.elapsed_time(end) for begin, end in marks)) / 1000.0
+    # a CPU stand-in's own CPU time, not wall time: N workers time-slice on fewer cores and the
+    # wall clock would time the scheduler (torch runs one thread per stand-in: this one)
     spent = 0.0
     for _ in range(count):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         torch.matmul(a, b, out=c)
-        spent += time.perf_counter() - t0
+        spent += time.thread_time() - t0
         diff = (c != first).sum()
         bad.add_(diff)
         bad_iters.add_((diff > 0).to(bad_iters.dtype))
@@ -948,24 +1039,41 @@ def peer_copy_worker(ctx: WorkerContext, spec: PeerCopySpec) -> list[PeerCopy]:
     """Worker (one process, every device): copy bandwidth for each ordered pair, one pair at a time."""
     import torch
 
+    def sync(*ordinals: int) -> None:
+        if ctx.is_cuda:
+            for o in ordinals:
+                torch.cuda.synchronize(o)
+
+    # stand-ins: this thread's CPU time (one thread copies), which other processes' load leaves alone
+    clock = time.perf_counter if ctx.is_cuda else time.thread_time
     words = max(1, spec.nbytes // 4)
     out: list[PeerCopy] = []
     for src, dst in spec.pairs:
         ctx.progress(f"copy GPU {src} -> GPU {dst}", src=src, dst=dst)
-        access = bool(torch.cuda.can_device_access_peer(src, dst))
-        a = torch.arange(words, dtype=torch.int32, device=f"cuda:{src}").mul_(40503)
-        b = torch.empty(words, dtype=torch.int32, device=f"cuda:{dst}")
-        for _ in range(spec.warmup):
-            b.copy_(a)
-        torch.cuda.synchronize(src)
-        torch.cuda.synchronize(dst)
-        t0 = time.perf_counter()
-        for _ in range(spec.iterations):
-            b.copy_(a)
-        torch.cuda.synchronize(src)
-        torch.cuda.synchronize(dst)
-        seconds = time.perf_counter() - t0
-        check = torch.arange(words, dtype=torch.int32, device=f"cuda:{dst}").mul_(40503)
+        # stand-ins share one memory: "peer access" is what a copy between them always has
+        access = bool(torch.cuda.can_device_access_peer(src, dst)) if ctx.is_cuda else True
+        a = torch.arange(words, dtype=torch.int32, device=ctx.device_for(src)).mul_(40503)
+        b = torch.empty(words, dtype=torch.int32, device=ctx.device_for(dst))
+        with ctx.link(src, dst):
+            for _ in range(spec.warmup):
+                b.copy_(a)
+            sync(src, dst)
+            if ctx.is_cuda:
+                t0 = clock()
+                for _ in range(spec.iterations):
+                    b.copy_(a)
+                sync(src, dst)
+                seconds = clock() - t0
+            else:
+                # stand-ins: the fastest copy, times the iterations; a stall of this process (another
+                # process's turn on the memory bus) is not the link, a slow link is slow every time
+                times = []
+                for _ in range(spec.iterations):
+                    t0 = clock()
+                    b.copy_(a)
+                    times.append(clock() - t0)
+                seconds = min(times) * spec.iterations
+        check = torch.arange(words, dtype=torch.int32, device=ctx.device_for(dst)).mul_(40503)
         verified = bool(torch.equal(b, check))
         out.append(PeerCopy(src, dst, words * 4.0 * spec.iterations / seconds / 1e9 if seconds > 0 else 0.0,
                             seconds, access, verified))

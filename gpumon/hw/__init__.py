@@ -7,12 +7,15 @@ through them is bounded by a timeout.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from gpumon.errors import HwFailure
 from gpumon.hw.calls import BoundedCaller
 from gpumon.hw.hostfs import HostFs
 from gpumon.hw.nvml import NvmlReadings
 from gpumon.hw.tools import ToolRunner
+from gpumon.sim.devices import SIM_DEVICES_FILE, DeviceModel
 
 
 class Hardware:
@@ -25,6 +28,22 @@ class Hardware:
         self.nvml = NvmlReadings(self.caller, nvml_timeout, simulated=simulated)
         self.tools = ToolRunner(tool_timeout, tool_path)
         self.simulated = simulated
+
+    def sim_devices(self) -> dict[int, DeviceModel]:
+        """A simulated node's GPU device models by index (gpumon/sim/devices.py); {} on a real node.
+
+        On a simulated node the compute checks' CPU workers stand in for the simulated GPUs and
+        behave as these models say (a slow GPU, a corrupting all-reduce, a slow link).
+        """
+        if not self.simulated or not self.fs.exists(SIM_DEVICES_FILE):
+            return {}
+        text = self.fs.read_text(SIM_DEVICES_FILE)
+        try:
+            data = json.loads(text)
+            return {int(k): DeviceModel.from_json(v) for k, v in dict(data).items()}
+        except (ValueError, TypeError) as exc:
+            raise HwFailure(f"simulated device models {SIM_DEVICES_FILE}: {exc}",
+                            call=f"read {SIM_DEVICES_FILE}") from exc
 
     def current_call(self, thread_ident: int) -> str | None:
         """What hardware call the given thread is blocked in (for "hung in ..." messages)."""

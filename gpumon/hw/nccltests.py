@@ -21,14 +21,23 @@ Shapes (captures in tests/data/nccl-tests):
 Bandwidths are GB/s as nccl-tests prints them (10^9 bytes/s). A cut-off output (a paste, or a run
 killed mid-sweep) still parses: :attr:`NcclResult.problem` says what is missing, so a check can
 answer ``unknown`` with that reason. Nothing recognisable at all is a :class:`NcclParseError`.
+
+:func:`run_all_reduce_perf` runs one sweep of ``all_reduce_perf`` on this node's GPUs through the
+:class:`~gpumon.hw.tools.ToolRunner` (an argv list, bounded, the process group killed on timeout)
+and returns the parsed result together with what stops it from being judged, in the tool's words.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from gpumon.errors import HwCondition
+from gpumon.hw.tools import ToolResult, ToolRunner
 
 
 class NcclParseError(ValueError):
@@ -271,8 +280,11 @@ def parse_all(text: str) -> list[NcclResult]:
             cur.rows.append(row)
             cur.legacy_rows = cur.legacy_rows or legacy_row
             continue
-        if cur.started and re.match(r"^\d+\s+\d+\s", stripped) and not cur.complete:
-            # starts like a row but is not one: a mangled line inside the table
+        if cur.started and not cur.complete and (re.match(r"^\d+\s+\d+\s", stripped) or (
+                re.match(r"^\d+\s", stripped) and len(stripped.split()) >= 8)):
+            # starts like a row but is not one: a mangled line inside the table (a row's size
+            # followed by anything but its count is one too; NCCL's own log lines start with
+            # host:pid:tid, never with a bare number)
             cur.malformed.append(stripped[:120])
             continue
         if m := _PERF_BIN_RE.search(stripped):
@@ -293,3 +305,115 @@ def parse_all(text: str) -> list[NcclResult]:
 def parse(text: str) -> NcclResult:
     """The first test of the text (an ``all_reduce_perf`` run prints one)."""
     return parse_all(text)[0]
+
+
+# --------------------------------------------------------------------------- running all_reduce_perf
+
+ALL_REDUCE_PERF = "all_reduce_perf"
+# nccl-tests exits 1 when its average busbw is below this (common.cu); the check judges busbw itself
+# against the profile, at its own sizes, so a site's value must not turn into a second verdict
+_MIN_BW_ENV = "NCCL_TESTS_MIN_BW"
+_WORDS = ("failure", "failed", "error", "warn", "invalid", "unable", "cannot", "no cuda")
+
+
+@dataclass(frozen=True)
+class PerfSpec:
+    """One ``all_reduce_perf`` sweep on this node's GPUs, in one process (``-g`` GPUs, one thread)."""
+
+    min_bytes: int
+    max_bytes: int
+    step_factor: int
+    gpus: int
+    iterations: int
+    warmup: int
+    binary: str = ALL_REDUCE_PERF
+
+    def argv(self) -> list[str]:
+        # NVIDIA/nccl-tests README.md "Arguments": -b/--minbytes, -e/--maxbytes, -f/--stepfactor,
+        # -g/--ngpus (GPUs per thread), -n/--iters, -w/--warmup_iters, -c/--check <check iteration
+        # count> (1: the results are checked once, which fills the #wrong columns)
+        return [self.binary, "-b", str(self.min_bytes), "-e", str(self.max_bytes),
+                "-f", str(self.step_factor), "-g", str(self.gpus), "-n", str(self.iterations),
+                "-w", str(self.warmup), "-c", "1"]
+
+    def sizes(self) -> tuple[int, ...]:
+        """What the tool measures: ``for (size = minbytes; size <= maxbytes; size *= stepfactor)``
+        (nccl-tests src/common.cu), so ``max_bytes`` itself only when the factor reaches it."""
+        out = []
+        size = self.min_bytes
+        while size <= self.max_bytes:
+            out.append(size)
+            if self.step_factor < 2:
+                break
+            size *= self.step_factor
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class PerfRun:
+    """One run of the tool: its parsed result, or why there is none."""
+
+    argv: tuple[str, ...]
+    result: NcclResult | None = None
+    # why the result cannot be judged as a whole (cut off, not parseable, a failing exit status),
+    # with the tool's own words; a result with wrong elements is still returned alongside
+    problem: str | None = None
+    condition: HwCondition | None = None  # not installed, hung (killed), could not start
+    returncode: int | None = None
+    seconds: float = 0.0
+    table: tuple[str, ...] = ()  # the tool's own table lines, for the report
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+
+def tool_words(result: ToolResult, limit: int = 3) -> str:
+    """What the tool said about a failure: its error lines (CUDACHECK/NCCLCHECK print
+    ``<host>: Test CUDA failure common.cu:N '...'`` on stdout), else its last line."""
+    lines = [ln.strip() for ln in (result.stderr + "\n" + result.stdout).splitlines() if ln.strip()]
+    said = [ln for ln in lines if not ln.startswith("#") and any(w in ln.lower() for w in _WORDS)]
+    if not said:
+        said = lines[-1:]
+    return "; ".join(ln[:200] for ln in said[:limit])
+
+
+def table_lines(text: str, limit: int = 200) -> tuple[str, ...]:
+    """The result table as the tool printed it: column header to the bandwidth footer."""
+    out: list[str] = []
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        if not out and not re.search(r"^#.*\b(out-of-place|size)\b", line):
+            continue
+        out.append(line)
+        if _AVG_RE.match(line.strip()) or len(out) >= limit:
+            break
+    return tuple(out)
+
+
+def judge_output(argv: tuple[str, ...], result: ToolResult) -> PerfRun:
+    """A finished run's output: the parsed result and, where it cannot be judged, why."""
+    words = tool_words(result)
+    parsed: NcclResult | None = None
+    try:
+        parsed = parse(result.stdout)
+        problem = parsed.problem
+        if problem is None and result.returncode != 0:
+            problem = f"exit status {result.returncode} after a complete sweep"
+    except NcclParseError as exc:
+        problem = f"exit status {result.returncode}: {exc}"
+    if problem is not None and words and (result.returncode != 0 or parsed is None):
+        problem += f"; it said: {words}"
+    return PerfRun(argv, parsed, problem, returncode=result.returncode, seconds=result.seconds,
+                   table=table_lines(result.stdout))
+
+
+def run_all_reduce_perf(tools: ToolRunner, spec: PerfSpec, *, timeout: float) -> PerfRun:
+    """Run the sweep through the bounded tool runner; a missing or hung tool is ``condition``."""
+    argv = tuple(spec.argv())
+    env = {k: v for k, v in os.environ.items() if k != _MIN_BW_ENV}
+    try:
+        result = tools.run(list(argv), timeout=timeout, env=env)
+    except HwCondition as cond:
+        return PerfRun(argv, condition=cond)
+    return judge_output(argv, result)

@@ -323,11 +323,29 @@ class PcieLink:
     max_width: int
 
 
+@dataclass(frozen=True)
+class ComputeProcess:
+    """A process with a compute (CUDA) context on a GPU, as NVML lists it."""
+
+    pid: int  # in the driver's view: the host PID namespace
+    used_memory_bytes: int | None  # None: NVML_VALUE_NOT_AVAILABLE
+
+
 TEMPERATURE_THRESHOLDS = {
     "shutdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN,
     "slowdown": pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,
     "mem_max": pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX,
     "gpu_max": pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX,
+}
+
+# nvmlGpuP2PCapsIndex_t. Written out: nvidia-ml-py defines NVML_P2P_CAPS_INDEX_READ as the tuple (0,)
+# (a stray comma), which ctypes would refuse as the index argument.
+P2P_CAPABILITIES = {
+    "read": 0,
+    "write": pynvml.NVML_P2P_CAPS_INDEX_WRITE,
+    "nvlink": pynvml.NVML_P2P_CAPS_INDEX_NVLINK,
+    "atomics": pynvml.NVML_P2P_CAPS_INDEX_ATOMICS,
+    "pci": pynvml.NVML_P2P_CAPS_INDEX_PCI,
 }
 
 
@@ -399,6 +417,34 @@ class NvmlReadings(Nvml):
 
     def utilization_pct(self, index: int) -> int:
         return int(self.device(index, "nvmlDeviceGetUtilizationRates").gpu)
+
+    def compute_processes(self, index: int) -> list[ComputeProcess]:
+        """Processes holding a compute context on GPU ``index`` (graphics-only clients are not listed).
+
+        Called by its versioned name: pynvml's unversioned wrapper turns a driver without the symbol
+        into NVMLLibraryMismatchError, which is no NVMLError and would escape the mapping here.
+        """
+        procs = self.device(index, "nvmlDeviceGetComputeRunningProcesses_v3")
+        return [ComputeProcess(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory))
+                for p in procs]
+
+    def _pair(self, index: int, peer: int, function: str, *args: Any) -> Any:
+        """``pynvml.<function>(handle of index, handle of peer, *args)``, on GPU ``index``'s lane.
+
+        The peer's handle is resolved (and its failure reported) on the peer's own lane first.
+        """
+        peer_handle = self._handle(peer)
+        # the cached handle object is the same on every call, so device()'s not-supported memory,
+        # keyed by the arguments' repr, tells peers apart
+        return self.device(index, function, peer_handle, *args)
+
+    def p2p_status(self, index: int, peer: int, capability: str) -> int:
+        """nvmlGpuP2PStatus_t (0 = OK) of ``capability`` (a P2P_CAPABILITIES key) from GPU index to peer."""
+        return int(self._pair(index, peer, "nvmlDeviceGetP2PStatus", P2P_CAPABILITIES[capability]))
+
+    def topology_common_ancestor(self, index: int, peer: int) -> int:
+        """nvmlGpuTopologyLevel_t of the closest ancestor the two GPUs share (0 internal ... 50 system)."""
+        return int(self._pair(index, peer, "nvmlDeviceGetTopologyCommonAncestor"))
 
     def open_xid_events(self, indices: list[int]) -> XidEventSet:
         return XidEventSet(self, indices)

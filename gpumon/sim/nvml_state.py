@@ -58,12 +58,15 @@ GPU sections, one per GPU, in index order (``gpu N`` starts GPU N; N must be 0, 
     p2p <peer index> <nvmlGpuP2PStatus_t>
     topology <peer index> <nvmlGpuTopologyLevel_t>
     xid <code> <seq>
+    process <pid> <used GPU memory bytes|->    # one per compute process
     call <symbol|*> <nvmlReturn_t> <hang_us>
     end
 
-``nvlink`` lines appear once per link, link 0 first. ``call`` lines inside a GPU section inject into
-that GPU's functions: the library sleeps ``hang_us`` microseconds (without holding its lock), then
-returns the error if it is not 0; ``*`` matches every function the exact name does not.
+``nvlink`` lines appear once per link, link 0 first. ``process`` lines are what
+nvmlDeviceGetComputeRunningProcesses lists, in order; pids are unique per GPU; ``-`` is
+NVML_VALUE_NOT_AVAILABLE (pynvml then gives ``usedGpuMemory = None``). ``call`` lines inside a GPU
+section inject into that GPU's functions: the library sleeps ``hang_us`` microseconds (without holding
+its lock), then returns the error if it is not 0; ``*`` matches every function the exact name does not.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ MAX_LINKS = 36  # NVML_NVLINK_MAX_LINKS
 MAX_CALLS = 32  # per node and per GPU
 MAX_XIDS = 256  # per GPU
 MAX_MAP_ENTRIES = 32  # violation / p2p / topology entries per GPU
+MAX_PROCESSES = 64  # compute processes per GPU
 MAX_LINE = 1024
 _STRING_LIMITS = {  # key -> longest value (bytes), one less than the NVML buffer size
     "driver_version": 79,
@@ -225,6 +229,8 @@ class GpuState:
     p2p_status: dict[int, int] = field(default_factory=dict)  # peer index -> nvmlGpuP2PStatus_t
     topology: dict[int, int] = field(default_factory=dict)  # peer index -> nvmlGpuTopologyLevel_t
     xid_events: list[tuple[int, int]] = field(default_factory=list)  # (xid code, seq)
+    # (pid, used GPU memory bytes or None = not available) of each process with a compute context
+    compute_processes: list[tuple[int, int | None]] = field(default_factory=list)
     calls: list[InjectedCall] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -391,7 +397,19 @@ def _gpu_lines(g: GpuState, position: int) -> Iterator[str]:
         raise StateFormatError(f"{w}: xid seq numbers must be unique per GPU")
     for code, seq in g.xid_events:
         yield f"xid {_num(code, w + ' xid code', _U64)} {_num(seq, w + ' xid seq', _U64)}"
+    yield from _process_lines(g.compute_processes, w)
     yield from _call_lines(g.calls, w)
+
+
+def _process_lines(processes: list[tuple[int, int | None]], where: str) -> Iterator[str]:
+    if len(processes) > MAX_PROCESSES:
+        raise StateFormatError(f"{where}: more than {MAX_PROCESSES} compute processes")
+    if len({pid for pid, _ in processes}) != len(processes):
+        raise StateFormatError(f"{where}: compute process pids must be unique per GPU")
+    for pid, used in processes:
+        # all ones is NVML_VALUE_NOT_AVAILABLE: written as '-', so a byte count must stay below it
+        used_text = "-" if used is None else _num(used, f"{where} process {pid} memory", _U64 - 1)
+        yield f"process {_num(pid, where + ' process pid')} {used_text}"
 
 
 def render_state(state: NvmlNodeState) -> str:
@@ -541,6 +559,13 @@ def _apply_gpu_line(g: dict[str, object], key: str, value: str, where: str) -> N
         xids = g.setdefault("xid_events", [])
         assert isinstance(xids, list)
         xids.append((code, seq))
+    elif key == "process":
+        if len(t) != 2:
+            raise StateFormatError(f"{where}: bad process line")
+        (pid,) = _ints(t[:1], 1, where)
+        procs = g.setdefault("compute_processes", [])
+        assert isinstance(procs, list)
+        procs.append((pid, _opt_int(t[1], where)))
     elif key == "call":
         calls = g.setdefault("calls", [])
         assert isinstance(calls, list)

@@ -14,11 +14,12 @@ import json
 import os
 import time
 import uuid as uuidlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpumon.errors import ConfigError
 from gpumon.profiles import Profile, builtin_profiles
+from gpumon.sim.devices import SIM_DEVICES_FILE, DeviceModel
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvLinkErrorCounters, NvmlNodeState, write_state
 from gpumon.sim.scenario import IB_COUNTERS, NVML_ERRORS, Fault, Scenario
 
@@ -102,6 +103,14 @@ class SimNode:
             if fault.gpu is not None and fault.gpu >= self.gpu_count:
                 raise ConfigError(f"gpu {fault.gpu} does not exist (the node has {self.gpu_count})",
                                   file=self.scenario.file, key=f"faults[{i}].gpu")
+            if fault.kind == "compute_process" and any(
+                    o.kind == "compute_process" and (o.gpu, o.pid) == (fault.gpu, fault.pid)
+                    for o in self.scenario.faults[:i]):
+                raise ConfigError(f"pid {fault.pid} is already on GPU {fault.gpu}",
+                                  file=self.scenario.file, key=f"faults[{i}].pid")
+            if fault.peer is not None and fault.peer >= self.gpu_count:
+                raise ConfigError(f"gpu {fault.peer} does not exist (the node has {self.gpu_count})",
+                                  file=self.scenario.file, key=f"faults[{i}].peer")
             if fault.kind == "ib_down" and not any(
                     p.device == fault.device and p.port == fault.port for p in self.ports):
                 raise ConfigError(f"no IB port {fault.device}/{fault.port} on this node",
@@ -146,6 +155,7 @@ class SimNode:
         self._infiniband(t)
         self._kernel_log(t)
         self._fm_log(t)
+        self._compute(t)
         write_state(self._nvml(t), self.nvml_state_path)
         self._save()
 
@@ -326,6 +336,26 @@ class SimNode:
         out.append(f"NVRM: Xid (PCI:{bus}): {f.code}, {text}")
         return out
 
+    def _compute(self, t: float) -> None:
+        """The simulated GPUs' device models (gpumon/sim/devices.py), read by ``Hardware.sim_devices``."""
+        models: dict[int, DeviceModel] = {}
+        for f in self.scenario.faults:
+            if not f.active(t) or f.gpu is None or f.kind not in ("compute_slow", "allreduce_corrupt",
+                                                                   "p2p_slow"):
+                continue
+            m = models.get(f.gpu, DeviceModel())
+            if f.kind == "compute_slow":
+                m = replace(m, speed=min(m.speed, f.factor or 1.0))
+            elif f.kind == "allreduce_corrupt":
+                m = replace(m, allreduce_wrong=m.allreduce_wrong + (f.count if f.count is not None else 1))
+            elif f.peer is None:
+                m = replace(m, all_links=min(m.all_links, f.factor or 1.0))
+            else:
+                m = replace(m, links={**m.links, f.peer: min(m.links.get(f.peer, 1.0), f.factor or 1.0)})
+            models[f.gpu] = m
+        self._write(SIM_DEVICES_FILE, json.dumps({str(i): m.to_json() for i, m in sorted(models.items())},
+                                                 sort_keys=True) + "\n")
+
     def _uuid(self, index: int) -> str:
         return f"GPU-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f'{self.scenario.name}-{index}')}"
 
@@ -406,6 +436,12 @@ class SimNode:
             for f in self._faults("utilization", t):
                 if f.gpu == i and f.active(t) and f.pct is not None:
                     g.utilization_gpu = f.pct
+            for f in self._faults("compute_process", t):
+                if f.gpu == i and f.active(t) and f.pid is not None:
+                    used = None if f.memory_mib is None else f.memory_mib << 20
+                    g.compute_processes.append((f.pid, used))
+                    g.memory_used_bytes = min(g.memory_total_bytes - g.memory_reserved_bytes,
+                                              g.memory_used_bytes + (used or 0))
             for f in self._faults("nvml_error", t):
                 if f.gpu == i and f.active(t) and f.function and f.error:
                     g.calls.append(InjectedCall(f.function, error=NVML_ERRORS[f.error]))

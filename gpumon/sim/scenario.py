@@ -22,7 +22,11 @@ from gpumon.schema import Source, build, load_yaml, load_yaml_file
 
 FAULT_KINDS = ("xid", "throttle", "ib_down", "nvml_error", "nvml_hang", "aer", "kernel_line",
                "temperature", "nvlink_down", "nvlink_errors", "ecc", "remap", "fabric", "pcie_link",
-               "gpu_missing", "ib_rate", "ib_errors", "sxid", "utilization", "fm_log")
+               "gpu_missing", "ib_rate", "ib_errors", "sxid", "utilization", "fm_log",
+               # compute faults: the simulated GPU's device model (gpumon/sim/devices.py)
+               "compute_slow", "allreduce_corrupt", "p2p_slow",
+               # a process holding the GPU (the SDC canary's idle gate)
+               "compute_process")
 
 # Which optional fields each kind may use (besides at_s, duration_s, kind).
 _FIELDS = {
@@ -46,6 +50,10 @@ _FIELDS = {
     "sxid": {"switch", "code", "fatal", "link", "message"},
     "utilization": {"gpu", "pct"},
     "fm_log": {"text"},
+    "compute_slow": {"gpu", "factor"},
+    "allreduce_corrupt": {"gpu", "count"},
+    "p2p_slow": {"gpu", "peer", "factor"},
+    "compute_process": {"gpu", "pid", "memory_mib"},
 }
 _REQUIRED = {
     "xid": {"gpu", "code"},
@@ -68,6 +76,10 @@ _REQUIRED = {
     "sxid": {"switch", "code"},
     "utilization": {"gpu", "pct"},
     "fm_log": {"text"},
+    "compute_slow": {"gpu", "factor"},
+    "allreduce_corrupt": {"gpu"},
+    "p2p_slow": {"gpu", "factor"},
+    "compute_process": {"gpu", "pid"},
 }
 NVLINK_COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")
 IB_COUNTERS = ("symbol_error", "link_error_recovery", "port_rcv_errors", "local_link_integrity_errors",
@@ -116,13 +128,17 @@ class Fault:
     switch: int | None = field(default=None, metadata={"min": 0})
     fatal: bool | None = None
     pct: int | None = field(default=None, metadata={"min": 0, "max": 100})
+    factor: float | None = field(default=None, metadata={"min": 0.001, "max": 1.0})
+    peer: int | None = field(default=None, metadata={"min": 0})
+    pid: int | None = field(default=None, metadata={"min": 1, "max": 0xFFFFFFFF})
+    memory_mib: int | None = field(default=None, metadata={"min": 0})  # None: NVML reports "not available"
 
     def __post_init__(self) -> None:
         allowed = _FIELDS[self.kind]
         for name in ("gpu", "code", "message", "device", "function", "error", "seconds", "severity",
                      "text", "core_c", "hbm_c", "link", "counter", "per_s", "corrected", "uncorrected",
                      "pending", "failure", "banks_low", "banks_none", "state", "status", "width", "gen",
-                     "rate_gbps", "switch", "fatal", "pct"):
+                     "rate_gbps", "switch", "fatal", "pct", "factor", "peer", "pid", "memory_mib"):
             if getattr(self, name) is not None and name not in allowed:
                 raise ValueError(f"a {self.kind} fault takes no {name!r}")
         if self.reasons and "reasons" not in allowed:
@@ -135,6 +151,8 @@ class Fault:
                     raise ValueError("a throttle fault needs 'reasons'")
             elif getattr(self, name) is None:
                 raise ValueError(f"a {self.kind} fault needs {name!r}")
+        if self.peer is not None and self.peer == self.gpu:
+            raise ValueError("peer must be another GPU")
         if self.kind == "nvlink_errors" and self.counter not in NVLINK_COUNTERS:
             raise ValueError(f"counter must be one of {', '.join(NVLINK_COUNTERS)}")
         if self.kind == "ib_errors" and self.counter not in IB_COUNTERS:

@@ -1,9 +1,10 @@
-"""The burnin check: a real burn on CPU stand-ins (healthy; one worker fed other inputs), and the
-judgement of GPU runs from measured-like reports on a simulated 8-GPU node (stragglers, the profile
+"""The burnin check: real burns on CPU stand-ins (a simulated node's GPUs, healthy and with a
+straggler the scenario slows; a machine without GPUs; one worker fed other inputs), and the judgement
+of GPU-sized runs from measured-like reports on a simulated 8-GPU node (stragglers, the profile
 baseline, unstable bits, memory copies, NVML readings during the burn, hung workers).
 
-Straggler detection is judged from measured rates (``stragglers``), so it is tested with such rates;
-gpumon has no knob that slows a worker down (STYLE.md trap 4).
+The straggler is the simulated GPU's device model (gpumon/sim/devices.py, below the hardware layer:
+STYLE.md trap 4), timed by the same code that times a GPU's stand-in.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gpumon import compute
 from gpumon.check import CheckContext, KernelLog
 from gpumon.errors import ConfigError
 from gpumon.hw import Hardware
-from gpumon.hw.inventory import collect
+from gpumon.hw.inventory import Inventory, collect
 from gpumon.model import NODE, Action, Finding, Severity, is_component
 from gpumon.profiles import builtin_profiles
 from gpumon.schema import Source, build
@@ -48,25 +49,58 @@ def _by_component(findings: list[Finding]) -> dict[str, list[Finding]]:
 # ------------------------------------------------------------------------ real runs on CPU stand-ins
 
 
-def test_healthy_stand_ins_pass_with_every_reading(sim: Any) -> None:
-    h = sim(HEALTHY)
+def test_healthy_simulated_gpus_pass_with_every_reading(sim: Any) -> None:
+    """A simulated node: one CPU worker per simulated GPU, findings on those GPUs."""
+    h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults: []\n")
     ctx = h.context(BurninCheck, 0)
     ctx.params = TINY
     findings = BurninCheck().run(ctx)
     assert {f.severity for f in findings} == {Severity.OK}, [f.message for f in findings]
     devices = [f for f in findings if "device" in f.evidence]
-    assert [f.evidence["device"] for f in devices] == [f"cpu worker {r}" for r in range(4)]
-    assert {f.component for f in findings} == {NODE}  # a CPU worker is not a GPU
+    assert [(f.component, f.evidence["device"]) for f in devices] == [(f"gpu/{r}", f"GPU {r}")
+                                                                      for r in range(4)]
     for f in devices:
         assert set(f.evidence["gemm"]) == {"fp32", "fp64", "bf16"}
-        assert f.evidence["nvml_during_burn"] == "not applicable: CPU stand-ins, no GPU to read"
+        # NVML of the simulated GPUs, read while their stand-ins burn (about once a second)
+        assert isinstance(f.evidence["nvml_during_burn"], dict)
         assert f.evidence["memory_copy"]["verified"] is True
         assert "TFLOP/s, bit-identical" in f.message
     prints = {f.evidence["gemm"]["bf16"]["fingerprint"] for f in devices}
     assert len(prints) == 1
     summary = findings[-1]
-    assert summary.evidence["placement"] == "cpu" and "simulated node" in summary.message
+    assert summary.component == NODE and summary.evidence["placement"] == "cpu"
+    assert "4 CPU worker processes stand in for the simulated GPUs" in summary.message
     assert [f.to_json() for f in findings]  # JSON-able
+
+
+def test_healthy_stand_ins_without_gpus_are_the_node(tmp_path: Path) -> None:
+    """A machine without GPUs (not simulated): ``cpu.devices`` workers, findings on ``node``."""
+    (tmp_path / "sys").mkdir()
+    ctx = CheckContext(hw=Hardware(tmp_path, simulated=False), inventory=Inventory(),
+                       profile=builtin_profiles()["h100-sxm"], params=TINY, state={}, kernel_log=KernelLog())
+    findings = BurninCheck().run(ctx)
+    assert {f.severity for f in findings} == {Severity.OK}, [f.message for f in findings]
+    assert {f.component for f in findings} == {NODE}  # a CPU worker is not a GPU
+    devices = [f for f in findings if "device" in f.evidence]
+    assert [f.evidence["device"] for f in devices] == [f"cpu worker {r}" for r in range(4)]
+    assert all(f.evidence["nvml_during_burn"] == "not applicable: CPU stand-ins, no GPU to read"
+               for f in devices)
+    assert "no GPU: 4 CPU worker processes stand in for GPUs" in findings[-1].message
+
+
+def test_a_straggler_simulated_gpu_fails_and_alone(sim: Any) -> None:
+    """The scenario's straggler: GPU 2's stand-in computes at a tenth of the speed (gpumon/sim/devices.py)."""
+    h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: compute_slow, gpu: 2, factor: 0.1}\n")
+    ctx = h.context(BurninCheck, 0)
+    ctx.params = TINY
+    by = _by_component(BurninCheck().run(ctx))
+    (slow,) = by["gpu/2"]
+    assert (slow.severity, slow.action) == (Severity.FAIL, Action.INSPECT_HARDWARE)
+    for dtype in ("fp32", "fp64", "bf16"):
+        assert f"{dtype} " in slow.message
+        assert slow.evidence["gemm"][dtype]["share_of_median"] < 0.3
+    assert "straggler below 50%" in slow.message
+    assert all(by[f"gpu/{i}"][0].severity is Severity.OK for i in (0, 1, 3))
 
 
 def test_a_worker_fed_other_inputs_is_caught_by_its_bits(sim: Any) -> None:

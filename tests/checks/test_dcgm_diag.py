@@ -15,27 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fake_tools import fake_dcgmi
+
 from gpumon.hw import dcgm
 from gpumon.hw.tools import ToolRunner
 from gpumon.model import Action, Finding, Severity
 from gpumon_checks.dcgm_diag import DcgmDiagCheck, DcgmDiagConfig, action_for
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "dcgmi-diag"
-
-
-def fake_dcgmi(tmp_path: Path, capture: str | None, *, exit_code: int = 0, sleep: float = 0,
-               stderr: str = "") -> tuple[Path, Path]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    log = tmp_path / "dcgmi.log"
-    out = tmp_path / "dcgmi-output.txt"
-    out.write_text(capture or "")
-    script = bin_dir / "dcgmi"
-    err = f"echo '{stderr}' >&2\n" if stderr else ""
-    script.write_text(f"#!/bin/sh\n# replays a dcgmi capture (see the module docstring)\n"
-                      f"echo \"$*\" >> {log}\nsleep {sleep}\ncat {out}\n{err}exit {exit_code}\n")
-    script.chmod(0o755)
-    return bin_dir, log
 
 
 def run(sim: Callable[..., Any], tmp_path: Path, bin_dir: Path | None, gpus: int = 2,

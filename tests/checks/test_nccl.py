@@ -42,7 +42,7 @@ def _specs(seeds: list[int], sizes: tuple[int, ...] = SIZES) -> list[compute.All
 
 
 def test_healthy_gloo_sweep_on_stand_ins_is_exact(sim: Any) -> None:
-    h = sim(HEALTHY)
+    h = sim(HEALTHY.replace("gpus: 8", "gpus: 4"))
     ctx = h.context(NcclCheck, 0)
     ctx.params = TINY
     (f,) = NcclCheck().run(ctx)
@@ -55,7 +55,21 @@ def test_healthy_gloo_sweep_on_stand_ins_is_exact(sim: Any) -> None:
     assert all(row["wrong"] == 0 and row["time_us"] > 0 for row in ev["sweep"])
     assert ev["sweep"][-1]["busbw_gbps"] > 0
     assert ev["table"][0].split() == ["size", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
-    assert ev["devices"] == [f"cpu worker {r}" for r in range(4)]
+    assert ev["devices"] == [f"GPU {r}" for r in range(4)]  # the simulated GPUs they stand in for
+
+
+def test_a_simulated_gpu_that_corrupts_its_all_reduce_result_is_named(sim: Any) -> None:
+    """GPU 1's device model adds one to one element of every all-reduce result it receives
+    (gpumon/sim/devices.py): the other ranks' sums are exact, so GPU 1 is the fault."""
+    h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: allreduce_corrupt, gpu: 1, count: 2}\n")
+    ctx = h.context(NcclCheck, 0)
+    ctx.params = TINY
+    (f,) = NcclCheck().run(ctx)
+    assert (f.component, f.severity, f.action) == ("gpu/1", Severity.FAIL, Action.INSPECT_HARDWARE)
+    # two elements per all-reduce, checked before and after the timed loop, at each size
+    assert f.evidence["wrong"] == 2 * 2 * len(SIZES)
+    assert f.evidence["wrong_by_device"] == {"GPU 1": 2 * 2 * len(SIZES)}
+    assert f.message.endswith("seen on GPU 1 only; every other rank's sums were exact")
 
 
 def test_a_wrong_contribution_fails_and_every_wrong_element_is_counted() -> None:

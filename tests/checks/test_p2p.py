@@ -1,14 +1,15 @@
 """The p2p check: NVML P2P status and topology served by the NVML injection library under the real
 nvidia-ml-py (healthy HGX, a pair without NVLink, a GPU without NVLink to anyone, a PCIe SKU, an NVML
-error), and the copy-bandwidth judgement from measured-like copies (a slow pair names both GPUs).
-
-No CUDA here: the copy part of a simulated node is ``skipped`` with the reason.
+error) with the copy part switched off; copies measured on a simulated node's stand-ins (a slow
+link, a GPU slow to every peer: gpumon/sim/devices.py); and the judgement of GPU-sized copies from
+measured-like figures (a slow pair names both GPUs).
 """
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 from gpumon import compute
 from gpumon.check import CheckContext, KernelLog
@@ -32,9 +33,9 @@ def _ctx(host: Path, profile: str, params: P2pConfig | None = None, simulated: b
 
 
 def _run(state_path: Path, state: NvmlNodeState, host: Path, profile: str = "h100-sxm",
-         simulated: bool = True) -> list[Finding]:
+         simulated: bool = True, params: P2pConfig | None = None) -> list[Finding]:
     write_state(state, state_path)
-    ctx = _ctx(host, profile, simulated=simulated)
+    ctx = _ctx(host, profile, params or P2pConfig(copies=False), simulated=simulated)
     try:
         return P2pCheck().run(ctx)
     finally:
@@ -58,7 +59,7 @@ def test_healthy_hgx_has_nvlink_on_every_ordered_pair(nvml_state: Path, tmp_path
     assert len(rows) == 9 and rows[1].split() == ["GPU0", "X", *["NV"] * 7]
     assert node_ok.evidence["expect_nvlink"] is True
     assert skipped.severity is Severity.SKIPPED
-    assert skipped.message == "copy bandwidth needs CUDA devices; torch sees none (simulated node)"
+    assert skipped.message == "copy bandwidth not measured: switched off (checks.p2p.copies: false)"
 
 
 def test_a_pair_without_nvlink_names_both_gpus(nvml_state: Path, tmp_path: Path) -> None:
@@ -114,10 +115,40 @@ def test_an_nvml_error_is_reported_not_guessed(nvml_state: Path, tmp_path: Path)
 
 
 def test_gpu_node_where_torch_has_no_cuda_cannot_say_about_copies(nvml_state: Path, tmp_path: Path) -> None:
-    findings = _run(nvml_state, NvmlNodeState.hgx(8), tmp_path / "host", simulated=False)
+    findings = _run(nvml_state, NvmlNodeState.hgx(8), tmp_path / "host", simulated=False, params=P2pConfig())
     missing = [f for f in findings if f.severity is Severity.UNKNOWN]
     assert len(missing) == 1 and missing[0].component == NODE
     assert "NVML sees 8 GPU(s) but torch sees no CUDA device" in missing[0].message
+
+
+# ------------------------------------------------------- copies measured on a simulated node's stand-ins
+
+
+def test_a_slow_link_between_two_simulated_gpus_names_both(sim: Any) -> None:
+    h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: p2p_slow, gpu: 1, peer: 3, factor: 0.1}\n")
+    by = _by(h.run(P2pCheck, 0))
+    (node,) = by[NODE]
+    assert (node.severity, node.action) == (Severity.FAIL, Action.REBOOT_NODE)
+    assert node.message.startswith("2 GPU pair(s) faulty: GPU 1 -> GPU 3: copy ")
+    assert "GPU 3 -> GPU 1: copy " in node.message and node.message.count("(twice)") == 2
+    assert set(node.evidence["pairs"]) == {"1->3", "3->1"}
+    assert node.evidence["min_gbps_source"].startswith("CPU stand-ins: 30% of the median pair")
+    assert set(node.evidence["copy_attempts_gbps"]) >= {"1->3", "3->1"}  # measured again before failing
+    assert node.evidence["copy_gbps"][0].split() == ["GPU0", "GPU1", "GPU2", "GPU3"]
+    for i in (1, 3):
+        (f,) = by[f"gpu/{i}"]
+        assert f.severity is Severity.OK and "not attributable to this GPU alone" in f.message
+        assert {r[2]["peer"] for r in f.evidence["readings"]} == {"0", "1", "2", "3"} - {str(i)}
+
+
+def test_a_gpu_slow_to_every_peer_is_the_fault(sim: Any) -> None:
+    h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: p2p_slow, gpu: 2, factor: 0.1}\n")
+    by = _by(h.run(P2pCheck, 0))
+    (f,) = by["gpu/2"]
+    assert (f.severity, f.action) == (Severity.FAIL, Action.REBOOT_NODE)
+    assert f.message.startswith("GPU 2: P2P faults with 6 of 6 ordered pairs")
+    assert by[NODE][0].severity is Severity.OK  # every slow pair is explained by GPU 2
+    assert all(by[f"gpu/{i}"][0].severity is Severity.OK for i in (0, 1, 3))
 
 
 # ------------------------------------------------------------------- copies (measured-like figures)

@@ -14,64 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fake_tools import POST_LIST, fake_perftest, replay_with_row
+
 from gpumon.bootstrap import RETRY_KEY
 from gpumon.hw.perftest import LoopbackSpec
 from gpumon.hw.tools import ToolRunner
 from gpumon.model import Action, Finding, Severity
 from gpumon_checks.rdma import RdmaCheck, RdmaConfig, _Target, waves
-
-DATA = Path(__file__).resolve().parents[1] / "data" / "perftest"
-WRITE_BW = (DATA / "issue_perftest-132_ib_write_bw_-a_IB_mlx5_0_gbits_PARTIAL.txt").read_text()
-POST_LIST = (DATA / "issue_perftest-273_ib_write_bw_postlist_8B_60s_gbits_complete-table.txt").read_text()
-RULE = "-" * 87
-
-
-def replay_with_row(avg: float, size: int = 8388608) -> str:
-    """The real ib_write_bw capture's header and column layout, with one result row of ``size`` bytes."""
-    head = WRITE_BW[: WRITE_BW.index(" 2          5000")]
-    return f"{head} {size}    5000           {avg + 1:.2f}            {avg:.2f}            0.005839\n{RULE}\n"
-
-
-def fake_perftest(tmp_path: Path, outputs: dict[str, str], *, cuda: bool = True, client_sleep: float = 0,
-                  refuse_first: bool = False) -> tuple[Path, Path]:
-    """A directory holding an ib_write_bw that replays ``outputs[<device>[-gpu<N>]]`` (or ``default``)."""
-    bin_dir = tmp_path / "bin"
-    out_dir = tmp_path / "outputs"
-    bin_dir.mkdir(exist_ok=True)
-    out_dir.mkdir(exist_ok=True)
-    for name, text in outputs.items():
-        (out_dir / f"{name}.txt").write_text(text)
-    log = tmp_path / "argv.log"
-    refused = tmp_path / "refused-once"
-    usage = ("echo '      --use_cuda=<cuda device id>  Use CUDA specific device for GPUDirect RDMA testing'"
-             if cuda else "echo '  -d, --ib-dev=<dev>  Use IB device <dev> (default first device found)'")
-    script = bin_dir / "ib_write_bw"
-    script.write_text(f"""#!/bin/sh
-# replays a perftest capture (see the test module's docstring)
-prev=""; dev=""; gpu=""; last=""
-for a in "$@"; do
-  [ "$prev" = "-d" ] && dev="$a"
-  case "$a" in --use_cuda=*) gpu="${{a#--use_cuda=}}";; --help) {usage}; exit 0;; esac
-  prev="$a"; last="$a"
-done
-echo "$CUDA_DEVICE_ORDER $*" >> {log}
-if [ "$last" != "localhost" ]; then sleep {0.8 if refuse_first else 0.05}; exit 0; fi
-if [ {int(refuse_first)} = 1 ] && [ ! -e {refused} ]; then
-  touch {refused}
-  echo " Couldn't connect to localhost:18515"
-  echo " Unable to open file descriptor for socket connection Unable to init the socket connection"
-  exit 1
-fi
-sleep {client_sleep}
-f={out_dir}/$dev${{gpu:+-gpu$gpu}}.txt
-[ -f "$f" ] || f={out_dir}/default.txt
-[ -f "$f" ] && exec cat "$f"
-echo " Couldn't allocate MR" >&2
-echo " Failed to create MR" >&2
-exit 1
-""")
-    script.chmod(0o755)
-    return bin_dir, log
 
 
 def run(sim: Callable[..., Any], tmp_path: Path, bin_dir: Path | None, scenario: str = "", *,

@@ -39,6 +39,7 @@
  *   remapped_rows CORR UNC PENDING FAILURE | remap_histogram MAX HIGH PARTIAL LOW NONE |
  *   retired_pages SBE|- DBE|- PENDING | fabric STATE STATUS CLIQUE UUIDHEX HEALTHMASK HEALTHSUMMARY |
  *   supported_events MASK | p2p PEER STATUS | topology PEER LEVEL | xid CODE SEQ |
+ *   process PID USED_BYTES|-   (one per compute process, pids unique per GPU) |
  *   call SYMBOL|* ERROR HANG_US
  *
  * Any unknown key, malformed number or out-of-range value rejects the whole file: nvmlInit* then
@@ -57,6 +58,8 @@
  *   state until timeoutms and returns NVML_ERROR_TIMEOUT if nothing new arrived.
  * - NVLink: no links -> NOT_SUPPORTED for every NvLink call; link >= count -> INVALID_ARGUMENT.
  * - Fabric info: NOT_SUPPORTED before Hopper (architecture < 9).
+ * - Compute processes: the "process" records in file order, MIG ids 0xFFFFFFFF (MIG off); sizing like
+ *   NVML: *infoCount too small (0 to query) -> INSUFFICIENT_SIZE with the count, SUCCESS if there are none.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -177,6 +180,14 @@ typedef struct {
     int temperature;
 } nvmlTemperature_v1_t;
 
+/* nvml.h nvmlProcessInfo_v2_t; nvmlProcessInfo_t (what the _v3 entry points take) has the same fields, and
+ * pynvml defines c_nvmlProcessInfo_v3_t = c_nvmlProcessInfo_v2_t. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory; /* NVML_VALUE_NOT_AVAILABLE (all ones) when unknown */
+    unsigned int gpuInstanceId, computeInstanceId; /* 0xFFFFFFFF when MIG is off */
+} nvmlProcessInfo_v2_t;
+
 _Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t layout");
 _Static_assert(sizeof(nvmlPciInfoExt_v1_t) == 64, "nvmlPciInfoExt_v1_t layout");
 _Static_assert(sizeof(nvmlMemory_t) == 24, "nvmlMemory_t layout");
@@ -190,6 +201,9 @@ _Static_assert(sizeof(nvmlGpuFabricInfo_v3_t) == 40, "nvmlGpuFabricInfo_v3_t lay
 _Static_assert(sizeof(nvmlUtilization_t) == 8, "nvmlUtilization_t layout");
 _Static_assert(sizeof(nvmlRowRemapperHistogramValues_t) == 20, "histogram layout");
 _Static_assert(sizeof(nvmlTemperature_v1_t) == 12, "nvmlTemperature_v1_t layout");
+_Static_assert(sizeof(nvmlProcessInfo_v2_t) == 24 && offsetof(nvmlProcessInfo_v2_t, usedGpuMemory) == 8 &&
+                   offsetof(nvmlProcessInfo_v2_t, gpuInstanceId) == 16,
+               "nvmlProcessInfo_v2_t layout");
 
 /* Versioned structs: NVML_STRUCT_VERSION(name, v) = sizeof(struct) | (v << 24). */
 #define STRUCT_VERSION(type, v) ((unsigned int)(sizeof(type) | ((v) << 24)))
@@ -223,6 +237,9 @@ _Static_assert(sizeof(nvmlTemperature_v1_t) == 12, "nvmlTemperature_v1_t layout"
 #define MAX_CALLS 32
 #define MAX_XIDS 256
 #define MAX_MAP 32
+#define MAX_PROCS 64
+#define VALUE_NOT_AVAILABLE_ULL UINT64_MAX /* NVML_VALUE_NOT_AVAILABLE as unsigned long long */
+#define MIG_ID_NONE 0xFFFFFFFFu
 #define MAX_LINE 1024
 #define MAX_FILE (4u << 20)
 #define FN_LEN 64
@@ -287,6 +304,11 @@ typedef struct {
     struct {
         u64 code, seq;
     } xid[MAX_XIDS];
+    unsigned int nprocs;
+    struct {
+        unsigned int pid;
+        u64 used; /* VALUE_NOT_AVAILABLE_ULL: '-' in the state file */
+    } proc[MAX_PROCS];
     calls_t calls;
 } gpu_t;
 
@@ -612,6 +634,23 @@ static int parse_gpu_line(cursor_t *c, gpu_t *g, const char *key) {
         if (tok_u64(c, UINT64_MAX, &g->xid[g->nxids].code) || tok_u64(c, UINT64_MAX, &g->xid[g->nxids].seq))
             return -1;
         g->nxids++;
+        return end_of_line(c);
+    }
+    if (strcmp(key, "process") == 0) {
+        if (g->nprocs >= MAX_PROCS) return fail(c, "too many process lines");
+        unsigned int pid;
+        if (tok_u32(c, UINT32_MAX, &pid)) return -1;
+        for (unsigned int i = 0; i < g->nprocs; i++)
+            if (g->proc[i].pid == pid) return fail(c, "process: duplicate pid");
+        char *t = next_token(c);
+        u64 used;
+        if (t && strcmp(t, "-") == 0)
+            used = VALUE_NOT_AVAILABLE_ULL;
+        else if (parse_u64_str(t, VALUE_NOT_AVAILABLE_ULL - 1, &used) != 0)
+            return fail(c, "process: used memory must be bytes below 2^64-1 or '-'");
+        g->proc[g->nprocs].pid = pid;
+        g->proc[g->nprocs].used = used;
+        g->nprocs++;
         return end_of_line(c);
     }
     if (strcmp(key, "call") == 0) {
@@ -1616,6 +1655,40 @@ EXPORT nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nv
     else
         *level = g->numa == g_state->gpu[peer].numa ? TOPOLOGY_NODE : TOPOLOGY_SYSTEM;
     return leave(NVML_SUCCESS);
+}
+
+/* ------------------------------------------------------------------------------------ processes */
+
+static nvmlReturn_t processes_impl(const char *fn, nvmlDevice_t device, unsigned int *infoCount,
+                                   nvmlProcessInfo_v2_t *infos) {
+    gpu_t *g;
+    nvmlReturn_t rc = enter_device(fn, device, &g);
+    if (rc) return rc;
+    REQUIRE(infoCount);
+    unsigned int n = g->nprocs;
+    if (*infoCount < n) {
+        *infoCount = n;
+        return leave(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    REQUIRE(n == 0 || infos);
+    for (unsigned int i = 0; i < n; i++) {
+        infos[i].pid = g->proc[i].pid;
+        infos[i].usedGpuMemory = g->proc[i].used;
+        infos[i].gpuInstanceId = MIG_ID_NONE;
+        infos[i].computeInstanceId = MIG_ID_NONE;
+    }
+    *infoCount = n;
+    return leave(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *infoCount,
+                                                            nvmlProcessInfo_v2_t *infos) {
+    return processes_impl(__func__, d, infoCount, infos);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t d, unsigned int *infoCount,
+                                                            nvmlProcessInfo_v2_t *infos) {
+    return processes_impl(__func__, d, infoCount, infos);
 }
 
 /* ------------------------------------------------------------------------------------ events */
