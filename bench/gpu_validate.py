@@ -49,9 +49,13 @@ def main() -> int:
     print(f"suite: {doc.get('status')} (exit {proc.returncode}) in {wall:.1f} s "
           f"({'within' if wall <= BUDGET_S else 'OVER'} the {BUDGET_S:.0f} s budget); "
           f"order: {', '.join(boot.get('order', []))}")
-    print("\nper check (seconds, outcome):")
+    # the plan (each check's cost, README "Bootstrap suite") next to what it took here
+    planned = {c["check"]: c.get("expected_s") for c in boot.get("checks", [])}
+    print("\nper check (seconds measured / planned, outcome):")
     for run in doc.get("checks", []):
-        print(f"  {run['check']:<16} {run['seconds']:>8.1f} s  {run['outcome']}")
+        plan = planned.get(run["check"])
+        plan_text = f"{plan:>6.0f} s" if isinstance(plan, (int, float)) else "     ?  "
+        print(f"  {run['check']:<16} {run['seconds']:>8.1f} s / {plan_text}  {run['outcome']}")
     print("\nmeasured baselines (every reading the checks published):")
     rows = 0
     for f in doc.get("findings", []):
