@@ -283,7 +283,8 @@ def judge(run: compute.WorkerRun, place: compute.Placement, params: BurninConfig
     reports: dict[int, compute.BurnReport] = {o.rank: o.result for o in run.outcomes if o.ok}
     verdicts = {o.rank: _Verdict() for o in run.outcomes}
     evidence: dict[int, dict[str, Any]] = {o.rank: {"device": names[o.rank].label} for o in run.outcomes}
-    failed_action = Action.RESET_GPU if as_gpu else Action.NONE
+    # a stand-in that hung or crashed is gpumon's or torch's trouble, not a GPU to reset
+    failed_action = Action.RESET_GPU if cuda else Action.NONE
     culprits = [o for o in run.failed if not o.waited_for_peer]
     for o in run.failed:
         evidence[o.rank].update(worker=o.state, phase=o.phase, error=o.error[-2000:] or None)

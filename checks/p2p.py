@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,11 +185,12 @@ class P2pCheck(Check):
             expect_nvlink = bool(ctx.profile.nvlink.links_per_gpu)
         paths = nvml_paths(ctx, indices)
         evidence: dict[str, Any] = {}
-        copies, copy_note, missing = self._copies(ctx, params, indices, evidence)
-        return judge(ctx, indices, paths, copies, copy_note, params, expect_nvlink, evidence, missing)
+        plan = CopyPlan()
+        copies, copy_note, missing = self._copies(ctx, params, indices, evidence, plan)
+        return judge(ctx, indices, paths, copies, copy_note, params, expect_nvlink, evidence, missing, plan)
 
-    def _copies(self, ctx: CheckContext, params: P2pConfig, indices: Sequence[int],
-                evidence: dict[str, Any]) -> tuple[dict[Pair, compute.PeerCopy] | None, str, Severity]:
+    def _copies(self, ctx: CheckContext, params: P2pConfig, indices: Sequence[int], evidence: dict[str, Any],
+                plan: CopyPlan) -> tuple[dict[Pair, compute.PeerCopy] | None, str, Severity]:
         """Peer copy bandwidth by NVML index pair; or None, why it was not measured, and how bad that is.
 
         No torch or a simulated node: ``skipped``. A real GPU node whose GPUs torch cannot use, or a
@@ -218,19 +219,27 @@ class P2pCheck(Check):
         if isinstance(first, str):
             return None, first, Severity.UNKNOWN
         results, to_nvml = first
-        minimum = params.min_gbps
-        if not place.is_cuda:
+        floors: dict[Pair, float] = {}
+        if params.min_gbps is not None and place.is_cuda:
+            floors = dict.fromkeys(results, params.min_gbps)
+        elif not place.is_cuda:
             # stand-ins: no datasheet to compare with, only the other pairs
-            median = statistics.median(c.gbps for c in results.values())
-            minimum = median * params.cpu.min_share_of_median
-            evidence.update(min_gbps_used=round(minimum, 3), min_gbps_source=(
-                f"CPU stand-ins: {params.cpu.min_share_of_median:.0%} of the median pair "
-                f"({median:.4g} GB/s)"))
-        low = tuple(p for p, c in results.items() if minimum is not None and c.gbps < minimum)
+            floors = peer_floors(results, params.cpu.min_share_of_median)
+            evidence["min_gbps"] = None  # no datasheet figure for a CPU stand-in
+            evidence["floor_gbps"] = {f"{to_nvml.get(a, a)}->{to_nvml.get(b, b)}": round(v, 3)
+                                      for (a, b), v in sorted(floors.items())}
+            evidence["min_gbps_source"] = (
+                f"CPU stand-ins: {params.cpu.min_share_of_median:.0%} of the median of the pairs that "
+                "involve neither GPU of the pair (a GPU slow to every peer must not set the bar)")
+            if not floors:
+                evidence["copies_judged"] = "no: fewer than 4 GPUs leave no pair to compare a pair with"
+        low = tuple(p for p, c in results.items() if p in floors and c.gbps < floors[p])
         attempts = {p: [round(c.gbps, 2)] for p, c in results.items()}
         if low:
             again = self._measure(params, low, by_uuid, place)
-            if not isinstance(again, str):
+            if isinstance(again, str):
+                evidence["retry_error"] = again
+            else:
                 for p, c in again[0].items():
                     attempts[p].append(round(c.gbps, 2))
                     if c.gbps > results[p].gbps or not c.verified:
@@ -238,7 +247,13 @@ class P2pCheck(Check):
         by_index: dict[tuple[int, int], compute.PeerCopy] = {}
         for (a, b), c in results.items():
             if a in to_nvml and b in to_nvml:
-                by_index[(to_nvml[a], to_nvml[b])] = c
+                pair = (to_nvml[a], to_nvml[b])
+                by_index[pair] = c
+                if (a, b) in floors:
+                    plan.floors[pair] = floors[(a, b)]
+                if len(attempts[(a, b)]) > 1:
+                    plan.measured_twice.add(pair)
+        plan.measured = True
         evidence["copy_attempts_gbps"] = {f"{to_nvml.get(a, a)}->{to_nvml.get(b, b)}": v
                                           for (a, b), v in attempts.items() if len(v) > 1}
         evidence["copy_bytes"] = params.nbytes if place.is_cuda else params.cpu.nbytes
@@ -271,10 +286,39 @@ class P2pCheck(Check):
             return f"copy worker: {outcome.describe()}"
         return {(c.src, c.dst): c for c in outcome.result}, ordinal_map(outcome.identity, by_uuid)
 
+@dataclass
+class CopyPlan:
+    """How the measured copies are to be judged: each pair's floor, and which were measured twice."""
+
+    floors: dict[Pair, float] = field(default_factory=dict)
+    measured_twice: set[Pair] = field(default_factory=set)
+    measured: bool = False  # False: copies came from elsewhere (judged against params.min_gbps)
+
+
+def peer_floors(rates: Mapping[Pair, compute.PeerCopy], share: float) -> dict[Pair, float]:
+    """Each pair's floor: ``share`` of the median of the pairs that involve neither of its GPUs.
+
+    Against the median of all pairs, a GPU slow to every peer drags the median down with it (it is in
+    2/n of the pairs: half of them on 4 GPUs) and passes. Needs 4 GPUs: with fewer, no pair is left
+    to compare with, and no floor is given.
+    """
+    out: dict[Pair, float] = {}
+    for a, b in rates:
+        others = [c.gbps for (x, y), c in rates.items() if not {x, y} & {a, b}]
+        if others:
+            out[(a, b)] = share * statistics.median(others)
+    return out
+
+
 def faults_for(paths: Mapping[Pair, PairPath], copies: Mapping[Pair, compute.PeerCopy] | None,
-               expect_nvlink: bool, min_gbps: float | None
+               expect_nvlink: bool, min_gbps: float | Mapping[Pair, float] | None,
+               measured_twice: Collection[Pair] | None = None
                ) -> tuple[dict[Pair, list[str]], dict[Pair, Action]]:
-    """Faulty ordered pairs (what is wrong with each) and the remedy each calls for."""
+    """Faulty ordered pairs (what is wrong with each) and the remedy each calls for.
+
+    ``min_gbps``: one floor for every pair, or each pair's own; ``measured_twice``: the pairs whose
+    low copy was measured again (None: all of them).
+    """
     faults: dict[tuple[int, int], list[str]] = {}
     actions: dict[tuple[int, int], Action] = {}
 
@@ -290,25 +334,30 @@ def faults_for(paths: Mapping[Pair, PairPath], copies: Mapping[Pair, compute.Pee
             add(pair, f"no NVLink P2P (status {path.status.get('nvlink')}, PCIe path {path.topology})",
                 Action.REBOOT_NODE)
     for pair, c in (copies or {}).items():
+        floor = min_gbps.get(pair) if isinstance(min_gbps, Mapping) else min_gbps
         if not c.verified:
             add(pair, "copied data differs from its source", Action.INSPECT_HARDWARE)
-        elif min_gbps is not None and c.gbps < min_gbps:
-            add(pair, f"copy {c.gbps:.4g} GB/s below {min_gbps:g} (twice)", Action.REBOOT_NODE)
+        elif floor is not None and c.gbps < floor:
+            twice = " (twice)" if measured_twice is None or pair in measured_twice else ""
+            add(pair, f"copy {c.gbps:.4g} GB/s below {floor:.4g}{twice}", Action.REBOOT_NODE)
     return faults, actions
 
 
 def judge(ctx: CheckContext, indices: Sequence[int], paths: Mapping[tuple[int, int], PairPath],
           copies: Mapping[tuple[int, int], compute.PeerCopy] | None, copy_note: str, params: P2pConfig,
           expect_nvlink: bool, evidence: Mapping[str, Any] | None = None,
-          copies_missing: Severity = Severity.SKIPPED) -> list[Finding]:
+          copies_missing: Severity = Severity.SKIPPED, plan: CopyPlan | None = None) -> list[Finding]:
     """Findings per GPU (a GPU in most of its pairs' faults fails) and for the node (the rest, by pair).
 
     ``copies`` None: the copy part did not run, for ``copy_note``; ``copies_missing`` says how bad.
     """
     name = P2pCheck.name
-    # stand-ins are judged against their own median (``_copies`` says what it used)
-    min_gbps = (evidence or {}).get("min_gbps_used", params.min_gbps)
-    faults, actions = faults_for(paths, copies, expect_nvlink, min_gbps)
+    # copies this check measured carry their own floors (stand-ins: other pairs' median)
+    min_gbps: float | Mapping[Pair, float] | None = params.min_gbps
+    twice: Collection[Pair] | None = None
+    if plan is not None and plan.measured:
+        min_gbps, twice = plan.floors, plan.measured_twice
+    faults, actions = faults_for(paths, copies, expect_nvlink, min_gbps, twice)
     culprits, rest = blame(faults, indices)
     ev_node: dict[str, Any] = {
         "expect_nvlink": expect_nvlink,
@@ -316,7 +365,7 @@ def judge(ctx: CheckContext, indices: Sequence[int], paths: Mapping[tuple[int, i
         "legend": "NV = NVLink P2P OK; PIX/PXB/PHB/NODE/SYS = PCIe P2P over that path "
                   "(nvidia-smi topo -m); -- = no P2P; ERR = NVML error",
         **(evidence or {}),
-        "copies": copy_note, "min_gbps": min_gbps,
+        "copies": copy_note, "min_gbps": (evidence or {}).get("min_gbps", params.min_gbps),
         "min_gbps_source": ((evidence or {}).get("min_gbps_source")
                             or ctx.profile.source_of("checks.p2p.min_gbps")),
     }

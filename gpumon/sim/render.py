@@ -337,13 +337,21 @@ class SimNode:
         return out
 
     def _compute(self, t: float) -> None:
-        """The simulated GPUs' device models (gpumon/sim/devices.py), read by ``Hardware.sim_devices``."""
+        """The simulated GPUs' device models (gpumon/sim/devices.py), read by ``Hardware.sim_devices``.
+
+        Keyed by the index NVML gives the GPU at ``t`` (a missing GPU shifts the ones after it), as
+        the compute checks know their GPUs by NVML index.
+        """
+        missing = {f.gpu for f in self._faults("gpu_missing", t) if f.active(t)}
+        nvml_index = {i: k for k, i in enumerate(i for i in range(self.gpu_count) if i not in missing)}
         models: dict[int, DeviceModel] = {}
         for f in self.scenario.faults:
             if not f.active(t) or f.gpu is None or f.kind not in ("compute_slow", "allreduce_corrupt",
                                                                    "p2p_slow"):
                 continue
-            m = models.get(f.gpu, DeviceModel())
+            if f.gpu not in nvml_index or (f.peer is not None and f.peer not in nvml_index):
+                continue  # a GPU NVML does not see runs no compute
+            m = models.get(nvml_index[f.gpu], DeviceModel())
             if f.kind == "compute_slow":
                 m = replace(m, speed=min(m.speed, f.factor or 1.0))
             elif f.kind == "allreduce_corrupt":
@@ -351,8 +359,9 @@ class SimNode:
             elif f.peer is None:
                 m = replace(m, all_links=min(m.all_links, f.factor or 1.0))
             else:
-                m = replace(m, links={**m.links, f.peer: min(m.links.get(f.peer, 1.0), f.factor or 1.0)})
-            models[f.gpu] = m
+                peer = nvml_index[f.peer]
+                m = replace(m, links={**m.links, peer: min(m.links.get(peer, 1.0), f.factor or 1.0)})
+            models[nvml_index[f.gpu]] = m
         self._write(SIM_DEVICES_FILE, json.dumps({str(i): m.to_json() for i, m in sorted(models.items())},
                                                  sort_keys=True) + "\n")
 

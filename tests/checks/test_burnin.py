@@ -272,6 +272,27 @@ def test_hung_or_crashed_workers_fail_the_gpu_and_name_where(sim: Any) -> None:
     assert died and died[0].severity is Severity.FAIL and "exit code -11" in died[0].message
 
 
+def test_a_hung_stand_in_of_a_simulated_gpu_is_no_gpu_remedy(sim: Any) -> None:
+    """A CPU worker that hangs is gpumon's or torch's trouble: the simulated GPU gets no reset."""
+    h = sim(HEALTHY)
+    ctx = h.context(BurninCheck, 0)
+    gpus = ctx.inventory.gpus
+    stand_ins = tuple(compute.StandIn(g.index, compute.normalize_uuid(g.uuid), g.name) for g in gpus[:2])
+    ok = compute.BurnReport(gemms=(_gemm("bf16", 0.02),), copy=None)
+    outcomes = [
+        compute.WorkerOutcome(0, "ok", result=ok,
+                              identity={"uuid": stand_ins[0].uuid, "device": "cpu worker 0"}),
+        compute.WorkerOutcome(1, "hung", phase="burn", seconds=30.0,
+                              identity={"uuid": stand_ins[1].uuid, "device": "cpu worker 1"}),
+    ]
+    params = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["bf16"]))
+    findings = judge(compute.WorkerRun(outcomes, 30.0), compute.Placement("cpu", 2, "sim", stand_ins), params,
+                     ctx, None, compute.gpu_index_by_uuid(ctx.inventory), 30.0)
+    hung = _by_component(findings)["gpu/1"][0]
+    assert (hung.severity, hung.action) == (Severity.FAIL, Action.NONE)
+    assert "worker 1 (cpu worker 1) hung in 'burn' after 30 s; killed" in hung.message
+
+
 def test_gpu_node_where_torch_has_no_cuda_is_unknown_not_a_cpu_burn(nvml_state: Path, tmp_path: Path) -> None:
     """NVML sees 8 GPUs (not simulated), torch sees no CUDA: the check must not burn CPUs and say ok."""
     (tmp_path / "host" / "sys").mkdir(parents=True)

@@ -11,6 +11,8 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpumon import compute
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
@@ -18,7 +20,7 @@ from gpumon.hw.inventory import collect
 from gpumon.model import NODE, Action, Finding, Severity, is_component
 from gpumon.profiles import builtin_profiles
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState, write_state
-from gpumon_checks.p2p import P2pCheck, P2pConfig, PairPath, blame, judge, matrix, nvml_paths
+from gpumon_checks.p2p import P2pCheck, P2pConfig, PairPath, blame, judge, matrix, nvml_paths, peer_floors
 
 PROFILES = builtin_profiles()
 NOT_SUPPORTED = 5  # NVML_P2P_STATUS_NOT_SUPPORTED
@@ -132,7 +134,10 @@ def test_a_slow_link_between_two_simulated_gpus_names_both(sim: Any) -> None:
     assert node.message.startswith("2 GPU pair(s) faulty: GPU 1 -> GPU 3: copy ")
     assert "GPU 3 -> GPU 1: copy " in node.message and node.message.count("(twice)") == 2
     assert set(node.evidence["pairs"]) == {"1->3", "3->1"}
-    assert node.evidence["min_gbps_source"].startswith("CPU stand-ins: 30% of the median pair")
+    assert node.evidence["min_gbps_source"].startswith("CPU stand-ins: 30% of the median of the pairs that "
+                                                       "involve neither GPU")
+    assert node.evidence["min_gbps"] is None and set(node.evidence["floor_gbps"]) == {
+        f"{a}->{b}" for a, b in itertools.permutations(range(4), 2)}
     assert set(node.evidence["copy_attempts_gbps"]) >= {"1->3", "3->1"}  # measured again before failing
     assert node.evidence["copy_gbps"][0].split() == ["GPU0", "GPU1", "GPU2", "GPU3"]
     for i in (1, 3):
@@ -142,13 +147,34 @@ def test_a_slow_link_between_two_simulated_gpus_names_both(sim: Any) -> None:
 
 
 def test_a_gpu_slow_to_every_peer_is_the_fault(sim: Any) -> None:
-    h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: p2p_slow, gpu: 2, factor: 0.1}\n")
+    # a fifth of the speed: 6 of the 12 pairs are slow, so the median of all pairs is ~0.6 of a
+    # healthy pair and 30 % of it (0.18) would pass GPU 2; the pairs among GPUs 0, 1, 3 do not
+    h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: p2p_slow, gpu: 2, factor: 0.2}\n")
     by = _by(h.run(P2pCheck, 0))
     (f,) = by["gpu/2"]
     assert (f.severity, f.action) == (Severity.FAIL, Action.REBOOT_NODE)
     assert f.message.startswith("GPU 2: P2P faults with 6 of 6 ordered pairs")
     assert by[NODE][0].severity is Severity.OK  # every slow pair is explained by GPU 2
     assert all(by[f"gpu/{i}"][0].severity is Severity.OK for i in (0, 1, 3))
+
+
+def test_three_simulated_gpus_copy_but_cannot_judge_each_other(sim: Any) -> None:
+    h = sim("name: t\nsku: h100-sxm\ngpus: 3\nfaults:\n  - {kind: p2p_slow, gpu: 0, factor: 0.1}\n")
+    (node,) = _by(h.run(P2pCheck, 0))[NODE]
+    assert node.severity is Severity.OK and node.message.endswith("6 ordered pairs copied")
+    assert node.evidence["copies_judged"] == "no: fewer than 4 GPUs leave no pair to compare a pair with"
+    assert node.evidence["floor_gbps"] == {}
+
+
+def test_floors_come_from_the_pairs_a_pair_does_not_touch() -> None:
+    rates = {p: _copy(*p, 10.0) for p in itertools.permutations(range(4), 2)}
+    for p in rates:
+        if 2 in p:
+            rates[p] = _copy(*p, 2.5)  # GPU 2 slow to everyone: half of all pairs
+    floors = peer_floors(rates, 0.3)
+    assert floors[(2, 0)] == pytest.approx(3.0)  # the pairs of GPUs 1 and 3: 10 GB/s
+    assert floors[(0, 1)] == pytest.approx(0.75)  # the pairs of GPUs 2 and 3: 2.5 GB/s
+    assert peer_floors({p: _copy(*p, 1.0) for p in itertools.permutations(range(3), 2)}, 0.3) == {}
 
 
 # ------------------------------------------------------------------- copies (measured-like figures)
