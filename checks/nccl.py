@@ -14,7 +14,12 @@ stand-ins) and runs a sweep of all-reduce (sum) sizes (gpumon/compute.py ``allre
   are measured once more in a fresh process group (bandwidth varies run to run) and only a
   second low result fails; the finding says ``retryable: true``.
 - **nccl-tests**: with ``nccl_tests`` (``auto``: on CUDA nodes where ``all_reduce_perf`` is on the
-  tool path), the tool measures instead and its rows are judged by the same ``verdict``.
+  tool path), the tool measures instead and its rows are judged by the same ``verdict``; its ``-b``
+  is chosen so that its x``step_factor`` series ends on ``max_bytes``. A tool that ends without a
+  result to judge (a rank died, its output was cut off) leaves the node to the torch sweep, with
+  the tool's failure in every finding's evidence; a hung tool fails the node. Never on a simulated
+  node (it would measure the machine's real GPUs). On GPUs with a profile minimum, a sweep with no
+  size of at least ``judged_from_bytes`` (the tool lowered its maxBytes for memory) is unknown.
 - **simulated nodes**: one gloo rank per simulated GPU; a GPU whose device model corrupts its
   all-reduce results (gpumon/sim/devices.py) is the only rank with wrong sums, and is named.
 - **hangs**: a rank that does not finish within the check's own deadline is killed and named
@@ -84,12 +89,16 @@ class NcclConfig:
         "min": 0, "source": "argued: ranks of a collective whose peer died never finish on their own"})
     cpu: NcclCpu = field(default_factory=NcclCpu)
     # nccl-tests' all_reduce_perf is NVIDIA's own reference for these figures (the profile's busbw
-    # floor was measured with it) and needs no torch in the agent's process; the torch sweep stays
-    # for nodes without it and for CPU stand-ins, which the tool cannot run on
+    # floor was measured with it). It still needs torch in the agent: the check is gated on torch
+    # (supported()) and torch's CUDA count is the tool's -g. The torch sweep stays for nodes without
+    # the tool, for CPU stand-ins and simulated nodes (the tool would measure the machine's real
+    # GPUs), and as the fallback when the tool fails without a verdict (a dead rank is named there)
     nccl_tests: str = field(default="auto", metadata={
         "choices": NCCL_TESTS_MODES,
         "source": "auto: all_reduce_perf when torch sees CUDA devices and the tool is on the tool path, "
                   "else the torch sweep; always: the tool whenever it is found (skipped when it is not); "
+                  "with either, the torch sweep when the tool fails without a result to judge (not when "
+                  "it hangs or counts wrong elements) and on a simulated node, where the tool never runs; "
                   "never: the torch sweep only"})
 
     def __post_init__(self) -> None:
@@ -198,11 +207,19 @@ def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str
                    f"(at {sizes}); seen on {', '.join(sorted(by_device))}")
         component = NODE
         ranks = {rank for r in rows for rank, n in r.wrong_by_rank.items() if n}
-        if gpus and len(ranks) == 1 and len(sweep.labels) > 2 and next(iter(ranks)) in sweep.gpu_of:
-            # every other rank received exact sums from the same collective: the wrong ones were
-            # made on this GPU's side (its memory, or its link's receive path), not in the reduction
-            component = gpu(sweep.gpu_of[next(iter(ranks))])
+        if len(ranks) == 1 and len(sweep.labels) > 2:
             message += " only; every other rank's sums were exact"
+            rank = next(iter(ranks))
+            sizes_wrong = sum(1 for r in rows if r.wrong_by_rank.get(rank))
+            # Only this GPU received wrong sums, again and again: the fault is on its side (its memory
+            # or its receive path). Once is not enough: in a ring the last hop's data goes no further,
+            # so one flip on the link into this GPU, or in its neighbour's send path, also shows here
+            # alone.
+            if gpus and sizes_wrong >= 2 and rank in sweep.gpu_of:
+                component = gpu(sweep.gpu_of[rank])
+            else:
+                message += (f" (at {sizes_wrong} size(s): too few to tell this GPU from the link into it)"
+                            if gpus else "")
         return [Finding(name, component, Severity.FAIL, message,
                         Action.INSPECT_HARDWARE if gpus else Action.NONE,
                         {**evidence, "wrong": wrong, "checked": checked, "wrong_by_device": by_device,
@@ -213,10 +230,19 @@ def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str
         again = judged_busbw(sweep.retry, params.judged_from_bytes)
         if again is not None and (measured is None or again > measured):
             measured = again
+    if sweep.cuda and minimum is not None and measured is None:
+        # a floor that was never measured against is no pass: the tool lowered its largest size for
+        # lack of memory, or the configured sweep stops below the size the floor is for
+        judged = compute.size_label(params.judged_from_bytes)
+        largest = max(r.nbytes for r in [*rows, *(sweep.retry or [])])
+        evidence.update(busbw_min_gbps=minimum, judged_from_bytes=params.judged_from_bytes, source=source)
+        return [Finding(name, NODE, Severity.UNKNOWN,
+                        f"all-reduce over {len(sweep.labels)} GPUs exact, but busbw not judged: the "
+                        f"profile's minimum {minimum:g} GB/s is for sizes >= {judged} and the largest size "
+                        f"measured was {compute.size_label(largest)}", Action.NONE, evidence)]
     if not sweep.cuda or minimum is None or measured is None:
         why = ("CPU stand-ins: no profile reference" if not sweep.cuda
-               else "no busbw_min_gbps in the profile" if minimum is None
-               else f"no size of at least {compute.size_label(params.judged_from_bytes)} in the sweep")
+               else "no busbw_min_gbps in the profile")
         return [Finding(name, NODE, Severity.OK,
                         f"all-reduce over {len(sweep.labels)} device(s) exact; busbw {top.busbw:.4g} GB/s at "
                         f"{compute.size_label(top.nbytes)} (not judged: {why})", Action.NONE, evidence)]
@@ -281,45 +307,52 @@ class NcclCheck(Check):
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: NcclConfig = ctx.params or NcclConfig()
         by_tool = nccl_tests_findings(ctx, params)
-        if by_tool is not None:
+        if isinstance(by_tool, list):
             return by_tool
-        try:
-            place = compute.node_placement(ctx.inventory, ctx.hw, params.cpu.devices)
-        except compute.NoCudaOnGpuNode as exc:
-            return [self.finding(NODE, Severity.UNKNOWN, f"GPUs not tested: {exc}")]
-        if place.devices < 2:
-            return [self.finding(NODE, Severity.SKIPPED,
-                                 f"an all-reduce needs at least 2 devices; {place.note}")]
-        if place.is_cuda:
-            sizes, iterations, warmup = params.sweep(), params.iterations, params.warmup
-        else:
-            sizes, iterations, warmup = tuple(params.cpu.sizes), params.cpu.iterations, params.cpu.warmup
-        by_uuid = compute.gpu_index_by_uuid(ctx.inventory)
-        minimum = params.busbw_min_gbps if place.is_cuda else None
-        try:
-            first = measure(place, sizes, iterations, warmup, params)
-            if first.failed:
-                return worker_failures(first, place.is_cuda, by_uuid)
-            rows = combine(first.results)
-            retry: list[SizeRow] | None = None
-            measured = judged_busbw(rows, params.judged_from_bytes)
-            if minimum is not None and measured is not None and measured < minimum and not _wrong(rows):
-                # bandwidth varies run to run: measure the judged sizes once more before failing
-                judged = tuple(r.nbytes for r in rows if r.nbytes >= params.judged_from_bytes)
-                again = measure(place, judged, iterations, warmup, params)
-                if again.failed:
-                    return worker_failures(again, place.is_cuda, by_uuid)
-                retry = combine(again.results)
-        except compute.DevicesBusy as exc:
-            return [self.finding(NODE, Severity.UNKNOWN, str(exc))]
-        labels = {o.rank: compute.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind).label
-                  for o in first.outcomes}
-        gpu_of = {o.rank: n.gpu_index for o in first.outcomes
-                  if (n := compute.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind)).gpu_index
-                  is not None}
-        sweep = Sweep(rows, place.is_cuda, labels, retry, place.note, first.wall_s,
-                      first.waited_for_devices_s, as_gpu=place.names_gpus, gpu_of=gpu_of)
-        return verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
+        found = torch_findings(ctx, params)
+        return found if by_tool is None else by_tool.annotate(found)
+
+
+def torch_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding]:
+    """The torch sweep: one process per device, the judged sizes measured again before a low busbw fails."""
+    name = NcclCheck.name
+    try:
+        place = compute.node_placement(ctx.inventory, ctx.hw, params.cpu.devices)
+    except compute.NoCudaOnGpuNode as exc:
+        return [Finding(name, NODE, Severity.UNKNOWN, f"GPUs not tested: {exc}", Action.NONE, {})]
+    if place.devices < 2:
+        return [Finding(name, NODE, Severity.SKIPPED, f"an all-reduce needs at least 2 devices; {place.note}",
+                        Action.NONE, {})]
+    if place.is_cuda:
+        sizes, iterations, warmup = params.sweep(), params.iterations, params.warmup
+    else:
+        sizes, iterations, warmup = tuple(params.cpu.sizes), params.cpu.iterations, params.cpu.warmup
+    by_uuid = compute.gpu_index_by_uuid(ctx.inventory)
+    minimum = params.busbw_min_gbps if place.is_cuda else None
+    try:
+        first = measure(place, sizes, iterations, warmup, params)
+        if first.failed:
+            return worker_failures(first, place.is_cuda, by_uuid)
+        rows = combine(first.results)
+        retry: list[SizeRow] | None = None
+        measured = judged_busbw(rows, params.judged_from_bytes)
+        if minimum is not None and measured is not None and measured < minimum and not _wrong(rows):
+            # bandwidth varies run to run: measure the judged sizes once more before failing
+            judged = tuple(r.nbytes for r in rows if r.nbytes >= params.judged_from_bytes)
+            again = measure(place, judged, iterations, warmup, params)
+            if again.failed:
+                return worker_failures(again, place.is_cuda, by_uuid)
+            retry = combine(again.results)
+    except compute.DevicesBusy as exc:
+        return [Finding(name, NODE, Severity.UNKNOWN, str(exc), Action.NONE, {})]
+    labels = {o.rank: compute.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind).label
+              for o in first.outcomes}
+    gpu_of = {o.rank: n.gpu_index for o in first.outcomes
+              if (n := compute.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind)).gpu_index
+              is not None}
+    sweep = Sweep(rows, place.is_cuda, labels, retry, place.note, first.wall_s,
+                  first.waited_for_devices_s, as_gpu=place.names_gpus, gpu_of=gpu_of)
+    return verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
 
 
 def measure(place: compute.Placement, sizes: tuple[int, ...], iterations: int, warmup: int,
@@ -353,13 +386,35 @@ MEASURED_BY_TOOL = "nccl-tests all_reduce_perf"
 TOOL = nccltests.ALL_REDUCE_PERF
 
 
-def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] | None:
-    """The check measured with ``all_reduce_perf`` as ``nccl_tests`` says, or None: torch measures.
+@dataclass(frozen=True)
+class TorchInstead:
+    """The torch sweep measures although ``nccl_tests`` chose the tool: why, for the torch findings."""
+
+    evidence: dict[str, Any]
+    message: str = ""  # said after the node finding's own message
+
+    def annotate(self, findings: Sequence[Finding]) -> list[Finding]:
+        """Every finding gets the evidence; the node finding (else every finding) the message."""
+        has_node = any(f.component == NODE for f in findings)
+        out = []
+        for f in findings:
+            message = f.message
+            if self.message and (f.component == NODE or not has_node):
+                message = f"{message} ({self.message})"
+            out.append(dataclasses.replace(f, message=message, evidence={**f.evidence, **self.evidence}))
+        return out
+
+
+def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] | TorchInstead | None:
+    """The check measured with ``all_reduce_perf`` as ``nccl_tests`` says, or None (TorchInstead:
+    with the reason to give): torch measures.
 
     The tool's figures go through the same judgement as the torch sweep's (``verdict``): its rows
     become ``SizeRow`` records, the judged sizes are measured once more (a second run of the tool
     over just those sizes) before a low busbw fails. Wrong elements (``#wrong``, or the
-    ``Out of bounds values`` footer of builds without that column) fail at once.
+    ``Out of bounds values`` footer of builds without that column) fail at once, and a hung tool
+    fails the node; a tool that ends without a result to judge (a rank died on a CUDA error, the
+    output was cut off) leaves the measurement to the torch sweep, which names a dead rank's GPU.
     """
     mode = params.nccl_tests
     if mode == "never":
@@ -367,6 +422,12 @@ def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] 
     if mode not in NCCL_TESTS_MODES:
         return [_tool_finding(Severity.UNKNOWN, f"checks.nccl.nccl_tests must be one of "
                               f"{', '.join(NCCL_TESTS_MODES)}; got {mode!r}")]
+    if ctx.hw.simulated:
+        # the tool would run on this machine's real GPUs and be judged as the simulated ones
+        # (compute.placement: a simulation never measures real hardware)
+        return None if mode == "auto" else TorchInstead({"nccl_tests_not_used": (
+            f"checks.nccl.nccl_tests is 'always', but {TOOL} is not used on a simulated node: it would "
+            "measure this machine's real GPUs; the torch sweep's stand-ins for the simulated GPUs measured")})
     if ctx.hw.tools.which(TOOL) is None:
         if mode == "auto":
             return None
@@ -378,28 +439,34 @@ def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] 
     count, note = gpus
     if count == 1:
         return [_tool_finding(Severity.SKIPPED, f"an all-reduce needs at least 2 devices; {note}")]
+    start, start_note = nccltests.sweep_start(params.min_bytes, params.max_bytes, params.step_factor)
     # no GPU seen at all ('always'): nccl-tests' own default of one GPU, so that the tool says in
     # its own words why it cannot run here
-    spec = nccltests.PerfSpec(params.min_bytes, params.max_bytes, params.step_factor, max(count, 1),
+    spec = nccltests.PerfSpec(start, params.max_bytes, params.step_factor, max(count, 1),
                               params.iterations, params.warmup)
     try:
         # the tool loads every GPU: not while another compute check runs
         with compute.devices_held(NcclCheck.name, compute.lock_wait(NcclCheck.timeout,
                                                                    2 * _tool_deadline(params, spec))):
-            return measure_with_tool(ctx, params, spec, note)
+            found = measure_with_tool(ctx, params, spec, note)
     except compute.DevicesBusy as exc:
         return [NcclCheck().finding(NODE, Severity.UNKNOWN, str(exc))]
+    if start_note is None:
+        return found
+    if isinstance(found, TorchInstead):
+        return dataclasses.replace(found, evidence={**found.evidence, "sweep_start_note": start_note})
+    return [dataclasses.replace(f, evidence={**f.evidence, "sweep_start_note": start_note}) for f in found]
 
 
 def _tool_gpus(ctx: CheckContext, params: NcclConfig, mode: str) -> tuple[int, str] | None:
     """How many GPUs to give the tool (``-g``) and why; None where 'auto' leaves it to torch.
 
     CUDA's count first: the tool sees the same CUDA devices (CUDA_VISIBLE_DEVICES included),
-    which NVML's count ignores.
+    which NVML's count ignores. Never called on a simulated node.
     """
     nvml = len(ctx.inventory.gpus)
     try:
-        place = compute.placement(params.cpu.devices, nvml_gpus=nvml, simulated=ctx.hw.simulated)
+        place = compute.placement(params.cpu.devices, nvml_gpus=nvml, simulated=False)
     except compute.NoCudaOnGpuNode as exc:
         # 'auto': the torch path says the same as an unknown finding
         return None if mode == "auto" else (nvml, str(exc))
@@ -407,9 +474,6 @@ def _tool_gpus(ctx: CheckContext, params: NcclConfig, mode: str) -> tuple[int, s
         return place.devices, place.note
     if mode == "auto":
         return None
-    if nvml:
-        where = " of a simulated node" if ctx.hw.simulated else ""
-        return nvml, f"{nvml} GPU(s){where} seen by NVML, none by torch"
     return 0, "no GPU seen by torch or NVML"
 
 
@@ -419,12 +483,13 @@ def _tool_deadline(params: NcclConfig, spec: nccltests.PerfSpec) -> float:
 
 
 def measure_with_tool(ctx: CheckContext, params: NcclConfig, spec: nccltests.PerfSpec,
-                      note: str) -> list[Finding]:
-    """Run the sweep (and, when busbw is low, the judged sizes again) and judge it as ``verdict`` does."""
+                      note: str) -> list[Finding] | TorchInstead:
+    """Run the sweep (and, when busbw is low, the judged sizes again) and judge it as ``verdict`` does;
+    TorchInstead where a run gave nothing that can be judged."""
     first = nccltests.run_all_reduce_perf(ctx.hw.tools, spec, timeout=_tool_deadline(params, spec))
     rows = tool_rows(first, spec)
     if isinstance(rows, Finding):
-        return [rows]
+        return _fall_back(rows, first) if rows.severity is Severity.UNKNOWN else [rows]
     minimum = params.busbw_min_gbps
     retry: list[SizeRow] | None = None
     again: nccltests.PerfRun | None = None
@@ -437,7 +502,7 @@ def measure_with_tool(ctx: CheckContext, params: NcclConfig, spec: nccltests.Per
                                               timeout=_tool_deadline(params, again_spec))
         retried = tool_rows(again, again_spec, first=first)
         if isinstance(retried, Finding):
-            return [retried]
+            return _fall_back(retried, again, first) if retried.severity is Severity.UNKNOWN else [retried]
         retry = retried
     assert first.result is not None  # tool_rows answered a Finding otherwise
     labels = tool_labels(first.result, ctx, spec.gpus)
@@ -445,15 +510,38 @@ def measure_with_tool(ctx: CheckContext, params: NcclConfig, spec: nccltests.Per
     extra = _tool_evidence(first, again)
     if len(labels) != spec.gpus:
         extra["ranks_note"] = f"the tool ran {len(labels)} rank(s) where -g asked for {spec.gpus}"
-    return [dataclasses.replace(f, evidence={**f.evidence, **extra})
-            for f in verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))]
+    reduced = first.result.reduced_max_bytes
+    if reduced is not None:
+        extra["nccl_tests_reduced_max_bytes"] = reduced
+    found = verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
+    return [dataclasses.replace(f, evidence={**f.evidence, **extra}, message=f.message + (
+                f" ({TOOL} lowered its largest size to {compute.size_label(reduced)} for lack of GPU "
+                "memory: 'Reducing maxBytes ... due to memory limitation')"
+                if reduced is not None and f.severity is Severity.UNKNOWN else ""))
+            for f in found]
+
+
+def _fall_back(failed: Finding, run: nccltests.PerfRun,
+               first: nccltests.PerfRun | None = None) -> TorchInstead:
+    """The tool ran but gave nothing to judge (a rank died, its output was cut off): torch measures,
+    and every torch finding carries what the tool said."""
+    said: dict[str, Any] = {"message": failed.message, "command": run.command, "exit_status": run.returncode,
+                            "last_lines": list(run.tail)}
+    if first is not None:  # the re-measurement failed: the sweep it re-measured, too
+        said.update(first_command=first.command, first_nccl_tests_table=list(first.table))
+    return TorchInstead({"nccl_tests_failed": said},
+                        f"nccl-tests' {TOOL} failed, so the torch sweep measured instead: {failed.message}")
 
 
 def tool_rows(run: nccltests.PerfRun, spec: nccltests.PerfSpec,
               first: nccltests.PerfRun | None = None) -> list[SizeRow] | Finding:
     """The run's rows as the torch sweep's records, or the finding that stops it from being judged.
 
-    ``first``: the sweep this run re-measures (its evidence goes with a failure of the retry).
+    An ``unknown`` finding means the tool gave nothing that can be judged (cut off, a failing exit
+    status, no table, could not start, no correctness counts): ``measure_with_tool`` then leaves the
+    node to the torch sweep. A hang and wrong elements are verdicts (``fail``), fewer than two
+    ranks is ``skipped``. ``first``: the sweep this run re-measures (its evidence goes with a
+    failure of the retry).
     """
     evidence = _tool_evidence(first, run) if first is not None else _tool_evidence(run, None)
     again = " (re-measuring the judged sizes)" if first is not None else ""

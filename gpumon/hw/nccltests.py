@@ -16,7 +16,9 @@ Shapes (captures in tests/data/nccl-tests):
     ``redop`` column without ``root`` (12 fields). Rows are read from the right, so all three parse.
 
 - footer: ``# Out of bounds values : 0 OK`` (``FAILED`` with a count above 0) and
-  ``# Avg bus bandwidth    : 70.742``.
+  ``# Avg bus bandwidth    : 70.742``;
+- ``# Reducing maxBytes to <n> due to memory limitation`` (src/common.cu, after the rank list) when
+  the GPUs lack memory for ``-e``: the sweep then stops below the size asked for.
 
 Bandwidths are GB/s as nccl-tests prints them (10^9 bytes/s). A cut-off output (a paste, or a run
 killed mid-sweep) still parses: :attr:`NcclResult.problem` says what is missing, so a check can
@@ -103,6 +105,7 @@ class NcclResult:
     # the "# Avg bus bandwidth" footer was seen: the sweep ran to its end
     complete: bool
     malformed: tuple[str, ...] = ()
+    reduced_max_bytes: int | None = None  # the tool lowered -e for lack of GPU memory
 
     @property
     def wrong_elements(self) -> int | None:
@@ -144,6 +147,7 @@ _VERSION_RE = re.compile(r"^#\s*nccl-tests version\s+(\S+)")
 _STARTING_RE = re.compile(r"^#\s*Collective test starting:\s*(\S+)")
 _OOB_RE = re.compile(r"^#\s*Out of bounds values\s*:\s*(\d+)\s+(\w+)")
 _AVG_RE = re.compile(r"^#\s*Avg bus bandwidth\s*:\s*([0-9.eE+-]+)")
+_REDUCED_RE = re.compile(r"^#\s*Reducing maxBytes to\s+(\d+)")
 _PERF_BIN_RE = re.compile(r"(?:^|[/\s])(\w+_perf)\b")
 _INT_RE = re.compile(r"^-?\d+$")
 _NUM_RE = re.compile(r"^-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$")
@@ -213,6 +217,7 @@ class _Builder:
     avg: float | None = None
     complete: bool = False
     malformed: list[str] = field(default_factory=list)
+    reduced_max_bytes: int | None = None
 
     @property
     def started(self) -> bool:
@@ -225,7 +230,7 @@ class _Builder:
     def result(self) -> NcclResult:
         return NcclResult(self.collective, self.version, dict(self.settings), tuple(self.ranks),
                           tuple(self.rows), self.legacy_rows, self.oob, self.oob_ok, self.avg, self.complete,
-                          tuple(self.malformed))
+                          tuple(self.malformed), self.reduced_max_bytes)
 
 
 def parse_all(text: str) -> list[NcclResult]:
@@ -269,6 +274,8 @@ def parse_all(text: str) -> list[NcclResult]:
             elif m := _AVG_RE.match(stripped):
                 cur.avg = float(m.group(1))
                 cur.complete = True
+            elif m := _REDUCED_RE.match(stripped):
+                cur.reduced_max_bytes = int(m.group(1))
             elif re.search(r"\bsize\b.*\bcount\b.*\btype\b", stripped):
                 cur.legacy = "#wrong" not in stripped and bool(re.search(r"\berror\b", stripped))
             continue
@@ -338,7 +345,8 @@ class PerfSpec:
 
     def sizes(self) -> tuple[int, ...]:
         """What the tool measures: ``for (size = minbytes; size <= maxbytes; size *= stepfactor)``
-        (nccl-tests src/common.cu), so ``max_bytes`` itself only when the factor reaches it."""
+        (nccl-tests src/common.cu), so ``max_bytes`` itself only when the factor reaches it
+        (``sweep_start`` gives a start that does)."""
         out = []
         size = self.min_bytes
         while size <= self.max_bytes:
@@ -347,6 +355,26 @@ class PerfSpec:
                 break
             size *= self.step_factor
         return tuple(out)
+
+
+def sweep_start(min_bytes: int, max_bytes: int, factor: int) -> tuple[int, str | None]:
+    """The ``-b`` whose series ends exactly on ``max_bytes``, and why it is above ``min_bytes``, if it is.
+
+    nccl-tests measures ``for (size = minbytes; size <= maxbytes; size *= stepfactor)``: from any
+    other start the series can stop short of ``-e`` (1 MiB x8 steps ends at 4 GiB under 16 GiB), and
+    the size the profile is judged at is then never measured. So the start is ``max_bytes / factor^k``
+    for the largest k that keeps it at least ``min_bytes``, dividing only while the division is exact.
+    """
+    if factor < 2 or not 0 < min_bytes <= max_bytes:
+        raise ValueError(f"no x{factor} sweep from {min_bytes} to {max_bytes} bytes")
+    start = max_bytes
+    while start // factor >= min_bytes:
+        if start % factor:
+            return start, (f"the sweep starts at {start} bytes, not at min_bytes {min_bytes}: {start} is not "
+                           f"a multiple of the step factor {factor}, so no smaller size reaches max_bytes "
+                           f"{max_bytes} in x{factor} steps")
+        start //= factor
+    return start, None
 
 
 @dataclass(frozen=True)
@@ -362,6 +390,7 @@ class PerfRun:
     returncode: int | None = None
     seconds: float = 0.0
     table: tuple[str, ...] = ()  # the tool's own table lines, for the report
+    tail: tuple[str, ...] = ()  # its last output lines (stdout, then stderr's marked), for a failure
 
     @property
     def command(self) -> str:
@@ -391,6 +420,13 @@ def table_lines(text: str, limit: int = 200) -> tuple[str, ...]:
     return tuple(out)
 
 
+def output_tail(result: ToolResult, limit: int = 20) -> tuple[str, ...]:
+    """The last lines it printed: where a rank died, its CUDA/NCCL error is among them."""
+    out = [ln.rstrip()[:300] for ln in result.stdout.splitlines() if ln.strip()][-limit:]
+    err = [f"[stderr] {ln.rstrip()[:300]}" for ln in result.stderr.splitlines() if ln.strip()][-limit:]
+    return tuple(out + err)
+
+
 def judge_output(argv: tuple[str, ...], result: ToolResult) -> PerfRun:
     """A finished run's output: the parsed result and, where it cannot be judged, why."""
     words = tool_words(result)
@@ -405,7 +441,7 @@ def judge_output(argv: tuple[str, ...], result: ToolResult) -> PerfRun:
     if problem is not None and words and (result.returncode != 0 or parsed is None):
         problem += f"; it said: {words}"
     return PerfRun(argv, parsed, problem, returncode=result.returncode, seconds=result.seconds,
-                   table=table_lines(result.stdout))
+                   table=table_lines(result.stdout), tail=output_tail(result))
 
 
 def run_all_reduce_perf(tools: ToolRunner, spec: PerfSpec, *, timeout: float) -> PerfRun:

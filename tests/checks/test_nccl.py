@@ -93,6 +93,24 @@ def test_a_wrong_contribution_fails_and_every_wrong_element_is_counted() -> None
     assert (g.severity, g.action) == (Severity.FAIL, Action.INSPECT_HARDWARE)
 
 
+def test_wrong_sums_on_one_gpu_at_one_size_only_are_the_nodes() -> None:
+    """One GPU wrong at one size: a single flip on the link into it looks the same (ring all-gather:
+    the last hop's data goes no further), so the node is named; at two or more sizes, the GPU."""
+    def row(nbytes: int, wrong: int) -> SizeRow:
+        return SizeRow(nbytes, 0.001, 1.0, 1.5, wrong, {0: 0, 1: wrong, 2: 0, 3: 0}, 4 * nbytes // 2)
+
+    labels = {r: f"GPU {r}" for r in range(4)}
+    gpu_of = {r: r for r in range(4)}
+    once = Sweep([row(4096, 1), row(1 << 18, 0)], True, labels, as_gpu=True, gpu_of=gpu_of)
+    (f,) = verdict(once, NcclConfig(), None, None)
+    assert (f.component, f.severity, f.action) == (NODE, Severity.FAIL, Action.INSPECT_HARDWARE)
+    assert f.message.endswith("seen on GPU 1 only; every other rank's sums were exact (at 1 size(s): too few "
+                              "to tell this GPU from the link into it)")
+    twice = Sweep([row(4096, 1), row(1 << 18, 3)], True, labels, as_gpu=True, gpu_of=gpu_of)
+    (g,) = verdict(twice, NcclConfig(), None, None)
+    assert (g.component, g.severity, g.action) == ("gpu/1", Severity.FAIL, Action.INSPECT_HARDWARE)
+
+
 def _silent_peer(ctx: compute.WorkerContext, spec: compute.AllReduceSpec) -> Any:
     """Rank 3 joins the process group and then never takes part: the others wait in their collective."""
     if ctx.rank != 3:
