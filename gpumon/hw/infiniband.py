@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpumon.errors import HwCondition, HwFailure
+from gpumon.errors import HwCondition, HwFailure, HwTimeout
 from gpumon.hw.hostfs import HostFs
 from gpumon.model import ib as ib_component
 from gpumon.model import is_component
@@ -196,9 +196,59 @@ def read_port(fs: HostFs, device: str, port: int, counters: Iterable[str] = WATC
     base = f"{CLASS_DIR}/{device}/ports/{port}"
     comp = component_for(device, port) or "node"
     counters = list(counters)
-    attrs = ["state", "phys_state", *(["rate", "link_layer"] if details else []),
-             *(f"counters/{name}" for name in counters)]
-    texts = fs.read_many([f"{base}/{a}" for a in attrs], comp)
+    texts = fs.read_many([f"{base}/{a}" for a in _attrs(counters, details)], comp)
+    return _parse_port(device, port, base, comp, texts, counters, details)
+
+
+def read_ports(fs: HostFs, ports: Iterable[tuple[str, int, bool]],
+               counters: Iterable[str] = WATCHED_COUNTERS,
+               sample_counters: Iterable[str] = SAMPLE_COUNTERS
+               ) -> dict[tuple[str, int], IbPort | HwCondition]:
+    """Several ports, each ``(device, port, details)``, in ONE bounded call (a sampler reading
+    every port every second pays one hand-off to the worker thread, not one per port):
+    ``details`` True reads as ``read_port(fs, device, port, counters)``, False as
+    ``read_port(fs, device, port, sample_counters, details=False)``. Each port maps to its
+    IbPort, or to the HwCondition ``read_port`` would raise (NotSupported: its folder or
+    state file is gone); a read that hangs is ``HwTimeout`` for its port and the ports
+    after it, and the ports read before it keep their readings."""
+    full, sample = list(counters), list(sample_counters)
+    plan: list[tuple[str, int, str, str, list[str], bool]] = []
+    rels: list[str] = []
+    comps: dict[str, str] = {}
+    for device, port, details in ports:
+        base = f"{CLASS_DIR}/{device}/ports/{port}"
+        comp = component_for(device, port) or "node"
+        names = full if details else sample
+        plan.append((device, port, base, comp, names, details))
+        for attr in _attrs(names, details):
+            rel = f"{base}/{attr}"
+            rels.append(rel)
+            comps[rel] = comp
+    if not rels:
+        return {}
+    texts = fs.read_batch(rels, comps, label=f"read({CLASS_DIR}: {len(plan)} ports, {len(rels)} files)")
+    out: dict[tuple[str, int], IbPort | HwCondition] = {}
+    for device, port, base, comp, names, details in plan:
+        try:
+            out[(device, port)] = _parse_port(device, port, base, comp, texts, names, details)
+        except HwCondition as cond:
+            out[(device, port)] = cond
+    return out
+
+
+def _attrs(counters: list[str], details: bool) -> list[str]:
+    return ["state", "phys_state", *(["rate", "link_layer"] if details else []),
+            *(f"counters/{name}" for name in counters)]
+
+
+def _parse_port(device: str, port: int, base: str, comp: str, texts: Mapping[str, str | HwCondition],
+                counters: list[str], details: bool) -> IbPort:
+    for attr in _attrs(counters, details):
+        # a hung read is the port's condition (as when read_many's bounded call raises it),
+        # never one unreadable attribute among others
+        value = texts[f"{base}/{attr}"]
+        if isinstance(value, HwTimeout):
+            raise value
 
     def text(attr: str) -> str:
         value = texts[f"{base}/{attr}"]

@@ -9,11 +9,13 @@ Ethernet (RoCE) port at 200 Gb/s. Simulated faults go through the real stack
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from hypothesis import strategies as st
 from conftest import SimHarness
 from gpumon.check import CheckContext, KernelLog
 from gpumon.checkstate import CheckStateStore
-from gpumon.errors import HwCondition
+from gpumon.errors import HwCondition, HwTimeout
 from gpumon.hw import Hardware
 from gpumon.hw.infiniband import PHYS_STATE_NAMES, parse_rate, parse_state
 from gpumon.hw.inventory import Inventory
@@ -325,6 +327,48 @@ def test_port_folder_disappearing(node: Node) -> None:
     assert (port.severity, port.action) == (Severity.WARN, Action.REBOOT_NODE)
     assert count.severity is Severity.FAIL and "mlx5_6 is in /sys/class/infiniband but shows no ports" in \
         count.message and count.evidence["vanished_ports"] == ["mlx5_6/1"]
+
+
+def test_a_vanished_port_relists_the_devices_after_it_at_once(node: Node) -> None:
+    # what reading one device at a time did: the devices from the vanished one on are
+    # listed again before their ports are read, so a port that appeared there counts now;
+    # a port that appeared on an earlier device waits for the next listing (every 10 s)
+    node.run(0)
+    shutil.rmtree(node.ib / "mlx5_6" / "ports" / "1")
+    for dev in ("mlx5_4", "mlx5_8"):
+        shutil.copytree(node.ib / dev / "ports" / "1", node.ib / dev / "ports" / "2")
+    found = node.run(1)
+    assert "ib/mlx5_8/2" in found and "ib/mlx5_4/2" not in found
+    assert found["ib/mlx5_8/2"].severity is Severity.OK
+    assert found["node"].evidence["vanished_ports"] == ["mlx5_6/1"]
+    assert "mlx5_6 is in /sys/class/infiniband but shows no ports" in found["node"].message
+    assert "ib/mlx5_4/2" in node.run(10)
+
+
+def test_a_hung_read_fails_its_port_and_the_ports_after_it(node: Node) -> None:
+    node.run(0)
+    node.hw = Hardware(node.root, fs_timeout=0.3)
+    stuck = node.attr("mlx5_6", "state")
+    stuck.unlink()
+    os.mkfifo(stuck)  # nobody writes: the read blocks, as a sysfs read behind a dead HCA can
+    try:
+        found = node.run(1)
+        hung_in = "hung after 0.3 s in read(sys/class/infiniband/mlx5_6/ports/1/state)"
+        for dev in ("mlx5_0", "mlx5_1", "mlx5_4", "mlx5_5"):  # read before it: still sampled
+            assert found[f"ib/{dev}/1"].severity is Severity.OK, found[f"ib/{dev}/1"].message
+        for dev in ("mlx5_6", "mlx5_7", "mlx5_8", "mlx5_9", "mlx5_bond_0"):
+            port = found[f"ib/{dev}/1"]
+            assert (port.severity, port.message) == (Severity.FAIL, hung_in), dev
+        # while the read stays stuck, the next run waits for nothing: its first read (the
+        # boot id) is refused at once, which the runner reports as the check's hang
+        start = time.monotonic()
+        with pytest.raises(HwTimeout) as err:
+            node.run(2)
+        assert time.monotonic() - start < 0.25
+        assert "not attempted" in str(err.value) and "sys/class/infiniband" in err.value.call
+    finally:
+        with contextlib.suppress(OSError):  # ENXIO: no reader waits
+            os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))  # let the worker go
 
 
 def test_garbage_state_and_rate_are_unknown_for_that_port(node: Node) -> None:

@@ -7,20 +7,26 @@ Expected values were read off those files by hand.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpumon.errors import HwFailure, NotSupported
+from gpumon.errors import HwCondition, HwFailure, HwTimeout, NotSupported
 from gpumon.hw import Hardware
 from gpumon.hw.infiniband import (
     PHYS_STATE_NAMES,
     SAMPLE_COUNTERS,
     STATE_NAMES,
     IbAttrError,
+    IbPort,
     LinkRate,
     PortState,
     is_saturated,
@@ -31,6 +37,7 @@ from gpumon.hw.infiniband import (
     parse_rate,
     parse_state,
     read_port,
+    read_ports,
 )
 
 TREE = Path(__file__).resolve().parents[1] / "data" / "ibstat-sysfs" / "sys-class-infiniband_h100"
@@ -244,3 +251,68 @@ def test_odd_port_folder_name_is_garbage(host: Path) -> None:
 
 def test_no_infiniband_class_is_an_empty_list(tmp_path: Path) -> None:
     assert list_devices(Hardware(tmp_path).fs) == []
+
+
+# -- several ports in one bounded call (the 1 s sampler) -------------------------------
+
+
+def _outcome(fn: Callable[[], IbPort]) -> IbPort | tuple[type, str, str, str]:
+    try:
+        return fn()
+    except HwCondition as cond:
+        return (type(cond), str(cond), cond.call, cond.component)
+
+
+def _as_outcome(r: IbPort | HwCondition) -> IbPort | tuple[type, str, str, str]:
+    return r if isinstance(r, IbPort) else (type(r), str(r), r.call, r.component)
+
+
+def test_read_ports_reads_each_port_as_read_port(host: Path) -> None:
+    # garbage and missing files too: each port must come out exactly as read_port gives it
+    _attr(host, "mlx5_4", "state").write_text("4: ACT")
+    _attr(host, "mlx5_5", "rate").write_text("\x00\x00")
+    _attr(host, "mlx5_5", "counters/link_downed").unlink()
+    _attr(host, "mlx5_7", "phys_state").unlink()
+    shutil.rmtree(host / "sys/class/infiniband/mlx5_6/ports/1")
+    fs = Hardware(host).fs
+    devices = list_devices(fs)
+    for details in (True, False):
+        got = read_ports(fs, [(dev, 1, details) for dev in devices])
+        assert list(got) == [(dev, 1) for dev in devices]
+        for dev in devices:
+            one = (functools.partial(read_port, fs, dev, 1) if details
+                   else functools.partial(read_port, fs, dev, 1, SAMPLE_COUNTERS, details=False))
+            assert _as_outcome(got[(dev, 1)]) == _outcome(one), (dev, details)
+        assert isinstance(got[("mlx5_6", 1)], NotSupported)
+        assert isinstance(got[("mlx5_4", 1)], IbAttrError)
+        assert isinstance(got[("mlx5_7", 1)], NotSupported)
+        assert isinstance(got[("mlx5_0", 1)], IbPort) and got[("mlx5_0", 1)].complete is details
+
+
+def test_read_ports_of_nothing_reads_nothing(tmp_path: Path) -> None:
+    assert read_ports(Hardware(tmp_path).fs, []) == {}
+
+
+def test_read_ports_hung_port_keeps_the_ports_read_before_it(host: Path) -> None:
+    stuck = _attr(host, "mlx5_5", "counters/link_downed")
+    stuck.unlink()
+    os.mkfifo(stuck)  # nobody writes: the read blocks, as behind a dead device
+    try:
+        fs = Hardware(host, fs_timeout=0.3).fs
+        start = time.monotonic()
+        got = read_ports(fs, [(dev, 1, False) for dev in IB_NDR])
+        assert time.monotonic() - start < 1.0
+        before, hung, after = IB_NDR[:3], "mlx5_5", IB_NDR[4:]
+        read_before = [got[(d, 1)] for d in before]
+        assert all(isinstance(p, IbPort) and p.up for p in read_before)
+        cond = got[(hung, 1)]
+        # a hang is the port's condition, not one unreadable counter among others
+        assert isinstance(cond, HwTimeout) and cond.component == "ib/mlx5_5/1"
+        assert cond.call == "read(sys/class/infiniband/mlx5_5/ports/1/counters/link_downed)"
+        for d in after:
+            later = got[(d, 1)]
+            assert isinstance(later, HwTimeout) and later.component == f"ib/{d}/1"
+            assert later.call == cond.call and "not attempted" in str(later)
+    finally:
+        with contextlib.suppress(OSError):  # ENXIO: no reader waits
+            os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))  # let the worker go

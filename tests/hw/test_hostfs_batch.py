@@ -1,0 +1,148 @@
+"""HostFs.read_batch and read_attr: the cheap bounded reads of the 1 s InfiniBand sampler.
+
+Each file must read exactly as ``read_many`` reads it (text, NotSupported, HwFailure),
+and a read that hangs (a FIFO with no writer: ``open`` blocks, as a sysfs read behind a
+dead device can) must cost only the files from it on, within the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpumon.errors import HwCondition, HwFailure, HwTimeout, NotSupported
+from gpumon.hw import Hardware
+from gpumon.hw.hostfs import MAX_ATTR_BYTES, read_attr
+
+
+def _same(a: str | HwCondition, b: str | HwCondition) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return (type(a), str(a), a.call, a.component) == (type(b), str(b), b.call, b.component)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, MAX_ATTR_BYTES, MAX_ATTR_BYTES + 10])
+def test_read_attr_reads_what_a_buffered_read_does(tmp_path: Path, size: int) -> None:
+    path = tmp_path / "attr"
+    path.write_bytes(bytes(i % 251 for i in range(size)))
+    with open(path, "rb") as fh:
+        want = fh.read(MAX_ATTR_BYTES)
+    assert read_attr(str(path)) == want
+    assert len(want) == min(size, MAX_ATTR_BYTES)
+
+
+def test_read_attr_reads_past_a_short_read(tmp_path: Path) -> None:
+    # procfs seq_files answer a record at a time: a short read is not the end of the file.
+    # A FIFO written in two parts gives the reader a short read first.
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY)
+        os.write(fd, b"4: ")
+        time.sleep(0.05)
+        os.write(fd, b"ACTIVE\n")
+        os.close(fd)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert read_attr(str(path)) == b"4: ACTIVE\n"
+    finally:
+        writer.join()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(max_size=9000))
+def test_read_batch_text_is_read_many_text(data: bytes) -> None:
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        (root / "a").write_bytes(data)
+        fs = Hardware(root).fs
+        assert fs.read_batch(["a"]) == fs.read_many(["a"])
+
+
+def test_read_batch_conditions_are_read_many_conditions(tmp_path: Path) -> None:
+    (tmp_path / "sys").mkdir()
+    (tmp_path / "sys" / "state").write_text("4: ACTIVE\n")
+    (tmp_path / "sys" / "adir").mkdir()
+    (tmp_path / "sys" / "noperm").write_text("x")
+    os.chmod(tmp_path / "sys" / "noperm", 0)
+    rels = ["sys/state", "sys/missing", "sys/adir", "sys/noperm"]
+    fs = Hardware(tmp_path).fs
+    many = fs.read_many(rels, "ib/mlx5_0/1")
+    batch = fs.read_batch(rels, dict.fromkeys(rels, "ib/mlx5_0/1"))
+    assert list(batch) == rels
+    assert all(_same(batch[r], many[r]) for r in rels), (batch, many)
+    assert batch["sys/state"] == "4: ACTIVE"
+    assert isinstance(batch["sys/missing"], NotSupported)
+    assert isinstance(batch["sys/adir"], HwFailure) and "Is a directory" in str(batch["sys/adir"])
+    if os.geteuid() != 0:  # root reads a mode-000 file
+        assert isinstance(batch["sys/noperm"], HwFailure)
+
+
+def test_read_batch_gives_each_file_its_component(tmp_path: Path) -> None:
+    (tmp_path / "a").write_text("1")
+    got = Hardware(tmp_path).fs.read_batch(["a", "b"], {"a": "ib/x/1", "b": "ib/y/1"})
+    assert got["a"] == "1"
+    assert isinstance(got["b"], NotSupported) and got["b"].component == "ib/y/1"
+
+
+@pytest.fixture
+def fifo_root(tmp_path: Path) -> Iterator[Path]:
+    """A root whose sys/stuck is a FIFO nobody writes: reading it blocks until the test
+    opens it for writing at the end (so the worker thread does not outlive the test)."""
+    (tmp_path / "sys").mkdir()
+    for name in ("before", "after"):
+        (tmp_path / "sys" / name).write_text(name + "\n")
+    os.mkfifo(tmp_path / "sys" / "stuck")
+    yield tmp_path
+    _release(tmp_path / "sys" / "stuck")
+
+
+def _release(fifo: Path) -> None:
+    """Let a reader blocked on ``fifo`` go (it reads end of file); nothing if none waits."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader
+        return
+    os.close(fd)
+
+
+def test_a_hung_read_costs_only_the_files_from_it_on(fifo_root: Path) -> None:
+    fs = Hardware(fifo_root, fs_timeout=0.3).fs
+    rels = ["sys/before", "sys/stuck", "sys/after"]
+    comps = {"sys/before": "ib/a/1", "sys/stuck": "ib/b/1", "sys/after": "ib/c/1"}
+    start = time.monotonic()
+    got = fs.read_batch(rels, comps)
+    assert time.monotonic() - start < 1.0
+    assert got["sys/before"] == "before"
+    stuck, after = got["sys/stuck"], got["sys/after"]
+    assert isinstance(stuck, HwTimeout) and isinstance(after, HwTimeout)
+    assert (stuck.call, stuck.component, stuck.seconds) == ("read(sys/stuck)", "ib/b/1", 0.3)
+    assert "did not return within 0.3 s" in str(stuck)
+    # the file after it was not attempted, and says which read it waits behind
+    assert (after.call, after.component) == ("read(sys/stuck)", "ib/c/1")
+    assert "read(sys/after) not attempted" in str(after)
+
+
+def test_a_lane_still_stuck_names_the_file_it_hangs_in(fifo_root: Path) -> None:
+    fs = Hardware(fifo_root, fs_timeout=0.2).fs
+    rels = ["sys/before", "sys/stuck", "sys/after"]
+    fs.read_batch(rels, label="sample")
+    time.sleep(0.05)  # the lane is now stuck for longer than its timeout
+    start = time.monotonic()
+    again = fs.read_batch(rels, label="sample")
+    assert time.monotonic() - start < 0.1  # not waited for again
+    for rel in rels:
+        cond = again[rel]
+        assert isinstance(cond, HwTimeout) and cond.call == "read(sys/stuck)", (rel, cond)
+        assert "not attempted" in str(cond)
