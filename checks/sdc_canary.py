@@ -30,11 +30,14 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumon.check import Check, CheckContext
 from gpumon.errors import ConfigError, HwCondition, NotSupported
 from gpumon.model import NODE, Finding, Phase, Severity, gpu
+
+if TYPE_CHECKING:
+    from gpumon.sdc.inject import FaultSpec
 
 PIDS_SHOWN = 8  # in a busy GPU's message; the evidence lists them all
 
@@ -61,8 +64,8 @@ class SdcCanaryConfig:
         "min": 0, "max": 100,
         "source": "argued: NVML utilization is the share of the last sample period with a kernel "
                   "running; an idle GPU reads 0, monitoring agents' own probes stay in single digits"})
-    bundle_dir: str = field(default="/var/lib/gpumon/sdc/bundles", metadata={
-        "source": "the default state_dir (/var/lib/gpumon) + sdc/bundles"})
+    # empty: <state_dir>/sdc/bundles, the agent's state directory (a simulated node's own one)
+    bundle_dir: str = ""
     device: str = field(default="auto", metadata={
         "choices": ("auto", "cuda", "cpu"),
         "source": "auto: the GPUs; cpu: CPU worker processes stand in for the GPUs (CI, tests)"})
@@ -186,12 +189,17 @@ class SdcCanaryCheck(Check):
                     continue
             return False
 
+        device, inject = params.device, None
+        if ctx.hw.simulated:
+            # a simulated node's GPUs are CPU workers: never the machine's real GPUs under their names;
+            # a GPU the scenario makes compute wrong bits runs its worker under the fault harness
+            device, inject = "cpu", simulated_sdc(ctx, idle)
         options = runner.Options(
             workers=len(idle), device_indices=tuple(idle), iterations=params.iterations,
             workloads=tuple(params.workloads), bundles=tuple(Path(b) for b in params.bundles),
-            golden=golden, bundle_dir=Path(params.bundle_dir), device=params.device,
+            golden=golden, bundle_dir=bundle_dir(params, ctx), device=device,
             timeout_s=params.iteration_timeout_s, driver=ctx.inventory.driver_version, cpu_model=cpu,
-            should_stop=wanted_elsewhere if others else None)
+            should_stop=wanted_elsewhere if others else None, inject=inject)
         try:
             report = runner.run(options)
         except (runner.CanaryError, BundleError) as exc:
@@ -204,3 +212,24 @@ def with_idle_gate(findings: list[Finding], gates: dict[int, dict[str, Any]]) ->
     by_component = {gpu(i): ev for i, ev in gates.items()}
     return [dataclasses.replace(f, evidence={**f.evidence, "idle_gate": by_component[f.component]})
             if f.component in by_component else f for f in findings]
+
+
+def simulated_sdc(ctx: CheckContext, idle: list[int]) -> FaultSpec | None:
+    """The fault harness spec for the first idle simulated GPU whose device model computes wrong bits
+    (scenario fault ``sdc``, gpumon/sim/devices.py), for its worker; None when there is none."""
+    from gpumon import compute
+    from gpumon.sdc.inject import FaultSpec  # at run time: it imports torch
+
+    models = {s.index: s.model for s in compute.node_placement(ctx.inventory, ctx.hw, 0).stand_ins}
+    for worker, index in enumerate(idle):
+        spec = str(models.get(index, {}).get("sdc", ""))
+        if spec:
+            return FaultSpec.parse(f"worker={worker},{spec}")
+    return None
+
+
+def bundle_dir(params: SdcCanaryConfig, ctx: CheckContext) -> Path:
+    """Where a failing run's replay bundle goes: ``bundle_dir``, else under the agent's state directory."""
+    if params.bundle_dir:
+        return Path(params.bundle_dir)
+    return (ctx.state_dir or Path("/var/lib/gpumon")) / "sdc" / "bundles"

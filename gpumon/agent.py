@@ -117,7 +117,7 @@ class Agent:
             f"sim-{self.simulation.scenario.name}" if self.simulation else socket.gethostname())
         self.check_state = CheckStateStore(self.state_dir / "checks" if self.persist_state else None)
         self.runner = Runner(self.hw, self.inventory, self.profile, self.config, node=self.node,
-                             state=self.check_state.get)
+                             state=self.check_state.get, state_dir=self.state_dir)
 
     def stop(self) -> None:
         self.hw.nvml.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported, ToolMissing
@@ -62,6 +63,8 @@ class CheckContext:
     clock: Callable[[], float] = time.time
     node: str = "localhost"
     extras: dict[str, Any] = field(default_factory=dict)
+    # the agent's state directory (a simulated node's own one); None: not known to this caller
+    state_dir: Path | None = None
 
 
 class Check:

@@ -14,6 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpumon.check import Check, CheckContext, KernelLog, condition_finding
@@ -48,8 +49,10 @@ class _Slot:
 class Runner:
     def __init__(self, hw: Hardware, inventory: Inventory, profile: Profile, config: Config,
                  *, node: str, clock: Callable[[], float] = time.time,
-                 state: Callable[[str], MutableMapping[str, Any]] | None = None) -> None:
+                 state: Callable[[str], MutableMapping[str, Any]] | None = None,
+                 state_dir: Path | None = None) -> None:
         self.hw = hw
+        self.state_dir = state_dir
         self.inventory = inventory
         self.profile = profile
         self.config = config
@@ -65,7 +68,7 @@ class Runner:
         return CheckContext(hw=self.hw, inventory=self.inventory, profile=self.profile,
                             params=settings.params, state=self._state_factory(check.name),
                             kernel_log=kernel_log, clock=self.clock, node=self.node,
-                            extras=self.extras)
+                            extras=self.extras, state_dir=self.state_dir)
 
     def run(self, checks: Sequence[Check], kernel_log: KernelLog | None = None,
             on_done: Callable[[CheckRun], None] | None = None) -> list[CheckRun]:

@@ -43,6 +43,32 @@ def test_daemon_sees_faults_as_they_happen(tmp_path: Path) -> None:
     assert ";NVRM: Xid (PCI:0000:cb:00): 48," in (simdir / "host" / "dev" / "kmsg").read_text()
 
 
+def test_daemon_canary_catches_a_gpu_that_computes_wrong_bits(tmp_path: Path) -> None:
+    """The canary phase in the daemon, end to end: GPU 3 of the simulated node computes wrong fp32 bits
+    without any error (scenario fault ``sdc``); the canary's first round (one interval after start)
+    names it, its replay bundle lands under the node's state directory, the health state has it."""
+    simdir = tmp_path / "sim"
+    scenario = tmp_path / "sdc.yaml"
+    scenario.write_text("name: sdc\nsku: h100-sxm\ngpus: 4\nfaults:\n"
+                        "  - {kind: sdc, gpu: 3, dtype: float32, rate: 1.0}\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("checks:\n  sdc_canary:\n    interval_s: 2\n    iterations: 1\n"
+                   "    workloads: [gemm_fp32]\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpumon", "--config", str(cfg), "daemon", "--simulate", str(scenario),
+         "--sim-dir", str(simdir), "--duration", "40", "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((simdir / "state" / "report.json").read_text())
+    found = {(f["check"], f["component"]): f for f in report["findings"]}
+    bad = found[("sdc_canary", "gpu/3")]
+    assert (bad["severity"], bad["action"]) == ("fail", "inspect_hardware"), bad
+    assert "sdc_canary gpu/3: new -> fail" in proc.stderr
+    assert list((simdir / "state" / "sdc" / "bundles").iterdir())  # the failing run, kept for replay
+    failed = {k for k, f in found.items() if k[0] == "sdc_canary" and f["severity"] == "fail"}
+    assert failed == {("sdc_canary", "gpu/3")}
+
+
 def test_daemon_stops_on_sigterm(tmp_path: Path) -> None:
     with subprocess.Popen(
             [sys.executable, "-m", "gpumon", "daemon", "--simulate", "healthy-8xh100",

@@ -11,7 +11,10 @@ so the compute checks measure and judge them through the same code as on GPUs:
   elements of its result are off by one, as when a GPU's memory or NVLink receive path corrupts
   data: the checks count wrong elements;
 - ``p2p_slow`` (``factor``, optional ``peer``): copies between this GPU and ``peer`` (every peer
-  when absent) take 1/factor as long, as over a degraded NVLink.
+  when absent) take 1/factor as long, as over a degraded NVLink;
+- ``sdc`` (``dtype``, ``rate``): the GPU computes wrong bits without any error, as a marginal
+  arithmetic unit does: the SDC canary's worker on it runs under the fault harness
+  (gpumon/sdc/inject.py) with this spec.
 
 The model travels to the worker as plain JSON-able data (``DeviceModel.to_json``); the worker
 installs it with ``install`` (a ``TorchDispatchMode``, so it sees the ATen kernels the worker runs
@@ -45,17 +48,22 @@ class DeviceModel:
     allreduce_wrong: int = 0  # elements of each all-reduce result made wrong on this device
     links: Mapping[int, float] = field(default_factory=dict)  # peer index -> share of healthy copy speed
     all_links: float = 1.0  # share of healthy copy speed to every peer
+    # silent data corruption: the SDC fault harness's spec without the worker ("dtype=float32,rate=1")
+    # (gpumon/sdc/inject.py), applied by the canary to the worker on this GPU
+    sdc: str = ""
 
     def link(self, peer: int) -> float:
         return min(self.all_links, self.links.get(peer, 1.0))
 
     @property
     def healthy(self) -> bool:
-        return self.speed >= 1.0 and not self.allreduce_wrong and self.all_links >= 1.0 and not self.links
+        return (self.speed >= 1.0 and not self.allreduce_wrong and self.all_links >= 1.0 and not self.links
+                and not self.sdc)
 
     def to_json(self) -> dict[str, Any]:
         return {"speed": self.speed, "allreduce_wrong": self.allreduce_wrong,
-                "links": {str(k): v for k, v in sorted(self.links.items())}, "all_links": self.all_links}
+                "links": {str(k): v for k, v in sorted(self.links.items())}, "all_links": self.all_links,
+                "sdc": self.sdc}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> DeviceModel:
@@ -64,7 +72,7 @@ class DeviceModel:
             model = cls(speed=float(data.get("speed", 1.0)),
                         allreduce_wrong=int(data.get("allreduce_wrong", 0)),
                         links={int(k): float(v) for k, v in dict(data.get("links", {})).items()},
-                        all_links=float(data.get("all_links", 1.0)))
+                        all_links=float(data.get("all_links", 1.0)), sdc=str(data.get("sdc", "")))
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"bad device model {data!r}: {exc}") from exc
         shares = (model.speed, model.all_links, *model.links.values())

@@ -347,13 +347,16 @@ class SimNode:
         models: dict[int, DeviceModel] = {}
         for f in self.scenario.faults:
             if not f.active(t) or f.gpu is None or f.kind not in ("compute_slow", "allreduce_corrupt",
-                                                                   "p2p_slow"):
+                                                                   "p2p_slow", "sdc"):
                 continue
             if f.gpu not in nvml_index or (f.peer is not None and f.peer not in nvml_index):
                 continue  # a GPU NVML does not see runs no compute
             m = models.get(nvml_index[f.gpu], DeviceModel())
             if f.kind == "compute_slow":
                 m = replace(m, speed=min(m.speed, f.factor or 1.0))
+            elif f.kind == "sdc":
+                rate = f.rate if f.rate is not None else 1.0
+                m = replace(m, sdc=f"dtype={f.dtype or 'float32'},rate={rate:g}")
             elif f.kind == "allreduce_corrupt":
                 m = replace(m, allreduce_wrong=m.allreduce_wrong + (f.count if f.count is not None else 1))
             elif f.peer is None:

@@ -24,7 +24,7 @@ FAULT_KINDS = ("xid", "throttle", "ib_down", "nvml_error", "nvml_hang", "aer", "
                "temperature", "nvlink_down", "nvlink_errors", "ecc", "remap", "fabric", "pcie_link",
                "gpu_missing", "ib_rate", "ib_errors", "sxid", "utilization", "fm_log",
                # compute faults: the simulated GPU's device model (gpumon/sim/devices.py)
-               "compute_slow", "allreduce_corrupt", "p2p_slow",
+               "compute_slow", "allreduce_corrupt", "p2p_slow", "sdc",
                # a process holding the GPU (the SDC canary's idle gate)
                "compute_process")
 
@@ -53,6 +53,7 @@ _FIELDS = {
     "compute_slow": {"gpu", "factor"},
     "allreduce_corrupt": {"gpu", "count"},
     "p2p_slow": {"gpu", "peer", "factor"},
+    "sdc": {"gpu", "dtype", "rate"},
     "compute_process": {"gpu", "pid", "memory_mib"},
 }
 _REQUIRED = {
@@ -79,6 +80,7 @@ _REQUIRED = {
     "compute_slow": {"gpu", "factor"},
     "allreduce_corrupt": {"gpu"},
     "p2p_slow": {"gpu", "factor"},
+    "sdc": {"gpu"},
     "compute_process": {"gpu", "pid"},
 }
 NVLINK_COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")
@@ -87,6 +89,8 @@ IB_COUNTERS = ("symbol_error", "link_error_recovery", "port_rcv_errors", "local_
                "link_downed")
 THROTTLE_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
                     "sw_thermal_slowdown", "sw_power_cap", "gpu_idle")
+# dtypes the SDC fault harness flips bits in (gpumon/sdc/inject.py)
+SDC_DTYPES = ("float64", "float32", "float16", "bfloat16")
 NVML_ERRORS = {"gpu_is_lost": 15, "not_supported": 3, "unknown": 999, "timeout": 10,
                "no_permission": 4}
 
@@ -132,13 +136,16 @@ class Fault:
     peer: int | None = field(default=None, metadata={"min": 0})
     pid: int | None = field(default=None, metadata={"min": 1, "max": 0xFFFFFFFF})
     memory_mib: int | None = field(default=None, metadata={"min": 0})  # None: NVML reports "not available"
+    dtype: str | None = field(default=None, metadata={"choices": (*SDC_DTYPES, None)})
+    rate: float | None = field(default=None, metadata={"min": 0.0, "max": 1.0})
 
     def __post_init__(self) -> None:
         allowed = _FIELDS[self.kind]
         for name in ("gpu", "code", "message", "device", "function", "error", "seconds", "severity",
                      "text", "core_c", "hbm_c", "link", "counter", "per_s", "corrected", "uncorrected",
                      "pending", "failure", "banks_low", "banks_none", "state", "status", "width", "gen",
-                     "rate_gbps", "switch", "fatal", "pct", "factor", "peer", "pid", "memory_mib"):
+                     "rate_gbps", "switch", "fatal", "pct", "factor", "peer", "pid", "memory_mib", "dtype",
+                     "rate"):
             if getattr(self, name) is not None and name not in allowed:
                 raise ValueError(f"a {self.kind} fault takes no {name!r}")
         if self.reasons and "reasons" not in allowed:

@@ -381,3 +381,19 @@ def test_check_runs_on_idle_gpus_only(sim: Any, tmp_path: Path) -> None:
     ctx.params = dataclasses.replace(ctx.params, majority=False)
     skipped = SdcCanaryCheck().run(ctx)
     assert [(f.component, f.severity) for f in skipped] == [("node", Severity.SKIPPED)]
+
+
+def test_a_simulated_gpu_that_computes_wrong_bits_is_caught(sim: Any, tmp_path: Path) -> None:
+    """The scenario's ``sdc`` fault: GPU 2's canary worker runs under the fault harness (its device
+    model, gpumon/sim/devices.py); no error anywhere, only its fingerprints differ."""
+    h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: sdc, gpu: 2, dtype: float32, rate: 1.0}\n")
+    ctx = h.context(SdcCanaryCheck, 1.0)
+    # "auto" on a simulated node is the CPU: the machine's own GPUs are never measured under its names
+    ctx.params = dataclasses.replace(SdcCanaryConfig(), device="auto", iterations=1, workloads=["gemm_fp32"],
+                                     bundle_dir=str(tmp_path / "bundles"))
+    found = {f.component: f for f in SdcCanaryCheck().run(ctx)}
+    bad = found["gpu/2"]
+    assert (bad.severity, bad.action) == (Severity.FAIL, Action.INSPECT_HARDWARE)
+    assert "gemm_fp32" in bad.message
+    assert all(found[f"gpu/{i}"].severity is Severity.OK for i in (0, 1, 3))
+    assert all(found[f"gpu/{i}"].evidence["device"] == "cpu" for i in (0, 1, 3))

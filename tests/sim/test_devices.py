@@ -32,11 +32,12 @@ def test_compute_faults_become_device_models_by_nvml_index(tmp_path: Path) -> No
                            "  - {kind: compute_slow, gpu: 2, factor: 0.5}\n"   # the slower one wins
                            "  - {kind: allreduce_corrupt, gpu: 6}\n"
                            "  - {kind: p2p_slow, gpu: 3, peer: 5, factor: 0.2}\n"
-                           "  - {kind: p2p_slow, gpu: 4, factor: 0.5, at_s: 100}\n")
+                           "  - {kind: p2p_slow, gpu: 4, factor: 0.5, at_s: 100}\n"
+                           "  - {kind: sdc, gpu: 1, dtype: bfloat16, rate: 0.5}\n")
     node.render(0)
     models = _models(node)
     assert models == {2: DeviceModel(speed=0.1), 6: DeviceModel(allreduce_wrong=1),
-                      3: DeviceModel(links={5: 0.2})}
+                      3: DeviceModel(links={5: 0.2}), 1: DeviceModel(sdc="dtype=bfloat16,rate=0.5")}
     assert link_share(models, 3, 5) == link_share(models, 5, 3) == 0.2  # a link is as slow as its slower end
     assert link_share(models, 0, 1) == 1.0
     node.render(100)  # the fault that starts at 100 s
@@ -71,7 +72,7 @@ def test_garbage_in_the_models_file_is_a_hardware_failure(tmp_path: Path) -> Non
 
 
 def test_models_round_trip_and_refuse_impossible_shares() -> None:
-    m = DeviceModel(speed=0.5, allreduce_wrong=2, links={3: 0.25}, all_links=0.9)
+    m = DeviceModel(speed=0.5, allreduce_wrong=2, links={3: 0.25}, all_links=0.9, sdc="dtype=float16,rate=1")
     assert DeviceModel.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert DeviceModel().healthy and not m.healthy
     for bad in ({"speed": 0}, {"speed": -1}, {"all_links": 1.5}, {"links": {"1": 0}}, {"allreduce_wrong": -1},
@@ -87,5 +88,7 @@ def test_scenario_refuses_compute_faults_it_cannot_lay_out(tmp_path: Path) -> No
         _node(tmp_path, "  - {kind: p2p_slow, gpu: 1, peer: 1, factor: 0.5}\n")
     with pytest.raises(ConfigError, match="factor"):
         _node(tmp_path, "  - {kind: compute_slow, gpu: 1, factor: 0}\n")
+    with pytest.raises(ConfigError, match="dtype"):
+        _node(tmp_path, "  - {kind: sdc, gpu: 1, dtype: int4}\n")
     with pytest.raises(ConfigError, match="takes no 'factor'"):
         _node(tmp_path, "  - {kind: allreduce_corrupt, gpu: 1, factor: 0.5}\n")
