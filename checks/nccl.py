@@ -34,6 +34,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,9 +307,21 @@ class NcclCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params: NcclConfig = ctx.params or NcclConfig()
+        started = time.monotonic()
         by_tool = nccl_tests_findings(ctx, params)
         if isinstance(by_tool, list):
             return by_tool
+        if by_tool is not None:
+            # a tool that failed late leaves too little of the check's budget for a full torch sweep
+            # and its retry: say so rather than be killed as hung half-way through
+            spent = time.monotonic() - started
+            need = 2 * (params.startup_s + params.per_size_s * len(params.sweep()))
+            if spent + need > self.timeout - 30.0:
+                return by_tool.annotate([Finding(
+                    self.name, NODE, Severity.UNKNOWN,
+                    f"all-reduce not measured: nccl-tests failed after {spent:.0f} s and a torch sweep "
+                    f"(up to {need:.0f} s) would not fit the check's {self.timeout:.0f} s budget",
+                    Action.NONE, {})])
         found = torch_findings(ctx, params)
         return found if by_tool is None else by_tool.annotate(found)
 

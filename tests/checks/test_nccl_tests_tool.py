@@ -246,6 +246,18 @@ def test_a_failing_exit_status_without_output_falls_back_with_stderr_in_the_last
     assert failed["message"] in f.message and failed["exit_status"] == 1 and failed["last_lines"] == [said]
 
 
+def test_no_fallback_when_the_torch_sweep_would_not_fit_the_checks_budget(nvml_state: Path,
+                                                                          tmp_path: Path) -> None:
+    # a torch sweep and its retry could take 2 x (400 + 8 x 30) = 1280 s of the check's 900 s
+    bin_dir, _ = fake_tool(tmp_path, {"default": "node1: Test CUDA failure common.cu:892 'unspecified'"},
+                           status=1)
+    (f,) = run(tmp_path, bin_dir, config(startup_s=400))
+    assert (f.severity, f.component) == (Severity.UNKNOWN, NODE)
+    assert f.message.startswith("all-reduce not measured: nccl-tests failed after ")
+    assert "a torch sweep (up to 1280 s) would not fit the check's 900 s budget" in f.message
+    assert f.evidence["nccl_tests_failed"]["exit_status"] == 1
+
+
 def test_a_tool_that_cannot_start_falls_back(nvml_state: Path, tmp_path: Path) -> None:
     bin_dir, log = fake_tool(tmp_path, {"default": A3MEGA})
     script = bin_dir / "all_reduce_perf"
