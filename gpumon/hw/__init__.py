@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpumon.errors import HwFailure
+from gpumon.errors import HwFailure, NotSupported
 from gpumon.hw.calls import BoundedCaller
 from gpumon.hw.hostfs import HostFs
 from gpumon.hw.nvml import NvmlReadings
@@ -35,9 +35,12 @@ class Hardware:
         On a simulated node the compute checks' CPU workers stand in for the simulated GPUs and
         behave as these models say (a slow GPU, a corrupting all-reduce, a slow link).
         """
-        if not self.simulated or not self.fs.exists(SIM_DEVICES_FILE):
+        if not self.simulated:
             return {}
-        text = self.fs.read_text(SIM_DEVICES_FILE)
+        try:
+            text = self.fs.read_text(SIM_DEVICES_FILE)
+        except NotSupported:
+            return {}  # not rendered: every simulated GPU healthy
         try:
             data = json.loads(text)
             return {int(k): DeviceModel.from_json(v) for k, v in dict(data).items()}
