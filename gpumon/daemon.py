@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -30,17 +30,43 @@ from gpumon.config import split_listen
 from gpumon.errors import StartupError
 from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder
 from gpumon.export.webserver import load_web_config, serve_metrics
-from gpumon.health import Health
+from gpumon.health import Health, HealthView
 from gpumon.hw.kmsg import KernelLogFollower
 from gpumon.hw.nvrm import NvrmParser
 from gpumon.model import Phase, Severity
 from gpumon.remediate.runner import RemediationLoop
 from gpumon.report import json_report
-from gpumon.runner import CheckRun
+from gpumon.runner import CheckRun, Worker
+from gpumon.sim.scenario import Scenario
 
 log = logging.getLogger("gpumon.daemon")
 # kept beside the checks' own state (a check may clear its state on a new boot)
 WATERMARK_STATE = "kernel-log-watermarks"
+# A simulated node's clock: how often it re-renders while a counter ramps, and the longest
+# it sleeps otherwise (a wall clock stepped back or forth is caught up within that).
+SIM_TICK_S = 0.25
+SIM_MAX_SLEEP_S = 5.0
+
+
+def sim_wait(scenario: Scenario, t: float) -> float:
+    """Seconds from scenario time ``t`` to the next moment the simulated node looks different
+    (``Scenario.changes_between``), found to 5 ms: SIM_TICK_S while a counter ramps, at most
+    SIM_MAX_SLEEP_S. Asking every 0.25 s instead cost a healthy simulated node, where nothing
+    ever changes, ~0.05 % of a core (each timed wake-up of a thread costs ~0.1 ms of CPU)."""
+    if scenario.changes_between(t, t):  # only a counter ramping at t makes that true
+        return SIM_TICK_S
+    if not scenario.changes_between(t, t + SIM_MAX_SLEEP_S):
+        return SIM_MAX_SLEEP_S
+    # With nothing ramping at t, "changed by t + x" only turns true as x grows (a ramp
+    # running at t + x started after t): bisect for where it does.
+    lo, hi = 0.0, SIM_MAX_SLEEP_S
+    while hi - lo > 0.005:
+        mid = (lo + hi) / 2
+        if scenario.changes_between(t, t + mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def sd_notify(message: str) -> bool:
@@ -58,6 +84,15 @@ def sd_notify(message: str) -> bool:
     except OSError as exc:
         log.warning("sd_notify failed: %s", exc)
         return False
+
+
+def _health_map(view: HealthView) -> dict[str, tuple[str, str]]:
+    """component -> (state, recommended action), for the exporter's snapshot."""
+    health = {name: (comp.level.value, comp.action.value) for name, comp in view.components.items()}
+    # last: the components map has a "node" entry for findings filed on the node
+    # itself, which is not the node's overall state
+    health["node"] = (view.node.level.value, view.node.action.value)
+    return health
 
 
 class KernelLogPump:
@@ -189,7 +224,9 @@ class Daemon:
         self.latest: dict[str, CheckRun] = {}
         self._last_severity: dict[tuple[str, str], Severity] = {}
         self._lock = threading.Lock()
-        self._workers: dict[str, threading.Thread] = {}
+        # per check, the thread that runs it (waits for it within its deadline) and records
+        # what it found, kept between runs (see gpumon.runner.Worker)
+        self._workers: dict[str, Worker] = {}
         self._saved_at: dict[str, float] = {}
         self._report_at = 0.0
         self._folded: dict[str, tuple[tuple[Any, ...], float]] = {}
@@ -198,6 +235,7 @@ class Daemon:
         self._content_changed = threading.Event()
         self._check_names: set[str] = set()
         self._node_said: tuple[str, str] | None = None
+        self._health_of: tuple[HealthView, Mapping[str, tuple[str, str]]] | None = None
         self.health: Health | None = None
         self.snapshots: SnapshotHolder | None = None
         self._server: Any = None
@@ -253,14 +291,15 @@ class Daemon:
                 self._exposition.prerender()
 
     def _snapshot(self) -> Snapshot:
-        health: dict[str, tuple[str, str]] = {}
+        health: Mapping[str, tuple[str, str]] = {}
         if self.health is not None:
             view = self.health.view()
-            for name, comp in view.components.items():
-                health[name] = (comp.level.value, comp.action.value)
-            # last: the components map has a "node" entry for findings filed on the node
-            # itself, which is not the node's overall state
-            health["node"] = (view.node.level.value, view.node.action.value)
+            # the view is a new object only when the health state changed (most runs leave
+            # it as it was): the same view, the same map, which the snapshot holder then
+            # need not compare item by item
+            if self._health_of is None or self._health_of[0] is not view:
+                self._health_of = (view, _health_map(view))
+            health = self._health_of[1]
         runs = dict(self.latest)
         if self.health is not None:
             # a store that cannot write is a finding like any other (read-only or full state dir)
@@ -320,7 +359,7 @@ class Daemon:
             grace = self.agent.config.daemon.shutdown_grace_s
             deadline = time.monotonic() + grace
             for worker in list(self._workers.values()):
-                worker.join(timeout=max(0.0, deadline - time.monotonic()))
+                worker.idle.wait(timeout=max(0.0, deadline - time.monotonic()))
             for name in (*self._saved_at, WATERMARK_STATE):
                 self.agent.check_state.save(name)
             pump.close()
@@ -340,7 +379,7 @@ class Daemon:
 
     def _idle(self, name: str) -> bool:
         worker = self._workers.get(name)
-        return worker is None or not worker.is_alive()
+        return worker is None or not worker.busy
 
     def _launch(self, check: Check, klog: KernelLog | None) -> None:
         def work() -> None:
@@ -355,9 +394,11 @@ class Daemon:
                     self._saved_at[run.check] = now
                 self._record(run)
 
-        t = threading.Thread(target=work, name=f"gpumon-run-{check.name}", daemon=True)
-        self._workers[check.name] = t
-        t.start()
+        worker = self._workers.get(check.name)
+        if worker is None or not worker.submit(work):
+            # none yet, or it ended (idle for a while, or the last run raised): a new one
+            worker = self._workers[check.name] = Worker(f"gpumon-run-{check.name}")
+            worker.submit(work)
 
     def _record(self, run: CheckRun) -> None:
         with self._lock:
@@ -431,8 +472,11 @@ class Daemon:
             return None
 
         def tick() -> None:
-            while not self.stop.wait(0.25):
-                sim.advance(time.time() - sim.node.start_wall)
+            wait = sim_wait(sim.scenario, time.time() - sim.node.start_wall)
+            while not self.stop.wait(wait):
+                t = time.time() - sim.node.start_wall
+                sim.advance(t)
+                wait = sim_wait(sim.scenario, t)
 
         t = threading.Thread(target=tick, name="gpumon-sim-clock", daemon=True)
         t.start()

@@ -10,7 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from conftest import clean_env
+from gpumon.sim.scenario import Fault, Scenario
 
 
 def _scenario(tmp_path: Path) -> Path:
@@ -248,3 +252,32 @@ def test_kill_9_during_a_burst_keeps_committed_events_and_the_state(tmp_path: Pa
     still = {c for c, v in comps.items() if v["state"] == "unhealthy"}  # type: ignore[attr-defined]
     assert unhealthy <= still
     assert {f"gpu/{i}" for i in range(8)} <= still  # every GPU got its Xid 48 by the end
+
+
+_FAULT = st.builds(
+    lambda at, dur, per: Fault(kind="nvlink_errors", at_s=at, duration_s=dur, gpu=0, link=0, counter="replay",
+                               per_s=per),
+    st.floats(0, 30), st.none() | st.floats(0, 10), st.none() | st.sampled_from([0.0, 2.0]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_FAULT, max_size=4), st.floats(0, 40))
+def test_the_simulation_clock_wakes_at_the_next_change_and_not_before(faults: list[Fault], t: float) -> None:
+    from gpumon.daemon import SIM_MAX_SLEEP_S, SIM_TICK_S, sim_wait
+
+    scenario = Scenario(name="s", sku="h100-sxm", faults=faults)
+    wait = sim_wait(scenario, t)
+    ramping = any(f.per_s and f.active(t) for f in faults)
+    if ramping:
+        assert wait == SIM_TICK_S
+        return
+    assert 0 < wait <= SIM_MAX_SLEEP_S
+    # nothing changes before the wake-up (5 ms resolution), and something has by then unless
+    # it is the longest sleep
+    assert not scenario.changes_between(t, t + max(0.0, wait - 0.005))
+    changes = [x for f in faults for x in (f.at_s, f.end_s) if x is not None and t < x]
+    if wait < SIM_MAX_SLEEP_S:
+        assert scenario.changes_between(t, t + wait)
+        assert min(changes) <= t + wait <= min(changes) + 0.005
+    else:
+        assert not changes or min(changes) > t + SIM_MAX_SLEEP_S - 0.005

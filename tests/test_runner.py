@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from gpumon.check import Check, CheckContext
 from gpumon.config import CheckSettings, Config
@@ -130,3 +131,96 @@ def test_capability_gate_gives_skipped_with_reason(tmp_path: Path) -> None:
     runs = _runner(tmp_path, {}).run([NotHere()])
     f = runs[0].findings[0]
     assert (f.severity, f.message) == (Severity.SKIPPED, "no NVLink on this SKU")
+
+
+class WhereAmI(Check):
+    """Records the thread each run ran on."""
+
+    name = "whereami"
+    threads: ClassVar[list[int]] = []
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        self.threads.append(threading.get_ident())
+        return [self.ok(NODE, "here")]
+
+
+def test_a_check_run_again_runs_on_its_kept_thread(tmp_path: Path) -> None:
+    runner = _runner(tmp_path, {})
+    WhereAmI.threads = []
+    for _ in range(3):
+        assert runner.run([WhereAmI()])[0].outcome == "completed"
+    assert len(WhereAmI.threads) == 3 and len(set(WhereAmI.threads)) == 1
+    assert threading.get_ident() not in WhereAmI.threads
+
+
+def test_a_check_whose_kept_thread_is_busy_runs_on_a_thread_of_its_own(tmp_path: Path) -> None:
+    # the window in which a check has returned but its thread has not yet taken up the next job
+    runner = _runner(tmp_path, {})
+    WhereAmI.threads = []
+    runner.run([WhereAmI()])
+    gate = threading.Event()
+    assert runner._workers["whereami"].submit(lambda: gate.wait(5))
+    try:
+        start = time.monotonic()
+        assert runner.run([WhereAmI()])[0].outcome == "completed"
+        assert time.monotonic() - start < 1.0  # not queued behind the busy thread
+    finally:
+        gate.set()
+    assert len(set(WhereAmI.threads)) == 2
+
+
+def test_a_hung_check_keeps_its_thread_and_the_next_run_after_it_returns_completes(tmp_path: Path) -> None:
+    runner = _runner(tmp_path, {"sleeper": 0.5, "quick": 5.0})
+    Sleeper.release.clear()
+    try:
+        start = time.monotonic()
+        by = {r.check: r for r in runner.run([Sleeper(), Quick()])}
+        assert time.monotonic() - start < 1.5
+        assert (by["sleeper"].outcome, by["quick"].outcome) == ("hung", "completed")
+        assert runner.run([Sleeper()])[0].outcome == "still-hung"
+    finally:
+        Sleeper.release.set()
+    deadline = time.monotonic() + 5
+    runs = runner.run([Sleeper()])
+    while runs[0].outcome == "still-hung" and time.monotonic() < deadline:
+        time.sleep(0.02)  # the released run is winding up
+        runs = runner.run([Sleeper()])
+    assert runs[0].outcome == "completed" and runs[0].findings[0].message == "woke"
+    Sleeper.release.clear()
+
+
+def test_worker_ends_when_idle_and_after_a_job_that_raises() -> None:
+    from gpumon.runner import Worker
+
+    done = threading.Event()
+    idle = Worker("idle", idle_s=0.1)
+    assert idle.submit(done.set) and done.wait(2)
+    assert idle.idle.wait(2)
+    idle.thread.join(2)
+    assert not idle.thread.is_alive() and not idle.alive
+    assert not idle.submit(done.set)  # an ended worker takes nothing: the caller makes a new one
+
+    seen: list[type[BaseException]] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: seen.append(args.exc_type)
+    try:
+        boom = Worker("boom")
+        assert boom.submit(lambda: {}["missing"])
+        boom.thread.join(2)
+    finally:
+        threading.excepthook = hook
+    # as a thread of its own would: the exception is reported and the thread ends
+    assert seen == [KeyError] and not boom.alive and not boom.busy and boom.idle.is_set()
+
+
+def test_worker_takes_one_job_at_a_time() -> None:
+    from gpumon.runner import Worker
+
+    gate, ran = threading.Event(), threading.Event()
+    w = Worker("one")
+    assert w.submit(lambda: gate.wait(5))
+    assert w.busy and not w.idle.is_set()
+    assert not w.submit(ran.set)  # busy: not queued behind the stuck job
+    gate.set()
+    assert w.idle.wait(2) and not w.busy
+    assert w.submit(ran.set) and ran.wait(2)

@@ -80,8 +80,7 @@ class HostFs:
         label = f"read({rel})"
 
         def read() -> bytes:
-            with open(p, "rb") as fh:
-                return fh.read(MAX_ATTR_BYTES)
+            return read_attr(str(p))
 
         try:
             data = self._caller.call("hostfs", label, read, self._timeout, component)
@@ -104,8 +103,7 @@ class HostFs:
             out: dict[str, bytes | OSError] = {}
             for rel in rels:
                 try:
-                    with open(self._abs(rel), "rb") as fh:
-                        out[rel] = fh.read(MAX_ATTR_BYTES)
+                    out[rel] = read_attr(self._abs(rel))
                 except OSError as exc:
                     out[rel] = exc
             return out

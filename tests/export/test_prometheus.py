@@ -12,6 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -217,3 +219,91 @@ def test_cached_exposition_serves_the_same_samples_in_every_format() -> None:
     proc = subprocess.run([_promtool(), "check", "metrics"], input=hot.decode(), capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), proc.stdout
+
+
+def _run(check: str, value: float, severity: Severity = Severity.OK, started: float = 1000.0) -> CheckRun:
+    comp = {"thermal": "gpu/0", "xid": "gpu/3", "ib": "ib/mlx5_0/1"}[check]
+    f = Finding(check, comp, severity, "m", evidence={"readings": [reading(f"{check}_value", value, port=1)]})
+    return CheckRun(check, [f], started, 0.01, "completed")
+
+
+def _fresh_render(snap: Snapshot) -> bytes:
+    from gpumon.export.prometheus import CachedExposition
+
+    return CachedExposition(SnapshotHolder(snap)).render("text/plain", gzip_ok=False)[0]
+
+
+def test_only_a_changed_run_renders_again_and_the_text_is_what_a_fresh_render_gives() -> None:
+    from gpumon.export.prometheus import CachedExposition
+
+    # the daemon's pattern: every snapshot holds the runs of the last one, and one new run
+    runs = {"thermal": _run("thermal", 41.0), "xid": _run("xid", 3.0), "ib": _run("ib", 0.0)}
+    holder = SnapshotHolder(Snapshot("n", "p", "v", dict(runs)))
+    app = CachedExposition(holder)
+    app.render("text/plain", gzip_ok=False)
+    # a new run that says the same (the 1 s ib check on a healthy node): no new version
+    runs["ib"] = _run("ib", 0.0, started=1001.0)
+    snap = Snapshot("n", "p", "v", dict(runs))
+    holder.set(snap)
+    assert holder.version == 0
+    assert app.render("text/plain", gzip_ok=False)[0] == _fresh_render(snap)
+    # a changed reading in one check, the others' runs untouched: a new version, rendered
+    runs["thermal"] = _run("thermal", 55.0)
+    snap = Snapshot("n", "p", "v", dict(runs))
+    holder.set(snap)
+    assert holder.version == 1
+    text = app.render("text/plain", gzip_ok=False)[0]
+    assert text == _fresh_render(snap)
+    assert _samples(text.decode())[("gpumon_thermal_value", (("check", "thermal"), ("component", "gpu/0"),
+                                                             ("port", "1")))] == 55
+    # the same snapshot again, then the same runs in a new snapshot: nothing changed
+    holder.set(snap)
+    holder.set(Snapshot("n", "p", "v", dict(runs)))
+    assert holder.version == 1
+    # a severity change in the check that runs every second, and a check that goes away
+    runs["ib"] = _run("ib", 0.0, Severity.WARN, started=1002.0)
+    holder.set(Snapshot("n", "p", "v", dict(runs)))
+    assert holder.version == 2
+    del runs["xid"]
+    snap = Snapshot("n", "p", "v", dict(runs))
+    holder.set(snap)
+    assert holder.version == 3
+    assert app.render("text/plain", gzip_ok=False)[0] == _fresh_render(snap)
+
+
+_STEP = st.fixed_dictionaries({
+    name: st.sampled_from(["keep", "same", "value", "severity", "drop"])
+    for name in ("thermal", "xid", "ib")
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_STEP, st.sampled_from(["healthy", "degraded"]), st.booleans()), min_size=1,
+                max_size=8))
+def test_cached_signature_changes_exactly_when_a_fresh_one_does(
+        steps: list[tuple[dict[str, str], str, bool]]) -> None:
+    from gpumon.export.prometheus import CachedExposition, _signature
+
+    runs = {"thermal": _run("thermal", 41.0), "xid": _run("xid", 3.0), "ib": _run("ib", 0.0)}
+    values = {name: 0.0 for name in runs}
+    snap = Snapshot("n", "p", "v", dict(runs))
+    holder = SnapshotHolder(snap)
+    app = CachedExposition(holder)
+    # the daemon hands over the same health map while the health state stays as it was
+    kept = {state: {"node": (state, "none")} for state in ("healthy", "degraded")}
+    for step, state, same_map in steps:
+        for name, what in step.items():
+            if what == "drop":
+                runs.pop(name, None)
+                continue
+            if what == "value":
+                values[name] += 1
+            if what != "keep" or name not in runs:
+                runs[name] = _run(name, values[name], Severity.WARN if what == "severity" else Severity.OK)
+        before, version = snap, holder.version
+        health = kept[state] if same_map else {"node": (state, "none")}
+        snap = Snapshot("n", "p", "v", dict(runs), health)
+        holder.set(snap)
+        changed = _signature(snap)[0] != _signature(before)[0]
+        assert holder.version == version + changed
+        assert app.render("text/plain", gzip_ok=False)[0] == _fresh_render(snap)

@@ -146,3 +146,103 @@ def test_a_lane_still_stuck_names_the_file_it_hangs_in(fifo_root: Path) -> None:
         cond = again[rel]
         assert isinstance(cond, HwTimeout) and cond.call == "read(sys/stuck)", (rel, cond)
         assert "not attempted" in str(cond)
+
+
+# -- read_text and read_many read through read_attr: the same text, conditions and bound as
+# the buffered ``open(path, "rb").read(MAX_ATTR_BYTES)`` they used before
+
+
+def _buffered(root: Path, rel: str, comp: str) -> str | HwCondition:
+    """What read_text and read_many gave for one file when they read it buffered."""
+    path = f"{root}/{rel}"
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_ATTR_BYTES)
+    except FileNotFoundError:
+        return NotSupported(f"{path} does not exist", call=f"read({rel})", component=comp)
+    except OSError as exc:
+        return HwFailure(f"cannot read {path}: {exc.strerror}", call=f"read({rel})", component=comp)
+    return data.decode("utf-8", errors="replace").strip()
+
+
+def _text(root: Path, rel: str, comp: str) -> str | HwCondition:
+    try:
+        return Hardware(root).fs.read_text(rel, comp)
+    except HwCondition as cond:
+        return cond
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.builds(lambda head, pad, tail: head + b"7" * pad + tail,  # past a 4 KiB chunk, often
+                 st.binary(max_size=64) | st.text(max_size=64).map(lambda s: f" \n{s}".encode()),
+                 st.integers(0, 9000), st.binary(max_size=64)))
+def test_read_text_and_read_many_give_the_buffered_text(data: bytes) -> None:
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        (root / "a").write_bytes(data)
+        want = _buffered(root, "a", "node")
+        assert _text(root, "a", "node") == want
+        assert Hardware(root).fs.read_many(["a"]) == {"a": want}
+
+
+@pytest.mark.parametrize("size", [0, 4096, 4097, MAX_ATTR_BYTES, MAX_ATTR_BYTES + 10])
+def test_read_text_and_read_many_stop_at_the_same_bound(tmp_path: Path, size: int) -> None:
+    (tmp_path / "a").write_bytes(b"7" * size)
+    want = _buffered(tmp_path, "a", "node")
+    assert isinstance(want, str) and len(want) == min(size, MAX_ATTR_BYTES)
+    assert _text(tmp_path, "a", "node") == want
+    assert Hardware(tmp_path).fs.read_many(["a"])["a"] == want
+
+
+def test_read_text_and_read_many_give_the_buffered_conditions(tmp_path: Path) -> None:
+    sys_dir = tmp_path / "sys"
+    sys_dir.mkdir()
+    (sys_dir / "state").write_text("4: ACTIVE\n")
+    (sys_dir / "adir").mkdir()
+    (sys_dir / "noperm").write_text("x")
+    os.chmod(sys_dir / "noperm", 0)
+    os.symlink("nowhere", sys_dir / "dangling")
+    os.symlink("loop", sys_dir / "loop")
+    rels = ["sys/state", "sys/missing", "sys/adir", "sys/noperm", "sys/state/under", "sys/dangling",
+            "sys/loop"]
+    comp = "ib/mlx5_0/1"
+    want = {rel: _buffered(tmp_path, rel, comp) for rel in rels}
+    many = Hardware(tmp_path).fs.read_many(rels, comp)
+    assert list(many) == rels
+    for rel in rels:
+        assert _same(many[rel], want[rel]), (rel, many[rel], want[rel])
+        assert _same(_text(tmp_path, rel, comp), want[rel]), rel
+    # what the reference gives is what these cases must be
+    assert want["sys/state"] == "4: ACTIVE"
+    assert isinstance(want["sys/missing"], NotSupported) and isinstance(want["sys/dangling"], NotSupported)
+    for rel, why in (("sys/adir", "Is a directory"), ("sys/state/under", "Not a directory"),
+                     ("sys/loop", "Too many levels of symbolic links")):
+        assert isinstance(want[rel], HwFailure) and why in str(want[rel]), rel
+
+
+def test_read_text_reads_past_a_short_read(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+
+    def write() -> None:
+        fd = os.open(tmp_path / "fifo", os.O_WRONLY)
+        os.write(fd, b"4: ")
+        time.sleep(0.05)
+        os.write(fd, b"ACTIVE\n")
+        os.close(fd)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert Hardware(tmp_path).fs.read_text("fifo") == "4: ACTIVE"
+    finally:
+        writer.join()
+
+
+def test_a_hung_read_text_is_a_timeout_within_its_bound(fifo_root: Path) -> None:
+    fs = Hardware(fifo_root, fs_timeout=0.3).fs
+    start = time.monotonic()
+    with pytest.raises(HwTimeout) as info:
+        fs.read_text("sys/stuck", "ib/b/1")
+    assert time.monotonic() - start < 1.0
+    assert info.value.component == "ib/b/1"
