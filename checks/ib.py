@@ -268,6 +268,24 @@ class IbCheck(Check):
 
     def _verdict(self, ctx: CheckContext, params: IbConfig, comp: str, pst: dict[str, Any],
                  reading: IbPort | HwCondition | None, now: float) -> Finding:
+        """The port's finding. A port that is up with nothing in its windows gets, sample
+        after sample, the same finding but for ``details_age_s``: that one is kept (in
+        memory, per runner) and given the new age, instead of being worded again every
+        second for every port."""
+        steady = _steady(pst, reading)
+        if steady is None:
+            return self._judge(ctx, params, comp, pst, reading, now)
+        kept: dict[tuple[str, str], tuple[Any, ...]] = ctx.extras.setdefault("ib.steady_findings", {})
+        last = kept.get((self.name, comp))
+        age = round(now - pst["detail"]["t"], 1)
+        if last is not None and last[0] == steady and last[1] is params and last[2] is ctx.profile:
+            return _aged(last[3], age)
+        found = self._judge(ctx, params, comp, pst, reading, now)
+        kept[(self.name, comp)] = (steady, params, ctx.profile, found)
+        return found
+
+    def _judge(self, ctx: CheckContext, params: IbConfig, comp: str, pst: dict[str, Any],
+               reading: IbPort | HwCondition | None, now: float) -> Finding:
         issues: list[_Issue] = []
         evidence = _downtime_evidence(pst, now, params)
         issues += _downtime_issues(evidence, params)
@@ -387,6 +405,27 @@ def _read(ctx: CheckContext, wanted: list[tuple[str, int]], ports: dict[str, Any
         plan.append((dev, port, full))
     got = read_ports(ctx.hw.fs, plan, sample_counters=SAMPLE_COUNTERS)
     return {f"{dev}/{port}": None if isinstance(r, NotSupported) else r for (dev, port), r in got.items()}
+
+
+def _steady(pst: dict[str, Any], reading: IbPort | HwCondition | None) -> tuple[Any, ...] | None:
+    """Everything a port's finding depends on but its details_age_s, when that is all: the
+    port is up, with no outage open or in the window and no error in the rate window, so
+    that neither its downtime nor its hourly error rates depend on the time. None otherwise."""
+    if (not isinstance(reading, IbPort) or not reading.up or pst["down_since"] is not None
+            or pst["missing_since"] is not None or pst["outages"]
+            or any(pst["buckets"][c] for c in _RATE_COUNTERS)):
+        return None
+    return (reading.state, reading.phys_state, reading.rate, reading.link_layer,
+            tuple(reading.counters.items()), tuple(reading.errors.items()), pst["resets"])
+
+
+def _aged(found: Finding, age: float) -> Finding:
+    """``found`` with details_age_s set to ``age``; its lists copied, so that no two
+    findings share one."""
+    evidence = {k: [list(x) if isinstance(x, list) else x for x in v] if isinstance(v, list) else v
+                for k, v in found.evidence.items()}
+    evidence["details_age_s"] = age
+    return Finding(found.check, found.component, found.severity, found.message, found.action, evidence)
 
 
 def _with_details(pst: dict[str, Any], port: IbPort, now: float) -> IbPort:

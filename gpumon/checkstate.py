@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ class CheckStateStore:
         self.directory = directory
         self._states: dict[str, dict[str, Any]] = {}
         self._saved: dict[str, str] = {}
+        # checks run on threads of their own and two may save one shared state (kernel-log
+        # watermarks) at once: one writer at a time, or both would write the same .tmp file
+        self._lock = threading.Lock()
         self.last_error: str | None = None
 
     def _path(self, name: str) -> Path | None:
@@ -49,6 +53,10 @@ class CheckStateStore:
         return state
 
     def save(self, name: str) -> bool:
+        with self._lock:
+            return self._save(name)
+
+    def _save(self, name: str) -> bool:
         path = self._path(name)
         if path is None or name not in self._states:
             return False
@@ -66,7 +74,8 @@ class CheckStateStore:
             self._saved[name] = text
             self.last_error = None
             return True
-        except (OSError, TypeError, ValueError) as exc:
+        except (OSError, TypeError, ValueError, RuntimeError) as exc:
+            # RuntimeError: the state changed size while it was serialized (a check still running)
             self.last_error = f"cannot save state of {name} to {path}: {exc}"
             log.warning("%s", self.last_error)
             return False

@@ -590,3 +590,115 @@ def test_simulated_node_missing_an_hca_and_one_without_rdma(fast_sim: Any) -> No
     none = fast_sim("name: none\nsku: h100-sxm\nib_devices: 0\n")
     inventory = none.context(IbCheck, t=1).inventory
     assert IbCheck().supported(inventory) == "no InfiniBand/RDMA devices in /sys/class/infiniband"
+
+
+# -- a steady port's finding is kept between samples ---------------------------------
+
+
+def _run_kept(node: Node, t: float, state: dict[str, Any], extras: dict[str, Any]) -> list[Finding]:
+    """One sample as the daemon takes it: the runner's extras kept from run to run."""
+    ctx = CheckContext(hw=node.hw, inventory=Inventory(ib_devices=sorted(os.listdir(node.ib))),
+                       profile=node.profile, params=node.params, state=state, kernel_log=KernelLog(),
+                       clock=lambda: T0 + t, extras=extras)
+    return IbCheck().run(ctx)
+
+
+def _as_text(findings: list[Finding]) -> list[str]:
+    return [json.dumps(f.to_json()) for f in findings]  # key order included
+
+
+class _Twins:
+    """The same node sampled twice at each time: with the kept findings (extras carried from
+    run to run, as the daemon's runner does) and without (fresh extras, as the tests above)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.kept_state: dict[str, Any] = {}
+        self.fresh_state: dict[str, Any] = {}
+        self.extras: dict[str, Any] = {}
+
+    def run(self, t: float) -> list[Finding]:
+        kept = _run_kept(self.node, t, self.kept_state, self.extras)
+        fresh = _run_kept(self.node, t, self.fresh_state, {})
+        assert _as_text(kept) == _as_text(fresh), t
+        assert self.kept_state == self.fresh_state
+        return kept
+
+
+def test_a_steady_port_gets_the_finding_a_full_verdict_gives(node: Node) -> None:
+    twins = _Twins(node)
+    for t in range(0, 25):  # two detail reads (every 10 s): details_age_s goes 0..9 twice
+        found = {f.component: f for f in twins.run(t)}
+        assert found["ib/mlx5_0/1"].evidence["details_age_s"] == float(t % 10)
+    assert len(twins.extras["ib.steady_findings"]) == len(NDR) + 1  # every up port (one is RoCE)
+    # what changes a steady port's finding is seen at once
+    node.write("mlx5_8", "rate", "100 Gb/sec (4X EDR)\n")
+    assert {f.component: f for f in twins.run(30)}["ib/mlx5_8/1"].severity is Severity.WARN
+    node.write("mlx5_0", "counters/symbol_error", "5\n")  # now in the rate window
+    node.write("mlx5_1", "counters/port_rcv_errors", "3\n")  # in the evidence only
+    node.write("mlx5_4", "counters/link_downed", "255\n")  # saturated, and an outage counted
+    for t in range(40, 43):
+        found = {f.component: f for f in twins.run(t)}
+    assert found["ib/mlx5_0/1"].evidence["symbol_error_per_h"] == 5.0
+    assert found["ib/mlx5_1/1"].evidence["port_rcv_errors"] == 3
+    assert found["ib/mlx5_4/1"].evidence["saturated_counters"] == ["link_downed"]
+    node.write("mlx5_1", "counters/port_rcv_errors", "4\n")  # up by one: only the counter changes
+    assert {f.component: f for f in twins.run(50)}["ib/mlx5_1/1"].evidence["port_rcv_errors"] == 4
+    # an hour later the symbol errors have left the rate window, nothing else changed
+    assert {f.component: f for f in twins.run(40 + 3600 + 60)}["ib/mlx5_0/1"].evidence[
+        "symbol_error_per_h"] == 0.0
+    # a reset counted while the port was down, the counter back where it was, and a day
+    # later (the outage out of the window) the port steady again: the reset is still said
+    resets = found["ib/mlx5_1/1"].evidence["counter_resets"]
+    t = 40 + 3600 + 61
+    twins.run(t)
+    node.down("mlx5_1")
+    node.write("mlx5_1", "counters/port_rcv_errors", "2\n")
+    twins.run(t + 1)
+    twins.run(t + 2)  # a port not up at the last sample is read in full
+    node.up("mlx5_1")
+    node.write("mlx5_1", "counters/port_rcv_errors", "4\n")
+    twins.run(t + 3)
+    again = {f.component: f for f in twins.run(t + 3 + 86400 + 1)}["ib/mlx5_1/1"]
+    assert (again.evidence["outages"], again.evidence["counter_resets"]) == (0, resets + 1)
+    # a kept finding is not the one handed out before: nothing is shared between two samples
+    a, b = twins.run(51), twins.run(52)
+    for x, y in zip(a, b, strict=True):
+        assert x.evidence is not y.evidence
+        assert x.evidence.get("readings") is not y.evidence.get("readings") or not x.evidence.get("readings")
+
+
+_ACTION = st.sampled_from(["none", "down", "up", "counter", "rate", "garbage", "missing"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0.5, 1.0, 1.0, 1.0, 4.0, 11.0, 3700.0, 86500.0]), _ACTION,
+                          st.sampled_from(NDR[:3]),
+                          st.sampled_from(["symbol_error", "link_error_recovery", "link_downed",
+                                           "port_rcv_errors"]),
+                          st.integers(0, 300)), min_size=1, max_size=30))
+def test_kept_findings_are_what_full_verdicts_give_whatever_happens(
+        steps: list[tuple[float, str, str, str, int]]) -> None:
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    with tempfile.TemporaryDirectory(dir=base, prefix="gpumon-ib-") as d:
+        node = Node(Path(d))
+        twins = _Twins(node)
+        t = 0.0
+        twins.run(t)
+        for dt, action, dev, counter, value in steps:
+            if action == "down":
+                node.down(dev)
+            elif action == "up":
+                node.up(dev)
+            elif action == "counter":
+                node.write(dev, f"counters/{counter}", f"{value}\n")
+            elif action == "rate":
+                node.write(dev, "rate", "400 Gb/sec (4X NDR)\n" if value % 2 else "200 Gb/sec (4X HDR)\n")
+            elif action == "garbage":
+                node.write(dev, f"counters/{counter}", "not a number\n")
+            elif action == "missing":
+                with contextlib.suppress(FileNotFoundError):
+                    node.attr(dev, f"counters/{counter}").unlink()
+            t += dt
+            twins.run(t)
