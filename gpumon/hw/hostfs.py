@@ -109,17 +109,16 @@ class HostFs:
             return out
 
         raw = self._caller.call("hostfs", label, read_all, self._timeout, component)
-        result: dict[str, str | HwCondition] = {}
-        for rel, data in raw.items():
-            if isinstance(data, FileNotFoundError):
-                result[rel] = NotSupported(f"{self._abs(rel)} does not exist", call=f"read({rel})",
-                                           component=component)
-            elif isinstance(data, OSError):
-                result[rel] = HwFailure(f"cannot read {self._abs(rel)}: {data.strerror}", call=f"read({rel})",
-                                        component=component)
-            else:
-                result[rel] = data.decode("utf-8", errors="replace").strip()
-        return result
+        return {rel: self._text_or_condition(rel, data, component) for rel, data in raw.items()}
+
+    def _text_or_condition(self, rel: str, data: bytes | OSError, component: str) -> str | HwCondition:
+        """A file's stripped text, or the condition its read ended in (absent: NotSupported)."""
+        if isinstance(data, FileNotFoundError):
+            return NotSupported(f"{self._abs(rel)} does not exist", call=f"read({rel})", component=component)
+        if isinstance(data, OSError):
+            return HwFailure(f"cannot read {self._abs(rel)}: {data.strerror}", call=f"read({rel})",
+                             component=component)
+        return data.decode("utf-8", errors="replace").strip()
 
     def read_batch(self, rels: Sequence[str], components: Mapping[str, str] | None = None, *,
                    label: str | None = None) -> dict[str, str | HwCondition]:
@@ -168,14 +167,8 @@ class HostFs:
             if data is None:
                 assert timeout is not None  # once read_all has returned, every file is in ``done``
                 result[rel] = self._not_read(rel, comp, timeout, stuck, hung_now=started)
-            elif isinstance(data, FileNotFoundError):
-                result[rel] = NotSupported(f"{self._abs(rel)} does not exist", call=f"read({rel})",
-                                           component=comp)
-            elif isinstance(data, OSError):
-                result[rel] = HwFailure(f"cannot read {self._abs(rel)}: {data.strerror}", call=f"read({rel})",
-                                        component=comp)
             else:
-                result[rel] = data.decode("utf-8", errors="replace").strip()
+                result[rel] = self._text_or_condition(rel, data, comp)
         return result
 
     def _stuck_file(self, rels: Sequence[str], label: str, got: Mapping[str, object],
