@@ -19,6 +19,7 @@ from gpumon.agent import Agent, Simulation
 from gpumon.check import Check
 from gpumon.config import Config, load_config
 from gpumon.errors import ConfigError, GpumonError, StartupError
+from gpumon.fabric import cli as fabric_cli
 from gpumon.model import Phase, Status
 from gpumon.registry import load_checks
 from gpumon.report import json_report, print_table
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list-checks", parents=[common], help="list the registered checks")
 
     canary_cli.add_parser(sub, [common])
+    fabric_cli.add_parser(sub, [common])
 
     p = sub.add_parser("status", parents=[common], help="health state: why, since when, history")
     p.add_argument("--state-dir", type=Path, metavar="DIR", help="default: state_dir of the config")
@@ -133,6 +135,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
             scenario = load_scenario(args.simulate)
             simulation = Simulation.start(scenario, args.sim_at, args.sim_dir,
                                           live=args.command == "daemon")
+        if args.command == "probe-fabric":
+            try:
+                return fabric_cli.main(args, config, checks, simulation)
+            finally:
+                if simulation is not None:
+                    simulation.close()
         agent = Agent(config, checks, simulation, persist_state=args.command == "daemon")
         try:
             agent.start()

@@ -1,0 +1,61 @@
+"""fabric: this node's verdict from the last multi-node fabric probe (``gpumon probe-fabric``).
+
+The probe is a multi-node job started by a launcher between jobs (see gpumon/fabric); each node's
+lowest rank records the node's finding in the health state and in ``<state_dir>/fabric/latest.json``.
+This check reports that result in every run of the node's own checks, so the daemon exports it
+(``gpumon_finding_severity{check="fabric"}``, the busbw and p95 readings, the last probe's time) and
+a ``gpumon check`` run as a Slurm health check sees it too. The finding stands until the next probe
+replaces it (a passing probe clears it); its age is in the evidence. No probe yet: ``skipped``; a
+result file that cannot be read: ``unknown`` with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpumon.check import Check, CheckContext
+from gpumon.fabric.settings import FabricConfig
+from gpumon.model import NODE, Finding, Severity
+
+LATEST = Path("fabric") / "latest.json"
+MAX_BYTES = 1 << 20  # a result file is a few KiB; anything larger is not ours
+
+
+class FabricCheck(Check):
+    name = "fabric"
+    description = "last multi-node fabric probe's verdict on this node (gpumon probe-fabric)"
+    interval = 60.0
+    timeout = 10.0
+    Config = FabricConfig
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        if ctx.state_dir is None:
+            return [self.finding(NODE, Severity.SKIPPED,
+                                 "no state directory: fabric probe results not known")]
+        path = ctx.state_dir / LATEST
+        try:
+            with path.open("rb") as fh:
+                raw = fh.read(MAX_BYTES + 1)
+        except FileNotFoundError:
+            return [self.finding(NODE, Severity.SKIPPED, "no fabric probe has run on this node "
+                                 "(gpumon probe-fabric)", path=str(path))]
+        except OSError as exc:
+            return [self.finding(NODE, Severity.UNKNOWN, f"cannot read {path}: {exc.strerror or exc}",
+                                 path=str(path))]
+        try:
+            if len(raw) > MAX_BYTES:
+                raise ValueError(f"larger than {MAX_BYTES} bytes")
+            doc = json.loads(raw.decode("utf-8"))
+            finding = Finding.from_json(doc["finding"])
+            when = float(doc["time"])
+        except (ValueError, KeyError, TypeError) as exc:
+            return [self.finding(NODE, Severity.UNKNOWN, f"unreadable fabric probe result {path}: {exc}",
+                                 path=str(path))]
+        if finding.check != self.name or finding.component != NODE:
+            return [self.finding(NODE, Severity.UNKNOWN,
+                                 f"{path} holds a finding of {finding.check} for {finding.component}",
+                                 path=str(path))]
+        evidence = {**finding.evidence, "probe_time": when, "age_s": round(max(0.0, ctx.clock() - when), 1),
+                    "path": str(path)}
+        return [Finding(self.name, NODE, finding.severity, finding.message, finding.action, evidence)]

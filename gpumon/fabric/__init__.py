@@ -1,0 +1,1 @@
+"""Fabric probe: multi-node collectives that find a bad node or link."""

@@ -1,0 +1,157 @@
+"""``gpumon probe-fabric``: one rank of a multi-node fabric probe, started by an existing launcher.
+
+Wires a rank to its node: the config and SKU profile (the ``fabric`` thresholds), the idle gate on
+its GPU (NVML), its node's health state (where the node's finding is recorded, so the daemon exports
+it and the remediator acts on it) and, on rank 0, the group report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpumon.atomic import write_atomic
+from gpumon.check import Check
+from gpumon.config import Config, with_profile
+from gpumon.errors import GpumonError, HwCondition, NvmlUnavailable, StartupError
+from gpumon.fabric.judge import CHECK, Verdict
+from gpumon.fabric.launch import Launch, detect
+from gpumon.fabric.probe import Gate, RankRun, RankSetup
+from gpumon.fabric.settings import FabricConfig
+from gpumon.hw import Hardware
+from gpumon.hw.inventory import collect
+from gpumon.idle import idle_gate
+from gpumon.model import Finding
+from gpumon.profiles import all_profiles, select_profile
+
+if TYPE_CHECKING:
+    from gpumon.agent import Simulation
+
+LATEST = "latest.json"  # this node's last result, read by the fabric check
+GROUP_LATEST = "group-latest.json"  # rank 0: the last group report
+
+
+def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "probe-fabric", parents=list(parents),
+        help="one rank of a multi-node fabric probe (start it with torchrun, srun, mpirun or a "
+             "Kubernetes Indexed Job)",
+        description="One rank of a multi-node fabric probe: collectives 8 B .. 2 GiB across every rank, "
+                    "send/recv between node pairs in rounds, a verdict per node. Start one per GPU "
+                    "(one per host with --device cpu) with torchrun, srun, mpirun or a Kubernetes "
+                    "Indexed Job; rank 0 prints the group report, every node records its finding "
+                    "(check 'fabric') in its health state.")
+    p.add_argument("--json", action="store_true", help="rank 0 prints the group report as JSON")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"),
+                   help="auto (default: checks.fabric.device): NCCL on GPUs if torch sees CUDA, else gloo")
+    p.add_argument("--max-bytes", type=int, metavar="BYTES",
+                   help="largest message (default: checks.fabric.max_bytes, 2 GiB; cpu.max_bytes on CPU)")
+    p.add_argument("--deadline", type=float, metavar="SECONDS",
+                   help="end the probe by then, naming the ranks lost (default: checks.fabric.deadline_s)")
+    p.add_argument("--port", type=int, help="rendezvous port (default: MASTER_PORT, else 29500)")
+    p.add_argument("--master-addr", metavar="HOST", help="rendezvous host (default: from the launcher)")
+
+
+def _params(config: Config, checks: dict[str, type[Check]]) -> FabricConfig:
+    cls = checks.get(CHECK)
+    params = config.settings(cls).params if cls is not None else None
+    return params if isinstance(params, FabricConfig) else FabricConfig()
+
+
+def main(args: argparse.Namespace, config: Config, checks: dict[str, type[Check]],
+         simulation: Simulation | None) -> int:
+    host_root = simulation.node.host_root if simulation is not None else Path(config.host_root)
+    state_dir = simulation.node.root / "state" if simulation is not None else Path(config.state_dir)
+    t = config.timeouts
+    hw = Hardware(host_root, nvml_timeout=t.nvml_call_s, fs_timeout=t.sysfs_read_s,
+                  tool_timeout=t.tool_default_s, simulated=simulation is not None)
+    nvml_error: str | None = None
+    try:
+        hw.nvml.init()
+    except NvmlUnavailable as exc:
+        nvml_error = str(exc)
+    inventory = collect(None if nvml_error else hw.nvml, hw.fs, nvml_error)
+    profile = select_profile(all_profiles([Path(d) for d in config.profile_dirs]), inventory.gpu_names,
+                             config.profile)
+    config = with_profile(config, checks, profile)
+    settings = _params(config, checks)
+    if args.max_bytes is not None and args.max_bytes < settings.min_bytes:
+        raise StartupError(f"--max-bytes {args.max_bytes} is below checks.fabric.min_bytes "
+                           f"{settings.min_bytes}")
+    if args.deadline is not None and not (math.isfinite(args.deadline) and args.deadline > 0):
+        raise StartupError(f"--deadline {args.deadline} is not a positive number of seconds")
+
+    def run_tool(argv: list[str]) -> str:
+        try:
+            res = hw.tools.run(argv, timeout=30.0)
+        except (HwCondition, GpumonError) as exc:
+            raise StartupError(f"{' '.join(argv)}: {exc}") from None
+        if res.returncode != 0:
+            raise StartupError(f"{' '.join(argv)} exited {res.returncode}: {res.stderr.strip()[:200]}")
+        return res.stdout
+
+    launch = detect(os.environ, port=args.port, master_addr=args.master_addr, run_tool=run_tool)
+    node = config.node_name or _node_name(launch)
+    # a simulated node's compute runs on CPU workers, never on the machine's own GPUs
+    device = "cpu" if simulation is not None else (args.device or settings.device)
+
+    def gate(index: int) -> Gate:
+        if nvml_error:
+            return Gate(None, {"idle_gate": f"NVML unavailable ({nvml_error}): GPUs not checked for work"})
+        if index >= len(inventory.gpus):
+            return Gate(None, {"idle_gate": f"no GPU {index} on this node"})
+        try:
+            g = idle_gate(hw, index, settings.idle_max_utilization_pct)
+        except HwCondition as cond:
+            return Gate(f"GPU {index}: cannot tell whether it is idle ({cond})", {"idle_gate": str(cond)})
+        return Gate(g.busy, {"idle_gate": g.evidence, "gpu": index})
+
+    def record(finding: Finding, summary: dict[str, Any]) -> None:
+        from gpumon.health import Health
+
+        doc = {"time": time.time(), "node": node, "finding": finding.to_json(), "group": summary}
+        write_atomic(state_dir / "fabric" / LATEST, json.dumps(doc, indent=2) + "\n")
+        health = Health.open(state_dir, boot_id=hw.fs.boot_id())
+        try:
+            health.record_findings(CHECK, [finding], complete=True)
+        finally:
+            health.close()
+
+    def report(doc: dict[str, Any], verdict: Verdict | None) -> None:
+        full = {**doc, "node": node, "profile": profile.name,
+                "collectives": [r.to_json() for r in verdict.rows] if verdict else []}
+        text = json.dumps(full, indent=2) + "\n"
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        try:
+            write_atomic(state_dir / "fabric" / f"group-{stamp}.json", text)
+            write_atomic(state_dir / "fabric" / GROUP_LATEST, text)
+            where = str(state_dir / "fabric" / GROUP_LATEST)
+        except OSError as exc:
+            where = f"not written ({exc})"
+        if args.json:
+            print(text, end="", flush=True)
+        else:
+            from gpumon.fabric.report import print_report
+
+            print_report(full, verdict, where)
+
+    setup = RankSetup(launch=launch, settings=settings, node=node, device=device,
+                      deadline_s=args.deadline or settings.deadline_s, gate=gate, record=record,
+                      report=report, max_bytes=args.max_bytes)
+    try:
+        return RankRun(setup).run()
+    finally:
+        hw.nvml.shutdown()
+
+
+def _node_name(launch: Launch) -> str:
+    if launch.launcher == "slurm" and os.environ.get("SLURMD_NODENAME"):
+        return os.environ["SLURMD_NODENAME"]
+    return socket.gethostname()

@@ -1,0 +1,313 @@
+"""Rank 0's judgement of a probe: group figures per collective and size, and one finding per node.
+
+Pure: plain records in (every rank's ``OpResult``s, the pair results, the isolation verdict, the
+ranks lost), findings and a report out.
+
+- **Collectives** are judged for the group: per operation and size, the slowest rank's median time
+  gives algbw and busbw, the worst rank's p95/p99 the latency. Large sizes (>= ``large_min_bytes``)
+  by their best busbw against the profile's ``busbw_min_gbps``; small sizes (<= ``small_max_bytes``)
+  by their worst p95 against ``latency_p95_us_max``. A collective is a group figure: every rank
+  waits for the slowest, so it says *that* the fabric is slow, not *where*.
+- **Where** comes from the pair exchanges (``gpumon.fabric.isolate``): every node against the
+  group's reference (relative: no profile needed), large sizes by busbw, small sizes by p95. A
+  node slow with every partner is a node fault (its NIC, cable or switch port: ``check_cables``);
+  a pair slow only together is a path fault, recorded on both nodes as a warning without a
+  remedy (cordoning two healthy nodes would not repair a switch path). The group's pair reference
+  is held against the profile's ``sendrecv`` floor and ceiling like a collective.
+- **Wrong data** fails the node whose rank sent it (``inspect_hardware``: data that arrives wrong
+  without a link error was corrupted in a GPU, NIC or PCIe path, not on the wire, whose CRC
+  would have caught it).
+- A group that is slow against the profile with no node to blame gets a warning on every node
+  (a switch or the whole fabric).
+- **Lost ranks** (no heartbeat) are named in the group report; the other nodes get ``unknown``:
+  the probe could not vouch for them.
+
+Each node gets exactly one ``fabric`` finding for component ``node`` (worst wins, every problem in
+the message and the evidence), carrying the node's readings for Prometheus.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumon.fabric.isolate import IsolationVerdict, PairResult
+from gpumon.fabric.settings import FabricConfig
+from gpumon.fabric.sweep import OpResult, busbw_factor
+from gpumon.model import NODE, Action, Finding, Severity, Status, overall_status, reading
+
+CHECK = "fabric"
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    node: str
+    local_rank: int
+    pid: int = 0
+
+
+def size_class(nbytes: int, settings: FabricConfig, large_min: int) -> str:
+    if nbytes <= settings.small_max_bytes:
+        return "small"
+    if nbytes >= large_min:
+        return "large"
+    return "mid"
+
+
+@dataclass
+class Row:
+    """One collective at one size, for the group."""
+
+    op: str
+    nbytes: int
+    size_class: str
+    iterations: int
+    p50_us: float
+    p95_us: float
+    p99_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    wrong: int
+    ranks: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else
+                    (round(v, 3) if isinstance(v, float) else v)) for k, v in self.__dict__.items()}
+
+
+def group_rows(results: Mapping[int, Sequence[OpResult]], world: int, settings: FabricConfig,
+               large_min: int) -> list[Row]:
+    by_key: dict[tuple[str, int], list[OpResult]] = {}
+    for per_rank in results.values():
+        for r in per_rank:
+            by_key.setdefault((r.op, r.nbytes), []).append(r)
+    rows = []
+    for (op, nbytes), rs in by_key.items():
+        t50 = max((r.p50_s for r in rs if math.isfinite(r.p50_s)), default=math.nan)
+        algbw = nbytes / t50 / GB if t50 and math.isfinite(t50) and t50 > 0 else math.nan
+        rows.append(Row(
+            op=op, nbytes=nbytes, size_class=size_class(nbytes, settings, large_min),
+            iterations=min(r.iterations for r in rs), p50_us=t50 * 1e6,
+            p95_us=max((r.p95_s for r in rs if math.isfinite(r.p95_s)), default=math.nan) * 1e6,
+            p99_us=max((r.p99_s for r in rs if math.isfinite(r.p99_s)), default=math.nan) * 1e6,
+            algbw_gbps=algbw, busbw_gbps=algbw * busbw_factor(op, world), wrong=sum(r.wrong for r in rs),
+            ranks=len(rs)))
+    rows.sort(key=lambda row: (row.op, row.nbytes))
+    return rows
+
+
+@dataclass(frozen=True)
+class ProfileMiss:
+    op: str
+    what: str  # "busbw" | "latency"
+    measured: float
+    limit: float
+    nbytes: int
+
+    def text(self) -> str:
+        if self.what == "busbw":
+            return (f"{self.op} busbw {self.measured:.1f} GB/s at large sizes, below the profile's "
+                    f"{self.limit:g} GB/s")
+        return f"{self.op} p95 {self.measured:.0f} us at small sizes, above the profile's {self.limit:g} us"
+
+
+def profile_misses(rows: Sequence[Row], settings: FabricConfig) -> list[ProfileMiss]:
+    out = []
+    for op in sorted({r.op for r in rows}):
+        mine = [r for r in rows if r.op == op]
+        floor = settings.busbw_min_gbps.get(op)
+        large = [r for r in mine if r.size_class == "large" and math.isfinite(r.busbw_gbps)]
+        if floor is not None and large:
+            best = max(large, key=lambda r: r.busbw_gbps)
+            if best.busbw_gbps < floor:
+                out.append(ProfileMiss(op, "busbw", best.busbw_gbps, floor, best.nbytes))
+        ceiling = settings.latency_p95_us_max.get(op)
+        small = [r for r in mine if r.size_class == "small" and math.isfinite(r.p95_us)]
+        if ceiling is not None and small:
+            worst = max(small, key=lambda r: r.p95_us)
+            if worst.p95_us > ceiling:
+                out.append(ProfileMiss(op, "latency", worst.p95_us, ceiling, worst.nbytes))
+    return out
+
+
+@dataclass
+class Probe:
+    """Everything rank 0 knows when it judges."""
+
+    settings: FabricConfig
+    ranks: dict[int, RankInfo]
+    world: int
+    large_min_bytes: int
+    collectives: dict[int, list[OpResult]] = field(default_factory=dict)
+    pairs: list[PairResult] = field(default_factory=list)
+    pair_results: dict[int, list[OpResult]] = field(default_factory=dict)  # per rank, every round
+    isolation: IsolationVerdict | None = None
+    lost: dict[int, str] = field(default_factory=dict)  # rank -> what it was doing when last heard
+    errors: dict[int, str] = field(default_factory=dict)  # rank -> error it reported
+    hung: str | None = None  # the phase the group stopped in, when it did not finish
+    time: float = 0.0
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({r.node for r in self.ranks.values()})
+
+    def node_of(self, rank: int) -> str:
+        info = self.ranks.get(rank)
+        return info.node if info else f"rank {rank}"
+
+
+@dataclass
+class Verdict:
+    rows: list[Row]
+    findings: dict[str, Finding]  # node -> its one finding
+    misses: list[ProfileMiss]
+    corrupt: dict[int, int]  # source rank -> wrong elements traced to it
+    complete: bool
+
+    @property
+    def status(self) -> Status:
+        return overall_status(self.findings.values())
+
+
+def judge(p: Probe) -> Verdict:
+    rows = group_rows(p.collectives, p.world, p.settings, p.large_min_bytes)
+    misses = profile_misses(rows, p.settings)
+    iso = p.isolation
+    floor, ceiling = p.settings.busbw_min_gbps.get("sendrecv"), p.settings.latency_p95_us_max.get("sendrecv")
+    if iso is not None and floor is not None and iso.reference_busbw_gbps is not None \
+            and iso.reference_busbw_gbps < floor:
+        misses.append(ProfileMiss("sendrecv", "busbw", iso.reference_busbw_gbps, floor, 0))
+    if iso is not None and ceiling is not None and iso.reference_p95_us is not None \
+            and iso.reference_p95_us > ceiling:
+        misses.append(ProfileMiss("sendrecv", "latency", iso.reference_p95_us, ceiling, 0))
+    corrupt: dict[int, int] = {}
+    for per_rank in (*p.collectives.values(), *p.pair_results.values()):
+        for r in per_rank:
+            for src, n in r.wrong_sources.items():
+                corrupt[int(src)] = corrupt.get(int(src), 0) + n
+    # a wrong sum nobody's contribution explains: the ranks that received it
+    unexplained = {rank: sum(r.wrong for r in rs if r.op in ("all_reduce", "reduce_scatter"))
+                   for rank, rs in p.collectives.items()}
+    unexplained = {k: v for k, v in unexplained.items() if v} if not corrupt else {}
+    complete = not p.lost and not p.errors and p.hung is None
+    pair_bw = _node_pair_values(p)
+    findings = {node: _node_finding(p, node, rows, misses, corrupt, unexplained, pair_bw, complete)
+                for node in p.nodes}
+    return Verdict(rows, findings, misses, corrupt, complete)
+
+
+def _node_pair_values(p: Probe) -> dict[str, tuple[float | None, float | None]]:
+    """Per node: the median busbw and p95 latency of its pairs (its own sendrecv readings)."""
+    per: dict[str, tuple[list[float], list[float]]] = {}
+    for pr in p.pairs:
+        for node in (pr.a, pr.b):
+            bws, lats = per.setdefault(node, ([], []))
+            if pr.busbw_gbps is not None:
+                bws.append(pr.busbw_gbps)
+            if pr.p95_latency_us is not None:
+                lats.append(pr.p95_latency_us)
+    return {n: (_median(b), _median(lat)) for n, (b, lat) in per.items()}
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[ProfileMiss],
+                  corrupt: Mapping[int, int], unexplained: Mapping[int, int],
+                  pair_bw: Mapping[str, tuple[float | None, float | None]], complete: bool) -> Finding:
+    mine = sorted(r for r, info in p.ranks.items() if info.node == node)
+    problems: list[tuple[Severity, Action, str]] = []
+    evidence: dict[str, Any] = {"ranks": mine, "group_nodes": len(p.nodes), "group_ranks": p.world}
+    bad_ranks = {r: n for r, n in corrupt.items() if r in mine}
+    if bad_ranks:
+        evidence["corrupted_from_ranks"] = {str(k): v for k, v in sorted(bad_ranks.items())}
+        problems.append((Severity.FAIL, Action.INSPECT_HARDWARE,
+                         f"data sent by rank(s) {', '.join(map(str, sorted(bad_ranks)))} on {node} arrived "
+                         f"wrong ({sum(bad_ranks.values())} elements): a GPU, NIC or PCIe path corrupts "
+                         "what it sends"))
+    wrong_here = {r: n for r, n in unexplained.items() if r in mine}
+    if wrong_here:
+        evidence["wrong_sums_on_ranks"] = {str(k): v for k, v in sorted(wrong_here.items())}
+        problems.append((Severity.FAIL, Action.INSPECT_HARDWARE,
+                         f"rank(s) {', '.join(map(str, sorted(wrong_here)))} on {node} received wrong sums "
+                         "although every contribution arrived intact"))
+    iso = p.isolation
+    if iso is not None:
+        fault = iso.node_faults.get(node)
+        if fault is not None:
+            evidence["node_fault"] = fault.to_json()
+            partners = ", ".join(fault.slow_partners)
+            problems.append((Severity.FAIL, Action.CHECK_CABLES,
+                             f"{node} is slow ({'/'.join(fault.kinds)}) with every partner ({partners}): "
+                             f"its NIC, cable or switch port; {fault.why}"))
+        links = [lf for lf in iso.link_faults if node in (lf.a, lf.b)]
+        if links:
+            evidence["link_faults"] = [lf.to_json() for lf in links]
+            for lf in links:
+                other = lf.b if lf.a == node else lf.a
+                problems.append((Severity.WARN, Action.NONE,
+                                 f"the path between {node} and {other} is slow ({'/'.join(lf.kinds)}) "
+                                 f"while both are fast with other nodes: a switch path; {lf.why}"))
+        if node in iso.unresolved:
+            problems.append((Severity.WARN, Action.NONE,
+                             f"{node} was slow with its partner(s) and the rounds could not tell which side "
+                             f"is at fault ({'; '.join(iso.notes) or 'too few nodes'})"))
+    lost_here = {r: what for r, what in p.lost.items() if r in mine}
+    if lost_here:
+        evidence["lost_ranks"] = {str(k): v for k, v in lost_here.items()}
+        problems.append((Severity.UNKNOWN, Action.NONE,
+                         f"{node} was lost during the probe (rank(s) {', '.join(map(str, lost_here))}: "
+                         f"last heard {next(iter(lost_here.values()))})"))
+    elif not complete:
+        lost_nodes = sorted({p.node_of(r) for r in p.lost})
+        why = (f"lost {', '.join(lost_nodes)}" if lost_nodes else
+               (f"rank errors: {'; '.join(f'{r}: {e}' for r, e in sorted(p.errors.items()))}" if p.errors
+                else f"the group stopped in {p.hung}"))
+        problems.append((Severity.UNKNOWN, Action.NONE, f"probe incomplete ({why}): {node} not fully judged"))
+    if misses and not problems and (iso is None or not iso.node_faults):
+        evidence["profile_misses"] = [m.__dict__ for m in misses]
+        problems.append((Severity.WARN, Action.NONE,
+                         "the whole group is below the profile and no node stands out (a switch, the "
+                         "fabric, or congestion): " + "; ".join(m.text() for m in misses)))
+    evidence["readings"] = _readings(node, rows, pair_bw, p.time, complete and not problems)
+    if not problems:
+        bw, lat = pair_bw.get(node, (None, None))
+        detail = (f"; pairs: {bw:.2f} GB/s, p95 {lat:.0f} us" if bw is not None and lat is not None else "")
+        return Finding(CHECK, NODE, Severity.OK,
+                       f"fabric probe passed on {len(p.nodes)} nodes / {p.world} ranks{detail}",
+                       Action.NONE, evidence)
+    severity = max(s for s, _, _ in problems)
+    action = max(a for _, a, _ in problems)
+    ordered = sorted(problems, key=lambda t: (t[0], t[1]), reverse=True)
+    return Finding(CHECK, NODE, severity, "; ".join(m for _, _, m in ordered), action, evidence)
+
+
+def _readings(node: str, rows: Sequence[Row], pair_bw: Mapping[str, tuple[float | None, float | None]],
+              when: float, passed: bool) -> list[Any]:
+    out: list[Any] = []
+    for op in sorted({r.op for r in rows}):
+        for cls in ("small", "mid", "large"):
+            sel = [r for r in rows if r.op == op and r.size_class == cls]
+            bws = [r.busbw_gbps for r in sel if math.isfinite(r.busbw_gbps)]
+            lats = [r.p95_us for r in sel if math.isfinite(r.p95_us)]
+            if bws:
+                out.append(reading("fabric_busbw_gbps", max(bws), op=op, size_class=cls))
+            if lats:
+                out.append(reading("fabric_latency_p95_seconds", max(lats) / 1e6, op=op, size_class=cls))
+    bw, lat = pair_bw.get(node, (None, None))
+    if bw is not None:
+        out.append(reading("fabric_busbw_gbps", bw, op="sendrecv", size_class="large"))
+    if lat is not None:
+        out.append(reading("fabric_latency_p95_seconds", lat / 1e6, op="sendrecv", size_class="small"))
+    out.append(reading("fabric_last_probe_timestamp_seconds", when))
+    out.append(reading("fabric_last_probe_passed", passed))
+    return out

@@ -1,0 +1,471 @@
+"""One rank of ``gpumon probe-fabric``: rendezvous, idle gate, sweep, pair rounds, verdict, record.
+
+Coordination goes through the launcher's rendezvous store (torch.distributed's ``TCPStore``: the
+torchrun agent's, else one hosted by rank 0), never through the data path under test: who is on
+which node, the idle gate, heartbeats, the pair plan of each round, every rank's results and rank
+0's verdict are keys in it. The data path is the process group (NCCL on GPUs, gloo on CPU).
+
+**Bounded.** A heartbeat thread writes ``hb/<rank>`` every ``heartbeat_s`` with the phase the rank
+is in; rank 0 watches them. A watchdog ends every rank at the deadline: rank 0 names the ranks
+whose heartbeat stopped (and what they were doing), judges what was measured, posts the verdict
+and writes the report; every other rank waits a short grace for the verdict, records its node's
+finding and exits. A collective that raises (a peer died) takes the same path at once. Nothing
+tears down a process group after a failure (that can hang); the process exits.
+
+**Exit codes**: rank 0 exits with the group's status (0 ok, 1 warn/unknown, 2 fail; srun and
+torchrun pass it on); other ranks exit 0 once their node's finding is recorded, 3 when they could
+not run at all, 2 when they lost the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumon.fabric.isolate import IsolationSettings, Isolator, PairResult
+from gpumon.fabric.judge import CHECK, Probe, RankInfo, Verdict, judge
+from gpumon.fabric.launch import Launch
+from gpumon.fabric.settings import FabricConfig
+from gpumon.fabric.sweep import OpResult, Rank, SweepPlan, collective_sweep, pair_exchange, sizes
+from gpumon.model import NODE, Action, Finding, Severity
+
+log = logging.getLogger("gpumon.fabric")
+
+PREFIX = "gpumon-fabric/"
+STALE_BEATS = 3  # heartbeats missed before a rank counts as lost
+ABORT_GRACE_S = 3.0  # after the deadline: how long ranks wait for the verdict / rank 0 for the others
+EXIT_OK, EXIT_WARN, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Gate:
+    busy: str | None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What the CLI hands a rank: who it is, what to run, and where its node keeps its state."""
+
+    launch: Launch
+    settings: FabricConfig
+    node: str
+    device: str  # auto | cuda | cpu
+    deadline_s: float
+    gate: Callable[[int], Gate]  # local GPU index -> idle or busy
+    record: Callable[[Finding, dict[str, Any]], None]  # this node's finding + group summary
+    report: Callable[[dict[str, Any], Verdict | None], None]  # rank 0: the group report
+    max_bytes: int | None = None
+
+
+class Aborted(Exception):
+    pass
+
+
+class _Store:
+    """A client of the rendezvous store (one per thread: TCPStore clients are not shared)."""
+
+    def __init__(self, launch: Launch, timeout_s: float, *, master: bool = False) -> None:
+        from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=max(1.0, timeout_s))}
+        if master:
+            raw = TCPStore(launch.master_addr, launch.master_port, launch.world, is_master=True,
+                                wait_for_workers=False, **kwargs)
+        else:
+            raw = TCPStore(launch.master_addr, launch.master_port, is_master=False, **kwargs)
+        self.raw = raw
+        self.store = PrefixStore(PREFIX, raw)
+
+    def set(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value))
+
+    def get(self, key: str) -> Any:
+        return json.loads(self.store.get(key).decode())
+
+    def has(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def wait(self, keys: list[str], timeout_s: float) -> None:
+        if keys:
+            self.store.wait(keys, datetime.timedelta(seconds=max(0.01, timeout_s)))
+
+
+class RankRun:
+    def __init__(self, setup: RankSetup) -> None:
+        self.s = setup
+        self.launch = setup.launch
+        self.rank = setup.launch.rank
+        self.world = setup.launch.world
+        self.start = time.monotonic()
+        self.started_wall = time.time()
+        self.deadline = self.start + setup.deadline_s
+        self.phase = "rendezvous"
+        self.collectives: list[OpResult] = []
+        self.ranks: dict[int, RankInfo] = {}
+        self.probe: Probe | None = None  # rank 0
+        self._abort_lock = threading.Lock()
+        self._aborting = False
+        self._stop = threading.Event()
+        self._heard: dict[int, tuple[str, float]] = {}  # rank 0: rank -> (last beat, when it changed)
+        self.store: _Store | None = None
+        self.iso: Isolator | None = None  # rank 0, once the pair rounds start
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def remaining(self) -> float:
+        return max(0.01, self.deadline - time.monotonic())
+
+    def progress(self, phase: str) -> None:
+        self.phase = phase
+
+    def _mine(self) -> list[int]:
+        return sorted(r for r, i in self.ranks.items() if i.node == self.s.node)
+
+    # -- threads -----------------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        beat = 0
+        client: _Store | None = None
+        while not self._stop.is_set():
+            try:
+                if client is None:
+                    client = _Store(self.launch, min(5.0, self.remaining()))
+                beat += 1
+                client.set(f"hb/{self.rank}", f"{beat}|{self.phase}")
+            except Exception as exc:  # the store is gone (network cut, rank 0 dead): keep trying
+                log.debug("heartbeat: %s", exc)
+                client = None
+            self._stop.wait(self.s.settings.heartbeat_s)
+
+    def _watch(self) -> None:
+        """Rank 0: when each rank's heartbeat last changed (on this clock; the nodes' may differ)."""
+        client: _Store | None = None
+        while not self._stop.is_set():
+            try:
+                if client is None:
+                    client = _Store(self.launch, min(5.0, self.remaining()))
+                now = time.monotonic()
+                for r in range(self.world):
+                    key = f"hb/{r}"
+                    if client.has(key):
+                        beat = str(client.get(key))
+                        if self._heard.get(r, ("", 0.0))[0] != beat:
+                            self._heard[r] = (beat, now)
+            except Exception as exc:
+                log.debug("watch: %s", exc)
+                client = None
+            self._stop.wait(self.s.settings.heartbeat_s)
+
+    def lost(self) -> dict[int, str]:
+        """Ranks not heard from for ``STALE_BEATS`` heartbeats: rank -> what they last said."""
+        now = time.monotonic()
+        limit = STALE_BEATS * self.s.settings.heartbeat_s
+        out = {}
+        for r in range(self.world):
+            beat, when = self._heard.get(r, ("0|never heard from", self.start))
+            if now - when > limit:
+                out[r] = beat.split("|", 1)[-1]
+        return out
+
+    def _watchdog(self) -> None:
+        if not self._stop.wait(self.remaining()):
+            self.abort(f"deadline of {self.s.deadline_s:g} s reached in {self.phase}")
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        threading.Thread(target=self._watchdog, name="fabric-watchdog", daemon=True).start()
+        try:
+            code = self._run()
+        except Aborted:
+            raise
+        except Exception as exc:
+            log.debug("rank %d failed", self.rank, exc_info=True)
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            self.abort(f"{type(exc).__name__} in {self.phase}: {first}")
+            return EXIT_FAIL  # not reached: abort exits
+        self._stop.set()
+        return code
+
+    def _run(self) -> int:
+        import torch
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import PrefixStore
+
+        s, launch = self.s.settings, self.launch
+        host = self.rank == 0 and not launch.agent_store
+        self.store = store = _Store(launch, self.remaining(), master=host)
+        threading.Thread(target=self._heartbeat, name="fabric-heartbeat", daemon=True).start()
+        if self.rank == 0:
+            threading.Thread(target=self._watch, name="fabric-watch", daemon=True).start()
+        device = self._device(torch)
+        gate = self.s.gate(self._gpu_index())
+        store.set(f"rank/{self.rank}", {"node": self.s.node, "local_rank": launch.local_rank,
+                                        "pid": os.getpid(), "busy": gate.busy, "gate": gate.evidence})
+        self.progress("rendezvous: waiting for every rank")
+        if self.rank == 0:
+            store.wait([f"rank/{r}" for r in range(self.world)], self.remaining())
+            table = {str(r): store.get(f"rank/{r}") for r in range(self.world)}
+            store.set("table", table)
+        else:
+            store.wait(["table"], self.remaining())
+            table = store.get("table")
+        self.ranks = {int(r): RankInfo(int(r), str(v["node"]), int(v["local_rank"]), int(v["pid"]))
+                      for r, v in table.items()}
+        busy = {v["node"]: v["busy"] for v in table.values() if v.get("busy")}
+        if busy:
+            return self._skipped(busy)
+        self.progress("process group")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, store=PrefixStore(PREFIX + "pg/", store.raw), rank=self.rank,
+                                world_size=self.world, timeout=datetime.timedelta(seconds=s.op_timeout_s),
+                                device_id=torch.device(device) if backend == "nccl" else None)
+        r = Rank(dist, self.rank, self.world, device, self.progress)
+        cpu = not device.startswith("cuda")
+        max_bytes = self.s.max_bytes or (s.cpu.max_bytes if cpu else s.max_bytes)
+        plan = SweepPlan(ops=tuple(s.collectives),
+                         sizes=sizes(s.min_bytes, max_bytes, s.cpu.step_factor if cpu else s.step_factor),
+                         iterations=s.cpu.iterations if cpu else s.iterations,
+                         warmup=s.cpu.warmup if cpu else s.warmup, size_budget_s=s.size_budget_s, seed=s.seed)
+        large_min = min(s.cpu.large_min_bytes if cpu else s.large_min_bytes, plan.sizes[-1])
+        if self.rank == 0:
+            self.probe = Probe(settings=s, ranks=self.ranks, world=self.world, large_min_bytes=large_min)
+        if self.world > 1:
+            collective_sweep(r, plan, self.collectives)
+        self._pair_rounds(r, plan, large_min)
+        self.progress("results")
+        store.set(f"result/{self.rank}", [x.to_json() for x in self.collectives])
+        if self.rank == 0:
+            assert self.probe is not None
+            store.wait([f"result/{q}" for q in range(self.world)], self.remaining())
+            self.probe.collectives = {q: [OpResult.from_json(x) for x in store.get(f"result/{q}")]
+                                      for q in range(self.world)}
+            verdict = self._publish(self.probe)
+            self._record_own(verdict.findings.get(self.s.node))
+            self.progress("waiting for every node to record its finding")
+            with contextlib.suppress(Exception):
+                store.wait([f"done/{q}" for q in range(1, self.world)], self.remaining())
+            self._stop.set()
+            return verdict.status.exit_code
+        store.wait(["verdict"], self.remaining())
+        found = store.get("verdict")["findings"].get(self.s.node)
+        self._record_own(Finding.from_json(found) if found else None)
+        store.set(f"done/{self.rank}", 1)
+        self._stop.set()
+        return EXIT_OK
+
+    def _device(self, torch: Any) -> str:
+        choice = self.s.device
+        if choice == "auto":
+            choice = "cuda" if torch.cuda.is_available() else "cpu"
+        if choice == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device cuda asked for, but torch sees no CUDA device")
+            index = self.launch.local_rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            return f"cuda:{index}"
+        torch.set_num_threads(1)  # several ranks per host share its cores
+        return "cpu"
+
+    def _gpu_index(self) -> int:
+        """The NVML index of this rank's GPU (CUDA_VISIBLE_DEVICES maps local ranks to GPUs)."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if ids and self.launch.local_rank < len(ids) and ids[self.launch.local_rank].isdigit():
+            return int(ids[self.launch.local_rank])
+        return self.launch.local_rank
+
+    def _skipped(self, busy: dict[str, str]) -> int:
+        """A node is busy: nobody measures anything (a probe must not steal a job's network or GPUs)."""
+        reason = "; ".join(f"{n}: {why}" for n, why in sorted(busy.items()))
+        if self.rank == 0:
+            self.s.report({"outcome": "skipped", "status": "ok", "reason": f"busy nodes: {reason}",
+                           **self._summary()}, None)
+        self._stop.set()
+        return EXIT_OK
+
+    # -- pair rounds -------------------------------------------------------------------------
+
+    def _pair_rounds(self, r: Rank, plan: SweepPlan, large_min: int) -> None:
+        assert self.store is not None
+        store, s = self.store, self.s.settings
+        nodes = sorted({i.node for i in self.ranks.values()})
+        iso = None
+        if self.rank == 0 and len(nodes) > 1:
+            margins = s.cpu if not r.cuda else s
+            iso = self.iso = Isolator(nodes, IsolationSettings(
+                slow_fraction=margins.slow_fraction, latency_factor=margins.latency_factor,
+                latency_floor_us=margins.latency_floor_us, confirm_partners=s.confirm_partners,
+                max_rounds=s.max_rounds), seed=s.seed)
+        pair_plan = SweepPlan(ops=(), sizes=(plan.sizes[0], *[x for x in plan.sizes if x >= large_min]),
+                              iterations=plan.iterations, warmup=plan.warmup,
+                              size_budget_s=plan.size_budget_s, seed=plan.seed)
+        by_node_local = {(i.node, i.local_rank): q for q, i in self.ranks.items()}
+        k = 0
+        while True:
+            k += 1
+            if self.rank == 0:
+                pairs = iso.next_round() if iso is not None else []
+                store.set(f"plan/{k}", [list(p) for p in pairs])
+            else:
+                store.wait([f"plan/{k}"], self.remaining())
+                pairs = [tuple(p) for p in store.get(f"plan/{k}")]
+            if not pairs:
+                return
+            mine: list[OpResult] = []
+            me = self.ranks[self.rank]
+            for a, b in pairs:
+                if me.node in (a, b):
+                    other = b if me.node == a else a
+                    peer = by_node_local.get((other, me.local_rank))
+                    if peer is not None:
+                        self.progress(f"round {k}: pairs with {other}")
+                        pair_exchange(r, peer, pair_plan, mine)
+            store.set(f"pair/{k}/{self.rank}", [x.to_json() for x in mine])
+            if self.rank == 0:
+                assert iso is not None and self.probe is not None
+                self.progress(f"round {k}: waiting for every rank's pair results")
+                store.wait([f"pair/{k}/{q}" for q in range(self.world)], self.remaining())
+                got = {q: [OpResult.from_json(x) for x in store.get(f"pair/{k}/{q}")]
+                       for q in range(self.world)}
+                for q, rs in got.items():
+                    self.probe.pair_results.setdefault(q, []).extend(rs)
+                results = [pair_result(a, b, got, self.ranks) for a, b in pairs]
+                self.probe.pairs.extend(results)
+                iso.add(results)
+
+    # -- verdict, report, record -------------------------------------------------------------
+
+    def _summary(self) -> dict[str, Any]:
+        return {"nodes": sorted({i.node for i in self.ranks.values()}), "ranks": self.world,
+                "launch": self.launch.to_json(), "started": self.started_wall,
+                "seconds": round(time.monotonic() - self.start, 3)}
+
+    def _publish(self, probe: Probe) -> Verdict:
+        """Rank 0: judge, post the verdict for the other ranks, write the group report."""
+        assert self.store is not None
+        probe.time = time.time()
+        if self.iso is not None:
+            probe.isolation = self.iso.verdict()
+        verdict = judge(probe)
+        doc = {"outcome": "completed" if verdict.complete else "incomplete",
+               "status": verdict.status.value, **self._summary(),
+               "findings": {n: f.to_json() for n, f in verdict.findings.items()},
+               "isolation": probe.isolation.to_json() if probe.isolation is not None else None,
+               "lost": {str(q): {"node": probe.node_of(q), "last_heard": what}
+                        for q, what in probe.lost.items()},
+               "errors": {str(q): e for q, e in probe.errors.items()},
+               "stopped": probe.hung,
+               "corrupted_from_ranks": {str(q): {"node": probe.node_of(q), "wrong_elements": n}
+                                        for q, n in sorted(verdict.corrupt.items())}}
+        with contextlib.suppress(Exception):
+            self.store.set("verdict", doc)
+        self.s.report(doc, verdict)
+        return verdict
+
+    def _record_own(self, finding: Finding | None) -> None:
+        """The lowest rank of each node records the node's finding (one writer per node)."""
+        mine = self._mine()
+        if mine and mine[0] != self.rank:
+            return
+        if finding is None:
+            finding = Finding(CHECK, NODE, Severity.UNKNOWN,
+                              f"the fabric probe's verdict did not reach {self.s.node} "
+                              f"(last phase: {self.phase})", Action.NONE, {"phase": self.phase})
+        try:
+            self.s.record(finding, self._summary())
+        except Exception as exc:  # the report stands; say why this node's state was not written
+            log.error("could not record the fabric finding of %s: %s", self.s.node, exc)
+
+    def abort(self, reason: str) -> None:
+        """End this rank now: name the lost ranks (rank 0), record what is known, exit."""
+        with self._abort_lock:
+            if self._aborting:
+                return
+            self._aborting = True
+        log.warning("rank %d: %s", self.rank, reason)
+        code = EXIT_FAIL
+        try:
+            if self.rank == 0 and self.probe is not None:
+                # let a dead peer's heartbeat go stale before naming it
+                wait_until = time.monotonic() + STALE_BEATS * self.s.settings.heartbeat_s + 0.5
+                while time.monotonic() < wait_until and not self.lost():
+                    time.sleep(0.1)
+                probe = self.probe
+                probe.lost = {q: w for q, w in self.lost().items() if q != 0}
+                probe.hung = reason
+                probe.collectives = {**self._partial_results(), 0: list(self.collectives)}
+                verdict = self._publish(probe)
+                self._record_own(verdict.findings.get(self.s.node))
+                code = max(verdict.status.exit_code, EXIT_WARN)
+                with contextlib.suppress(Exception):
+                    alive = [q for q in range(self.world) if q not in probe.lost and q != 0]
+                    self._client().wait([f"done/{q}" for q in alive], ABORT_GRACE_S)
+            else:
+                found = None
+                with contextlib.suppress(Exception):
+                    client = self._client()
+                    client.set(f"error/{self.rank}", reason)
+                    client.wait(["verdict"], ABORT_GRACE_S)
+                    found = client.get("verdict")["findings"].get(self.s.node)
+                if found is None:
+                    self._record_own(Finding(
+                        CHECK, NODE, Severity.UNKNOWN,
+                        f"the fabric probe did not complete on {self.s.node}: {reason}; lost the group "
+                        f"(rendezvous {self.launch.master_addr}:{self.launch.master_port})",
+                        Action.NONE, {"phase": self.phase, "reason": reason}))
+                else:
+                    self._record_own(Finding.from_json(found))
+                    code = EXIT_WARN
+                with contextlib.suppress(Exception):
+                    self._client().set(f"done/{self.rank}", 1)
+        finally:
+            logging.shutdown()
+            os._exit(code)
+
+    def _client(self) -> _Store:
+        return _Store(self.launch, ABORT_GRACE_S)
+
+    def _partial_results(self) -> dict[int, list[OpResult]]:
+        """Rank 0 after an abort: the collective results ranks had posted (none, mostly)."""
+        out: dict[int, list[OpResult]] = {}
+        with contextlib.suppress(Exception):
+            client = self._client()
+            for q in range(1, self.world):
+                if client.has(f"result/{q}"):
+                    out[q] = [OpResult.from_json(x) for x in client.get(f"result/{q}")]
+        return out
+
+
+def pair_result(a: str, b: str, got: dict[int, list[OpResult]], ranks: dict[int, RankInfo]) -> PairResult:
+    """One node pair from its ranks' exchanges: the slowest rail's bandwidth, the worst rail's p95."""
+    on_a = {q for q, i in ranks.items() if i.node == a}
+    on_b = {q for q, i in ranks.items() if i.node == b}
+    rails = [(q, x) for q in on_a | on_b for x in got.get(q, []) if x.peer in (on_a if q in on_b else on_b)]
+    if not rails:
+        return PairResult(a, b, None, None, failed="no rank of the pair reported a result")
+    wrong = sum(x.wrong for _, x in rails)
+    small = min(x.nbytes for _, x in rails)
+    # the largest size is the bandwidth figure (the pair plan holds the smallest size and the large ones)
+    size = max(x.nbytes for _, x in rails)
+    bw: float | None = None
+    per_rail: dict[tuple[int, int], float] = {}
+    for q, x in rails:
+        if x.nbytes == size and x.p50_s == x.p50_s and x.p50_s > 0:
+            key = (min(q, x.peer or 0), max(q, x.peer or 0))
+            per_rail[key] = max(per_rail.get(key, 0.0), x.p50_s)
+    if per_rail:
+        bw = min(size / t / 1e9 for t in per_rail.values())
+    lats = [x.p95_s for _, x in rails if x.nbytes == small and x.p95_s == x.p95_s]
+    lat = max(lats) * 1e6 if lats else None
+    failed = f"{wrong} wrong elements received" if wrong else None
+    return PairResult(a, b, bw, lat, failed=failed)

@@ -1,0 +1,64 @@
+"""The group report as a person reads it (rank 0, without ``--json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from gpumon.fabric.judge import Verdict
+
+_STYLE = {"ok": "green", "skipped": "dim", "unknown": "yellow", "warn": "yellow", "fail": "bold red"}
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def print_report(doc: dict[str, Any], verdict: Verdict | None, where: str,
+                 console: Console | None = None) -> None:
+    console = console or Console(highlight=False, soft_wrap=False)
+    nodes = doc.get("nodes", [])
+    console.print(f"fabric probe: [bold]{doc.get('status')}[/] ({doc.get('outcome')}) — {len(nodes)} nodes, "
+                  f"{doc.get('ranks')} ranks, {doc.get('seconds')} s, launched by "
+                  f"{doc.get('launch', {}).get('launcher')}")
+    if doc.get("reason"):
+        console.print(f"  {doc['reason']}")
+    rows = doc.get("collectives") or []
+    if rows:
+        table = Table(title="collectives (group: slowest rank's median, worst rank's p95/p99)",
+                      title_justify="left")
+        for col in ("op", "size", "n", "p50 us", "p95 us", "p99 us", "busbw GB/s", "wrong"):
+            table.add_column(col, justify="left" if col == "op" else "right", no_wrap=True)
+        for r in rows:
+            table.add_row(r["op"], _size(r["nbytes"]), str(r["iterations"]),
+                          _num(r["p50_us"], ".0f"), _num(r["p95_us"], ".0f"), _num(r["p99_us"], ".0f"),
+                          _num(r["busbw_gbps"], ".3f"), str(r["wrong"]) if r["wrong"] else "")
+        console.print(table)
+    iso = doc.get("isolation")
+    if iso:
+        bw, lat = _num(iso["reference_busbw_gbps"], ".3f"), _num(iso["reference_p95_us"], ".0f")
+        console.print(f"pair rounds: {iso['rounds']}, {iso['pairs_measured']} pairs; reference {bw} GB/s, "
+                      f"p95 {lat} us")
+    for rank, lost in (doc.get("lost") or {}).items():
+        console.print(f"[bold red]lost[/] rank {rank} on {lost['node']} (last heard: {lost['last_heard']})")
+    if doc.get("stopped"):
+        console.print(f"stopped: {doc['stopped']}")
+    findings = doc.get("findings") or {}
+    if findings:
+        table = Table(title="nodes", title_justify="left")
+        for col in ("node", "severity", "action", "why"):
+            table.add_column(col, overflow="fold")
+        for node, f in sorted(findings.items()):
+            sev = f["severity"]
+            table.add_row(node, f"[{_STYLE.get(sev, '')}]{sev}[/]", f["action"], f["message"])
+        console.print(table)
+    console.print(f"report: {where}")
