@@ -66,6 +66,10 @@ _RECOVERY = (f"{_DCGM_WATCH}: any recovery increase is a failure ('Replay and re
              "not warnings', DCGM_FR_NVLINK_ERROR_CRITICAL); a recovery is a link retrain. 0 = any increase")
 
 
+# a threshold rate: .inf (never reached) turns its level off, which the schema allows only where asked
+_RATE = {"min": 0, "allow_inf": True}
+
+
 @dataclass(frozen=True)
 class NvlinkConfig:
     """Per-counter rates (errors per second over the time since the previous run) that warn or fail.
@@ -74,14 +78,14 @@ class NvlinkConfig:
     tested first.
     """
 
-    replay_warn_per_s: float = field(default=0.0, metadata={"min": 0, "source": _REPLAY_WARN})
-    replay_fail_per_s: float = field(default=100.0, metadata={"min": 0, "source": _REPLAY_FAIL})
-    recovery_warn_per_s: float = field(default=0.0, metadata={"min": 0, "source": _RECOVERY})
-    recovery_fail_per_s: float = field(default=0.0, metadata={"min": 0, "source": _RECOVERY})
-    crc_flit_warn_per_s: float = field(default=0.0, metadata={"min": 0, "source": _CRC_WARN})
-    crc_flit_fail_per_s: float = field(default=100.0, metadata={"min": 0, "source": _CRC_FAIL})
-    crc_data_warn_per_s: float = field(default=0.0, metadata={"min": 0, "source": _CRC_WARN})
-    crc_data_fail_per_s: float = field(default=100.0, metadata={"min": 0, "source": _CRC_FAIL})
+    replay_warn_per_s: float = field(default=0.0, metadata={**_RATE, "source": _REPLAY_WARN})
+    replay_fail_per_s: float = field(default=100.0, metadata={**_RATE, "source": _REPLAY_FAIL})
+    recovery_warn_per_s: float = field(default=0.0, metadata={**_RATE, "source": _RECOVERY})
+    recovery_fail_per_s: float = field(default=0.0, metadata={**_RATE, "source": _RECOVERY})
+    crc_flit_warn_per_s: float = field(default=0.0, metadata={**_RATE, "source": _CRC_WARN})
+    crc_flit_fail_per_s: float = field(default=100.0, metadata={**_RATE, "source": _CRC_FAIL})
+    crc_data_warn_per_s: float = field(default=0.0, metadata={**_RATE, "source": _CRC_WARN})
+    crc_data_fail_per_s: float = field(default=100.0, metadata={**_RATE, "source": _CRC_FAIL})
     # A rate is seen only in the run after it happened; holding it keeps a one-off
     # retrain visible to `gpumon check` and to the health state (issue 4).
     hold_s: float = field(default=3600.0, metadata={

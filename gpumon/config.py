@@ -9,6 +9,7 @@ error names the file and line where the bad key was written.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -164,13 +165,23 @@ def _check_sections(data: Mapping[str, Any], src: Source, checks: Mapping[str, t
             build(cls.Config, own, src, path)
 
 
+# A check's timeout becomes a thread wait; past ~292 years of nanoseconds that wait raises
+# OverflowError in the runner. A day is beyond any check gpumon runs (the longest default is 1 h).
+MAX_CHECK_TIMEOUT_S = 86400.0
+
+
 def _validate_common(common: Mapping[str, Any], src: Source, path: tuple[str, ...]) -> None:
     for key, value in common.items():
         if key == "enabled":
             if not isinstance(value, bool):
                 raise src.error((*path, key), "expected true or false")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        # not math.isfinite: .nan is not <= 0 and would pass, and a check with an
+        # interval of .nan or .inf is never run again, silently
+        elif (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+              or value <= 0):
             raise src.error((*path, key), f"expected a positive number of seconds, got {value!r}")
+        elif key == "timeout_s" and value > MAX_CHECK_TIMEOUT_S:
+            raise src.error((*path, key), f"must be <= {MAX_CHECK_TIMEOUT_S:g} s, got {value!r}")
 
 
 def _load_layer(data: Any, src: Source, checks: Mapping[str, type[Check]]) -> dict[str, Any]:

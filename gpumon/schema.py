@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -55,16 +56,74 @@ def dotted(path: KeyPath) -> str:
     return out
 
 
+# Bounds on what a config, web-config, profile or scenario file may cost to load.
+# The largest file gpumon ships is under 25 KB; 1 MiB leaves room for any real
+# site file while a 50 MB one no longer takes half a minute and most of a GB.
+MAX_FILE_BYTES = 1 << 20
+# YAML aliases share a node; turning the document into Python data copies it once
+# per alias, so nine aliases of nine aliases ... (a "billion laughs") is 9**9 nodes
+# from a few hundred bytes. The copies are counted while composing, before anything
+# is copied; sharing a block of settings a few times stays far below this.
+MAX_ALIAS_NODES = 10_000
+# Composing (and converting) recurses per level: bound it well below Python's
+# recursion limit so that "[[[[..." is a ConfigError, not a RecursionError.
+MAX_DEPTH = 64
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader whose composer refuses alias bombs, recursive aliases and deep nesting."""
+
+    def __init__(self, text: str, file: str) -> None:
+        super().__init__(text)
+        self.file = file
+        self._sizes: dict[int, int] = {}  # id(node) -> nodes it expands to, aliases included
+        self._aliased = 0
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]  # unannotated in types-PyYAML
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            target = self.anchors.get(event.anchor)
+            if target is not None:  # an undefined alias is the composer's own error
+                size = self._sizes.get(id(target))
+                if size is None:  # the anchored node is still open: it contains itself
+                    raise ConfigError(f"recursive YAML alias *{event.anchor}", file=self.file, line=line)
+                self._aliased += size
+                if self._aliased > MAX_ALIAS_NODES:
+                    raise ConfigError(f"YAML aliases expand to more than {MAX_ALIAS_NODES} nodes "
+                                      "(an alias bomb?); write the repeated settings out",
+                                      file=self.file, line=line)
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise ConfigError(f"nested deeper than {MAX_DEPTH} levels", file=self.file, line=line)
+        node = super().compose_node(parent, index)
+        self._depth -= 1
+        size = 1
+        if isinstance(node, yaml.SequenceNode):
+            size += sum(self._sizes[id(child)] for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            size += sum(self._sizes[id(k)] + self._sizes[id(v)] for k, v in node.value)
+        self._sizes[id(node)] = size
+        return node
+
+
 def load_yaml(text: str, file: str) -> tuple[Any, Source]:
     """Parse YAML, returning plain Python data and the line of every key."""
     src = Source(file)
+    if len(text) > MAX_FILE_BYTES:
+        raise ConfigError(f"larger than {MAX_FILE_BYTES >> 20} MiB; not a settings file", file=file)
+    loader = _BoundedLoader(text, file)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = loader.get_single_node()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"invalid YAML: {problem}", file=file, line=line) from None
+    finally:
+        loader.dispose()
     if node is None:
         return {}, src
     return _convert(node, (), src), src
@@ -72,9 +131,16 @@ def load_yaml(text: str, file: str) -> tuple[Any, Source]:
 
 def load_yaml_file(path: Path) -> tuple[Any, Source]:
     try:
-        text = path.read_text(encoding="utf-8")
+        # Read one byte past the limit, never the whole file: /dev/zero or a
+        # runaway log passed as --config must not be loaded into memory first.
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror or exc}", file=str(path)) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(f"larger than {MAX_FILE_BYTES >> 20} MiB; not a settings file", file=str(path))
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not UTF-8 text: {exc.reason}", file=str(path)) from None
     return load_yaml(text, str(path))
@@ -88,7 +154,7 @@ def _convert(node: yaml.Node, path: KeyPath, src: Source) -> Any:
             if not isinstance(key_node, yaml.ScalarNode):
                 raise ConfigError("keys must be plain scalars", file=src.file,
                                   line=key_node.start_mark.line + 1, key=dotted(path) or None)
-            key = str(_scalar(key_node))
+            key = str(_scalar(key_node, src, path))
             if key in out:
                 raise ConfigError("duplicate key", file=src.file, line=key_node.start_mark.line + 1,
                                   key=dotted((*path, key)))
@@ -97,12 +163,23 @@ def _convert(node: yaml.Node, path: KeyPath, src: Source) -> Any:
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_convert(item, (*path, i), src) for i, item in enumerate(node.value)]
-    return _scalar(node)
+    return _scalar(node, src, path)
 
 
-def _scalar(node: yaml.Node) -> Any:
+def _scalar(node: yaml.Node, src: Source, path: KeyPath) -> Any:
     # A fresh constructor per scalar: SafeConstructor keeps per-document state.
-    return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
+    try:
+        return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
+    except yaml.YAMLError as exc:  # an unknown tag, a merge key (<<)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"invalid YAML: {problem}", file=src.file, line=node.start_mark.line + 1,
+                          key=dotted(path) or None) from None
+    except (ArithmeticError, AttributeError, KeyError, TypeError, ValueError):
+        # what PyYAML's constructors raise for an explicit tag on a value that is
+        # not one (!!float foo, !!timestamp foo, !!bool foo)
+        kind = node.tag.rpartition(":")[2]
+        raise ConfigError(f"invalid YAML value: {node.value!r} is not a valid !!{kind}",
+                          file=src.file, line=node.start_mark.line + 1, key=dotted(path) or None) from None
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,8 +198,10 @@ def build(cls: type[T], data: Any, src: Source, path: KeyPath = ()) -> T:
 
     Field metadata understood: ``min``, ``max`` (numbers), ``choices``,
     ``sourced`` (the value is written ``{value: X, source: "..."}`` and the
-    source is required). A dataclass ``__post_init__`` raising ValueError is
-    reported against the dataclass's own key.
+    source is required), ``allow_inf`` (``.inf``/``-.inf`` accepted, for a
+    threshold where infinity means "never"; NaN never is). A dataclass
+    ``__post_init__`` raising ValueError is reported against the dataclass's
+    own key.
     """
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls} is not a dataclass")
@@ -166,7 +245,7 @@ def _value(tp: Any, value: Any, src: Source, path: KeyPath, meta: Mapping[str, A
         src.sources[dotted(path)] = note
         meta = {k: v for k, v in meta.items() if k != "sourced"}
         return _value(tp, value["value"], src, (*path, "value"), meta)
-    out = _typed(tp, value, src, path)
+    out = _typed(tp, value, src, path, bool(meta.get("allow_inf")))
     if isinstance(out, (int, float)) and not isinstance(out, bool):
         if "min" in meta and out < meta["min"]:
             raise src.error(path, f"must be >= {meta['min']}, got {out}")
@@ -177,7 +256,7 @@ def _value(tp: Any, value: Any, src: Source, path: KeyPath, meta: Mapping[str, A
     return out
 
 
-def _typed(tp: Any, value: Any, src: Source, path: KeyPath) -> Any:
+def _typed(tp: Any, value: Any, src: Source, path: KeyPath, allow_inf: bool = False) -> Any:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -188,7 +267,7 @@ def _typed(tp: Any, value: Any, src: Source, path: KeyPath) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _typed(arg, value, src, path)
+                return _typed(arg, value, src, path, allow_inf)
             except ConfigError as exc:
                 errors.append(exc)
         raise errors[0] if len(errors) == 1 else src.error(path, f"unexpected {_kind(value)}")
@@ -207,13 +286,13 @@ def _typed(tp: Any, value: Any, src: Source, path: KeyPath) -> Any:
             raise src.error(path, f"expected a list, got {_kind(value)}")
         args = typing.get_args(tp)
         item_tp = args[0] if args else Any
-        items = [_typed(item_tp, v, src, (*path, i)) for i, v in enumerate(value)]
+        items = [_typed(item_tp, v, src, (*path, i), allow_inf) for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict:
         if not isinstance(value, Mapping):
             raise src.error(path, f"expected a mapping, got {_kind(value)}")
         _, val_tp = typing.get_args(tp) or (Any, Any)
-        return {str(k): _typed(val_tp, v, src, (*path, str(k))) for k, v in value.items()}
+        return {str(k): _typed(val_tp, v, src, (*path, str(k)), allow_inf) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise src.error(path, f"expected true or false, got {_kind(value)}")
@@ -225,6 +304,11 @@ def _typed(tp: Any, value: Any, src: Source, path: KeyPath) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise src.error(path, f"expected a number, got {_kind(value)}")
+        # NaN compares false with every bound, so .nan passed min/max and then
+        # stopped a check for good (interval_s) or failed far from its line;
+        # infinity is refused too where it is not a documented "never".
+        if math.isnan(value) or (math.isinf(value) and not allow_inf):
+            raise src.error(path, f"must be a finite number, got {value}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
