@@ -1,6 +1,13 @@
 """nvswitch: the NVSwitch fabric: SXid errors, GPU fabric registration, the fabric manager log.
 
-Three readings, each reported on its own (``evidence.reading``):
+Three readings (four with the profile's NVSwitch count, ``pci``), each judged on its own and named
+in ``evidence.reading``. What leaves the check is one finding per component per run, the worst
+reading winning: all ``node`` readings fold into one ``node`` finding (``evidence.reading`` "node",
+each reading's verdict under its name: ``evidence.sxid``, ``evidence.fm_log``, ...), and a switch's
+SXid and fabric-manager findings for the same code fold into one (``sxid+fm_log``); different codes
+on one switch stay separate findings, as different faults. A ``skipped`` reading does not decide
+the folded severity (see ``_merged``), so a healthy node is ``ok`` every run, not ``ok`` and
+``skipped`` in turn.
 
 - ``sxid``: SXid lines of the NVSwitch driver in the kernel log (gpumon.hw.nvrm.SXidEvent). One
   error prints several lines with the same switch and code within milliseconds ("Fatal, Link 48
@@ -25,7 +32,8 @@ Three readings, each reported on its own (``evidence.reading``):
   through gpumon.hw.fabricmanager. "detected NVSwitch <fatal|non-fatal> error N ..." entries are
   judged by the same catalog, per switch; other [ERROR]/[CRITICAL] entries warn (fabric manager's
   levels, fabricmanager.cfg LOG_LEVEL: CRITICAL, ERROR, WARNING, INFO). A missing log at the
-  default path (fabricmanager.cfg LOG_FILE_NAME=/var/log/fabricmanager.log) is ``skipped``, not
+  default path (fabricmanager.cfg LOG_FILE_NAME=/var/log/fabricmanager.log) is a note in the node
+  finding's evidence (``fm_log``: "fabric manager log not found at ..."), not a verdict and not
   ``unknown``: fabric manager may log to syslog (LOG_USE_SYSLOG=1) or to another file, and on
   GB200 compute trays the NVSwitches are in the rack's switch trays, not on the node; the fabric's
   health is judged from NVML and the SXid lines either way. A path the site configured that does
@@ -178,7 +186,60 @@ class NvswitchCheck(Check):
         findings += self._sxid(ctx, params, now)
         findings += self._fabric(ctx, params, now, boot_time)
         findings += self._fm_log(ctx, params, now, boot_time)
-        return findings
+        return self._one_per_component(findings)
+
+    # -- one finding per component (and fault) -----------------------------------------
+
+    def _one_per_component(self, findings: list[Finding]) -> list[Finding]:
+        """Fold the readings' findings: one for ``node``, one per (component, code) elsewhere.
+
+        Each reading judges on its own; what leaves the check is one finding per component per
+        run, the worst reading winning, so that the component's severity is the same every run
+        while nothing changes (two findings on one component made the daemon log a change, and
+        the exported severity took the worse of the two, every run). On a switch, different
+        codes stay apart: they are different faults (as the xid check keeps Xid 79 and Xid 13
+        on one GPU), while the same code seen in the kernel log and in the fabric manager log is
+        one fault, seen twice.
+        """
+        groups: dict[tuple[str, Any], list[Finding]] = {}
+        for f in findings:
+            code = None if f.component == NODE else f.evidence.get("code")
+            groups.setdefault((f.component, code), []).append(f)
+        out: list[Finding] = []
+        for (component, code), parts in groups.items():
+            if component != NODE and len(parts) == 1:
+                out.append(parts[0])
+            else:
+                out.append(self._merged(component, code, parts))
+        return out
+
+    def _merged(self, component: str, code: Any, parts: list[Finding]) -> Finding:
+        """One finding from several readings' ones: the worst wins; every reading is in evidence.
+
+        A ``skipped`` reading (an optional source that is not there, such as fabric manager's log
+        at its default path, or fabric state on GPUs before Hopper) is a note, not a verdict:
+        the finding is ``skipped`` only when every reading was.
+        """
+        judged = [f for f in parts if f.severity is not Severity.SKIPPED]
+        worst = max((f.severity for f in judged), default=Severity.SKIPPED)
+        shown = [f for f in parts if f.severity is worst]
+        if worst is Severity.OK:
+            shown += [f for f in parts if f.severity is Severity.SKIPPED]
+        action = max(f.action for f in shown)
+        readings = [str(f.evidence.get("reading", "other")) for f in parts]
+        joined = "+".join(dict.fromkeys(readings))
+        evidence: dict[str, Any] = {"reading": "node" if component == NODE else joined}
+        if code is not None:
+            evidence["code"] = code
+        for f, reading in zip(parts, readings, strict=True):
+            key, n = reading, 1
+            while key in evidence:
+                n += 1
+                key = f"{reading}_{n}"
+            evidence[key] = {"severity": f.severity.value, "action": f.action.value, "message": f.message,
+                             **f.evidence}
+        message = "; ".join(dict.fromkeys(f.message for f in shown))
+        return self.finding(component, worst, message, action, **evidence)
 
     # -- NVSwitches on the bus ------------------------------------------------------
 
@@ -352,10 +413,11 @@ class NvswitchCheck(Check):
         if res.missing:
             fm["cursor"] = None
             if p.fm_log_path is None:
+                # an optional source: a note on the node's finding, not its verdict (see _merged)
                 head = self.finding(NODE, Severity.SKIPPED,
-                                    f"no fabric manager log at {source} (fabric manager may log to syslog "
-                                    "or elsewhere: set fm_log_path); fabric health is judged from NVML and "
-                                    "the SXid lines", reading="fm_log", source=source)
+                                    f"fabric manager log not found at {source} (fabric manager may log "
+                                    "to syslog or elsewhere: set fm_log_path); fabric health is judged "
+                                    "from NVML and the SXid lines", reading="fm_log", source=source)
             else:
                 head = self.finding(NODE, Severity.UNKNOWN, f"the configured fabric manager log {source} "
                                     "does not exist", reading="fm_log", source=source)

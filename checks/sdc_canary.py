@@ -199,7 +199,8 @@ class SdcCanaryCheck(Check):
             workloads=tuple(params.workloads), bundles=tuple(Path(b) for b in params.bundles),
             golden=golden, bundle_dir=bundle_dir(params, ctx), device=device,
             timeout_s=params.iteration_timeout_s, driver=ctx.inventory.driver_version, cpu_model=cpu,
-            should_stop=wanted_elsewhere if others else None, inject=inject)
+            should_stop=wanted_elsewhere if others else None, inject=inject,
+            gpu_identity=gpu_identity(ctx, idle))
         try:
             report = runner.run(options)
         except (runner.CanaryError, BundleError) as exc:
@@ -218,14 +219,17 @@ def simulated_sdc(ctx: CheckContext, idle: list[int]) -> FaultSpec | None:
     """The fault harness spec for the first idle simulated GPU whose device model computes wrong bits
     (scenario fault ``sdc``, gpumon/sim/devices.py), for its worker; None when there is none."""
     from gpumon import compute
-    from gpumon.sdc.inject import FaultSpec  # at run time: it imports torch
+    from gpumon.sdc.inject import simulated_fault  # at run time: it imports torch
 
-    models = {s.index: s.model for s in compute.node_placement(ctx.inventory, ctx.hw, 0).stand_ins}
-    for worker, index in enumerate(idle):
-        spec = str(models.get(index, {}).get("sdc", ""))
-        if spec:
-            return FaultSpec.parse(f"worker={worker},{spec}")
-    return None
+    stand_ins = compute.node_placement(ctx.inventory, ctx.hw, 0).stand_ins
+    return simulated_fault({s.index: str(s.model.get("sdc", "")) for s in stand_ins}, idle)
+
+
+def gpu_identity(ctx: CheckContext, indices: list[int]) -> dict[int, dict[str, Any]]:
+    """What NVML says of the canaried GPUs, for their findings and replay bundles: the canary runs
+    on the idle GPUs only, so its worker numbers are not GPU numbers and a bundle must name the GPU."""
+    return {g.index: {"uuid": g.uuid, "serial": g.serial, "pci_bus_id": g.pci_bus_id, "name": g.name}
+            for g in ctx.inventory.gpus if g.index in indices}
 
 
 def bundle_dir(params: SdcCanaryConfig, ctx: CheckContext) -> Path:

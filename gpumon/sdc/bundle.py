@@ -295,9 +295,35 @@ def expected_golden(path: Path) -> Golden:
     if manifest.get("kind") == "capture" and manifest.get("expected"):
         exp = manifest["expected"]
         golden.put(GoldenKey.from_json(exp["key"]), _points(exp["points"]), source=str(path))
-    elif manifest.get("kind") == "failure" and manifest.get("expected_is_golden"):
-        golden.put(GoldenKey.from_json(manifest["key"]), _points(manifest["expected"]), source=str(path))
+    elif manifest.get("kind") == "failure" and manifest.get("expected"):
+        # the golden of the run, else the bits of an agreeing GPU of the run (same key): what the
+        # failing GPU should have computed either way, so a replay on that GPU alone can tell
+        golden.put(GoldenKey.from_json(manifest["key"]), _points(manifest["expected"]), source=str(path),
+                   expected_from="golden" if manifest.get("expected_is_golden") else "agreeing GPU")
     return golden
+
+
+def failed_gpu(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The GPU a failure bundle's wrong bits came from (index, uuid, serial, ...), or None for a
+    bundle written before bundles named the GPU (it has only ``worker``)."""
+    gpu = manifest.get("gpu")
+    if isinstance(gpu, dict) and isinstance(gpu.get("index"), int):
+        return dict(gpu)
+    return None
+
+
+def describe_gpu(gpu: Mapping[str, Any]) -> str:
+    """``GPU 6 (UUID GPU-..., serial 1655...)``: what an operator finds the GPU by."""
+    words = [f"UUID {gpu['uuid']}" if gpu.get("uuid") else "UUID not known",
+             f"serial {gpu['serial']}" if gpu.get("serial") else "serial not known"]
+    if gpu.get("pci_bus_id"):
+        words.append(f"PCI {gpu['pci_bus_id']}")
+    return f"GPU {gpu['index']} ({', '.join(words)})"
+
+
+OLD_BUNDLE_NOTE = ("this bundle predates GPU identities: it names only the worker, the N-th GPU the run "
+                   "used (of --gpus, or of the idle GPUs in the daemon), which is GPU N only if the run "
+                   "used every GPU; find the GPU from the run's finding (its component) or log")
 
 
 # -- failures --------------------------------------------------------------------------------------
@@ -305,12 +331,17 @@ def expected_golden(path: Path) -> Golden:
 def write_failure_manifest(folder: Path, *, mismatch: Any, run: Any, expected: Sequence[Point] | None,
                            expected_is_golden: bool, reference_worker: int | None, key: GoldenKey,
                            capture_bundle: Path | None, inject: str | None,
-                           dump_errors: Mapping[str, str]) -> None:
+                           dump_errors: Mapping[str, str], gpu: Mapping[str, Any] | None = None,
+                           reference_gpu: int | None = None) -> None:
+    """``gpu``: the GPU that computed the wrong bits (index, NVML's UUID and serial, ...: see
+    ``Report.identity_of``); ``worker`` stays as the run's worker number, which is not the GPU's
+    index when the run used some GPUs only (``--gpus``, the idle ones)."""
     manifest: dict[str, Any] = {
         "format": FORMAT, "kind": "failure", "created": time.time(),
         "workload": mismatch.workload, "params": run.params,
         "source": {"capture": str(capture_bundle)} if capture_bundle else {"builtin": True},
-        "key": key.to_json(), "worker": mismatch.worker, "iteration": mismatch.iteration,
+        "key": key.to_json(), "gpu": dict(gpu) if gpu is not None else None,
+        "worker": mismatch.worker, "iteration": mismatch.iteration,
         "compared_with": mismatch.against, "first_differing_tensor": mismatch.first_tensor,
         "detail": mismatch.detail, "error": run.error,
         "observed": [p.to_json() for p in run.points],
@@ -318,7 +349,7 @@ def write_failure_manifest(folder: Path, *, mismatch: Any, run: Any, expected: S
         "expected_is_golden": expected_is_golden,
         "files": {"observed": "observed.pt" if (folder / "observed.pt").exists() else None,
                   "reference": "reference.pt" if (folder / "reference.pt").exists() else None},
-        "reference_worker": reference_worker,
+        "reference_worker": reference_worker, "reference_gpu": reference_gpu,
     }
     if inject:
         manifest["injected_fault"] = {"spec": inject, "flips": run.flips}

@@ -9,10 +9,12 @@ and no majority, a GPU that did not run), 2 at least one GPU computed wrong bits
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +64,16 @@ def add_parser(subparsers: Any,
     p.add_argument("--bundle", action="append", default=[], type=Path, metavar="PATH",
                    help="replay this captured training step on every GPU (repeatable)")
     p.add_argument("--inject", metavar="SPEC",
-                   help="fault harness: make one worker flip bits, e.g. worker=2,dtype=float32,rate=1 "
-                        "(worker N: the N-th worker, i.e. the N-th of --gpus; see gpumon.sdc.inject)")
+                   help="fault harness: make one worker flip bits, e.g. worker=2,dtype=fp32,rate=1 "
+                        "(worker N: the N-th worker, i.e. the N-th of --gpus; dtype: fp64, fp32, bf16, "
+                        "fp16 or torch's names; see gpumon.sdc.inject)")
     p.add_argument("--state-dir", type=Path, metavar="DIR",
                    help="keep replay bundles of failing runs under DIR/sdc/bundles (default: state_dir)")
     shared(p)
 
-    p = sub.add_parser("replay", parents=parents, help="replay a bundle (a failing run or a captured step)")
+    p = sub.add_parser("replay", parents=parents,
+                       help="replay a bundle (a failing run: on its GPU unless --gpus/--workers; or a "
+                            "captured step)")
     p.add_argument("bundle", type=Path, metavar="BUNDLE")
     p.add_argument("--iterations", type=int, default=1, metavar="N", help="iterations per GPU (1)")
     p.add_argument("--state-dir", type=Path, metavar="DIR",
@@ -89,21 +94,101 @@ def main(args: argparse.Namespace) -> int:
     from gpumon.sdc.inject import FaultSpecError
     from gpumon.sdc.runner import CanaryError
 
+    node: _Node | None = None
     try:
+        node = _open_node(args)
         if args.canary_command == "record":
-            return _record(args)
+            return _record(args, node)
         if args.canary_command == "run":
-            return _run(args)
+            return _run(args, node)
         if args.canary_command == "replay":
-            return _replay(args)
+            return _replay(args, node)
     except (ConfigError, FaultSpecError) as exc:
         print(f"gpumon: canary: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     except (CanaryError, BundleError, GpumonError) as exc:
         print(f"gpumon: canary: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    finally:
+        if node is not None:
+            node.close()
     print(f"gpumon: canary: unknown subcommand {args.canary_command}", file=sys.stderr)
     return EXIT_CANNOT_RUN
+
+
+# -- the node ------------------------------------------------------------------------------------
+
+@dataclass
+class _Node:
+    """The GPUs the canary names, as gpumon's hardware layer reads them from NVML (index -> GpuInfo)
+    and the driver; on a simulated node (``--simulate``) the simulated GPUs, served by the NVML
+    injection library, each computed by a CPU worker standing in for it. No GPUs on a CPU run: its
+    workers are no GPU's."""
+
+    gpus: dict[int, Any] = field(default_factory=dict)
+    driver: str | None = None
+    simulation: Any = None  # gpumon.agent.Simulation
+    sdc_of: dict[int, str] = field(default_factory=dict)  # simulated GPU -> its scenario sdc fault
+
+    @property
+    def simulated(self) -> bool:
+        return self.simulation is not None
+
+    def identity(self) -> dict[int, dict[str, Any]]:
+        return {i: {"uuid": g.uuid, "serial": g.serial, "pci_bus_id": g.pci_bus_id, "name": g.name}
+                for i, g in self.gpus.items()}
+
+    def close(self) -> None:
+        if self.simulation is not None:
+            self.simulation.close()
+            self.simulation = None
+
+
+def _open_node(args: argparse.Namespace) -> _Node:
+    import torch
+
+    from gpumon.hw import Hardware
+
+    if getattr(args, "simulate", None):
+        if args.device == "cuda":
+            raise ConfigError("a simulated node's GPUs are CPU workers: not with --device cuda",
+                              key="--device")
+        from gpumon.agent import Simulation
+        from gpumon.sim.scenario import load_scenario
+
+        sim = Simulation.start(load_scenario(args.simulate), getattr(args, "sim_at", None),
+                               getattr(args, "sim_dir", None))
+        node = _Node(simulation=sim)
+        try:
+            hw = Hardware(sim.node.host_root, simulated=True)
+            _read_gpus(node, hw)
+            node.sdc_of = {i: m.sdc for i, m in hw.sim_devices().items() if m.sdc}
+        except BaseException:
+            node.close()
+            raise
+        return node
+    node = _Node()
+    if args.device != "cpu" and torch.cuda.is_available():
+        _read_gpus(node, Hardware(_host_root(args)))
+    return node
+
+
+def _read_gpus(node: _Node, hw: Any) -> None:
+    """NVML's GPUs and driver, through the hardware layer. Without NVML the canary still runs: the
+    golden key then says driver "unknown" and bundles carry the GPU index alone."""
+    from gpumon.errors import GpumonError
+    from gpumon.hw.inventory import collect
+
+    try:
+        hw.nvml.init()
+    except GpumonError:
+        return
+    try:
+        inventory = collect(hw.nvml, hw.fs)
+        node.gpus = {g.index: g for g in inventory.gpus}
+        node.driver = inventory.driver_version
+    finally:
+        hw.nvml.shutdown()
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -120,7 +205,7 @@ def _gpus(args: argparse.Namespace) -> tuple[int, ...]:
     return gpus
 
 
-def _workers(args: argparse.Namespace) -> int:
+def _workers(args: argparse.Namespace, node: _Node) -> int:
     import torch
 
     if _gpus(args):
@@ -129,9 +214,25 @@ def _workers(args: argparse.Namespace) -> int:
         if args.workers < 1:
             raise ConfigError("must be at least 1", key="--workers")
         return int(args.workers)
+    if node.simulated and node.gpus:
+        return len(node.gpus)
     if args.device != "cpu" and torch.cuda.is_available():
         return int(torch.cuda.device_count())
     return 4
+
+
+def _device_indices(args: argparse.Namespace, node: _Node) -> tuple[int, ...]:
+    """The GPU of each worker, in worker order: --gpus, else the first N GPUs (NVML's, when known)."""
+    gpus = _gpus(args)
+    known = sorted(node.gpus)
+    if gpus and known:
+        absent = [g for g in gpus if g not in node.gpus]
+        if absent:
+            raise ConfigError(f"no GPU {', '.join(map(str, absent))} on this node (NVML: "
+                              f"{', '.join(map(str, known))})", key="--gpus")
+    if gpus or not node.simulated:
+        return gpus
+    return tuple(known[:_workers(args, node)])
 
 
 def _host_root(args: argparse.Namespace) -> Path:
@@ -148,35 +249,27 @@ def _state_dir(args: argparse.Namespace) -> Path | None:
     return Path(config.state_dir)
 
 
-def _driver(args: argparse.Namespace) -> str | None:
-    """The NVIDIA driver version for the golden key, from NVML (through the hardware layer)."""
-    import torch
-
-    if args.device == "cpu" or not torch.cuda.is_available():
-        return None
-    from gpumon.errors import GpumonError
-    from gpumon.hw.calls import BoundedCaller
-    from gpumon.hw.nvml import Nvml
-
-    nvml = Nvml(BoundedCaller(), 10.0)
-    try:
-        nvml.init()
-        return nvml.driver_version()
-    except GpumonError:
-        return None  # the key then says "unknown": a golden made so is matched only by another such run
-    finally:
-        nvml.shutdown()
-
-
-def _options(args: argparse.Namespace, **extra: Any) -> Any:
+def _options(args: argparse.Namespace, node: _Node, **extra: Any) -> Any:
     from gpumon.sdc.golden import cpu_model
     from gpumon.sdc.runner import Options
 
     if getattr(args, "iterations", 1) < 1:
         raise ConfigError("must be at least 1", key="--iterations")
-    return Options(workers=_workers(args), device_indices=_gpus(args), device=args.device,
-                   timeout_s=args.timeout, cpu_model=cpu_model(_host_root(args)), driver=_driver(args),
-                   **extra)
+    # a simulated node's GPUs are CPU workers: never the machine's own GPUs under their names; the
+    # key's CPU model is this machine's, whose CPU computes them
+    return Options(workers=_workers(args, node), device_indices=_device_indices(args, node),
+                   device="cpu" if node.simulated else args.device, timeout_s=args.timeout,
+                   cpu_model=cpu_model(_host_root(args)), driver=node.driver,
+                   gpu_identity=node.identity(), **extra)
+
+
+def _simulated_fault(node: _Node, options: Any) -> Any:
+    """On a simulated node, the scenario's ``sdc`` fault on a GPU the run uses, for its worker."""
+    from gpumon.sdc.inject import simulated_fault
+
+    if not node.simulated:
+        return None
+    return simulated_fault(node.sdc_of, list(options.device_indices) or list(range(options.workers)))
 
 
 def _bundle_dir(args: argparse.Namespace) -> Path | None:
@@ -211,13 +304,13 @@ def _emit(args: argparse.Namespace, findings: list[Finding], summary: dict[str, 
 
 # -- subcommands -----------------------------------------------------------------------------------
 
-def _record(args: argparse.Namespace) -> int:
+def _record(args: argparse.Namespace, node: _Node) -> int:
     from gpumon.sdc import runner
     from gpumon.sdc.golden import FORMAT, Golden, GoldenKey
 
     # entries of other keys (other SKUs, drivers) already in the file are kept
     golden = Golden.load(args.out) if args.out.exists() and args.out.stat().st_size else Golden()
-    options = _options(args, iterations=args.iterations, workloads=tuple(args.workload),
+    options = _options(args, node, iterations=args.iterations, workloads=tuple(args.workload),
                        bundles=tuple(args.bundle), keep_tensors=False)
     report = runner.run(options)
     findings = report.findings()
@@ -263,7 +356,7 @@ def _record(args: argparse.Namespace) -> int:
                  f"({len(report.workers)} workers x {args.iterations} iterations agreed)")
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, node: _Node) -> int:
     from gpumon.sdc import runner
     from gpumon.sdc.bundle import expected_golden
     from gpumon.sdc.golden import Golden
@@ -274,10 +367,11 @@ def _run(args: argparse.Namespace) -> int:
         extra = expected_golden(b)
         for key, points in extra.entries.items():
             golden.entries.setdefault(key, points)
-    inject = FaultSpec.parse(args.inject) if args.inject else None
-    options = _options(args, iterations=args.iterations, workloads=tuple(args.workload),
-                       bundles=tuple(args.bundle), golden=golden, inject=inject,
-                       bundle_dir=_bundle_dir(args))
+    options = _options(args, node, iterations=args.iterations, workloads=tuple(args.workload),
+                       bundles=tuple(args.bundle), golden=golden, bundle_dir=_bundle_dir(args))
+    # --inject wins over a simulated node's own sdc fault
+    inject = FaultSpec.parse(args.inject) if args.inject else _simulated_fault(node, options)
+    options = dataclasses.replace(options, inject=inject)
     if inject is not None and inject.worker >= options.workers:
         raise ConfigError(f"worker {inject.worker} does not exist ({options.workers} workers)",
                           key="--inject")
@@ -291,48 +385,99 @@ def _run(args: argparse.Namespace) -> int:
             f"{len(report.workloads)} workloads: "
             + (f"{len(bad)} GPU(s) computed wrong bits" if bad else "no GPU computed wrong bits"))
     if inject is not None:
-        head += f" (fault harness on: {inject.to_text()})"
+        head += (f" (fault harness on: {inject.to_text()}: GPU {report.gpu_of(inject.worker)})"
+                 if args.inject else f" (simulated node: GPU {report.gpu_of(inject.worker)} computes "
+                 "wrong bits)")
     return _emit(args, findings, summary, head)
 
 
-def _replay(args: argparse.Namespace) -> int:
+def _replay(args: argparse.Namespace, node: _Node) -> int:
     from gpumon.sdc import runner
-    from gpumon.sdc.bundle import expected_golden, read_manifest, tensor_diff
+    from gpumon.sdc.bundle import (
+        OLD_BUNDLE_NOTE,
+        describe_gpu,
+        expected_golden,
+        failed_gpu,
+        read_manifest,
+        tensor_diff,
+    )
 
     manifest = read_manifest(args.bundle)
+    failure = manifest.get("kind") == "failure"
+    gpu = failed_gpu(manifest) if failure else None
+    where = _replay_on(args, node, gpu)
     golden = expected_golden(args.bundle)
-    options = _options(args, iterations=args.iterations, bundles=(args.bundle,), golden=golden,
+    options = _options(args, node, iterations=args.iterations, bundles=(args.bundle,), golden=golden,
                        bundle_dir=_bundle_dir(args))
+    options = dataclasses.replace(options, inject=_simulated_fault(node, options))
     report = runner.run(options)
     findings = report.findings()
     summary = runner.summary_json(report)
     summary["bundle"] = {"path": str(args.bundle), "kind": manifest.get("kind"),
                          "workload": manifest.get("workload") or manifest.get("name")}
-    if manifest.get("kind") == "failure":
+    if failure:
         summary["bundle"].update({
-            "failed_on_worker": manifest.get("worker"), "iteration": manifest.get("iteration"),
+            "failed_on_gpu": gpu, "failed_on_worker": manifest.get("worker"),
+            "iteration": manifest.get("iteration"),
             "first_differing_tensor": manifest.get("first_differing_tensor"),
             "compared_with": manifest.get("compared_with"),
             "expected_is_golden": manifest.get("expected_is_golden")})
+        if gpu is None:
+            summary["bundle"]["note"] = OLD_BUNDLE_NOTE
+        if where:
+            summary["bundle"]["replayed_on"] = where
         diff = tensor_diff(args.bundle)
         if diff is not None:
             summary["bundle"]["kept_tensors_diff"] = diff
     head = (f"gpumon canary replay {args.bundle} ({manifest.get('kind')}): "
             f"{len(report.workers)} workers, {args.iterations} iterations")
-    if manifest.get("kind") == "failure":
+    if failure:
+        who = describe_gpu(gpu) if gpu is not None else f"worker {manifest.get('worker')}"
         failed = sorted({report.gpu_of(m.worker) for m in report.mismatches})
-        head += (f"; the failure of GPU {manifest.get('worker')} reproduced on GPU(s) "
-                 f"{', '.join(map(str, failed))}" if failed else
-                 f"; the failure of GPU {manifest.get('worker')} did not reproduce here")
+        head += (f"\n  the failure of {who} reproduced on GPU(s) {', '.join(map(str, failed))}" if failed else
+                 f"\n  the failure of {who} did not reproduce here")
+        if where:
+            head += f"\n  {where}"
+        if golden.entries and not manifest.get("expected_is_golden"):
+            head += ("\n  the run had no golden: \"golden\" below is the bits the agreeing GPUs "
+                     "computed in that run, kept in the bundle")
+        if gpu is None:
+            head += f"\n  note: {OLD_BUNDLE_NOTE}"
+        elif gpu.get("identity_note"):
+            head += f"\n  note: {gpu['identity_note']}"
     if not golden.entries:
-        head += "; the bundle carries no golden: comparing the workers with each other only"
+        head += "\n  the bundle carries no golden: comparing the workers with each other only"
     elif report.no_golden:
-        head += "; the bundle's golden was made under another key: comparing the workers with each other only"
+        head += ("\n  the bundle's golden was made under another key: comparing the workers with each "
+                 "other only")
     code = _emit(args, findings, summary, head)
     diff = summary["bundle"].get("kept_tensors_diff")
     if diff and not args.json:
         print(f"  kept tensors of the failing run vs an agreeing worker: {json.dumps(diff)}")
     return code
+
+
+def _replay_on(args: argparse.Namespace, node: _Node, gpu: dict[str, Any] | None) -> str | None:
+    """Without --gpus/--workers, a failure is replayed on the GPU that failed: the one with the
+    bundle's UUID when NVML knows it (GPUs renumber: a reboot, a replaced board), else its index.
+    Sets ``args.gpus``; returns what was chosen, in words (None: the caller's choice stands)."""
+    if gpu is None or args.gpus or args.workers is not None:
+        return None
+    index: int = gpu["index"]
+    uuid = gpu.get("uuid")
+    if node.gpus:
+        by_uuid = [i for i, g in node.gpus.items() if uuid and g.uuid == uuid]
+        if by_uuid:
+            index = by_uuid[0]
+        elif index not in node.gpus:
+            return f"GPU {index} ({uuid or 'UUID not known'}) is not on this node: replaying on every GPU"
+    args.gpus = str(index)
+    said = f"replaying on GPU {index}, the GPU of the failure (--gpus or --workers to choose others)"
+    if index != gpu["index"]:
+        said += f"; it is GPU {index} now (UUID {uuid}), it was GPU {gpu['index']}"
+    elif uuid and node.gpus and node.gpus[index].uuid != uuid:
+        said += f"; NOTE: GPU {index} now has UUID {node.gpus[index].uuid}, not the bundle's {uuid}"
+    return said
 
 
 def _standalone(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,10 @@ matching kernel returns, the harness flips one random bit of one random element 
 Spec (``--inject``), comma-separated ``key=value``:
 
 - ``worker=N`` (required): the worker made faulty;
-- ``dtype=float32``: only outputs of this dtype (one dtype path);
+- ``dtype=fp32``: only outputs of this dtype (one dtype path): ``fp64``, ``fp32``, ``bf16``,
+  ``fp16`` (the names in the workloads' names, gemm_fp32 ...) or an integer type (``int64`` ...
+  ``uint8``); torch's names (``float32``, ``torch.bfloat16``, ``half``) mean the same. TF32 is not a
+  dtype: a TF32 matmul outputs fp32;
 - ``rate=1.0``: probability of a flip per matching kernel call;
 - ``range=LO:HI``: only elements whose value lies in [LO, HI] (``-inf``/``inf`` allowed; NaN never
   matches a range);
@@ -18,7 +21,12 @@ Spec (``--inject``), comma-separated ``key=value``:
 - ``ops=mm|addmm``: only these ATen ops (overload packet names; default: every op but views, copies
   and allocations);
 - ``seed=N``: the harness's own random stream (the workload's generators are left alone);
-- ``max_flips=N``: stop after N flips in one workload run.
+- ``max_flips=N``: stop after N flips in one workload run;
+- ``where=output`` (default): flip a bit of what a kernel computed; ``where=input``: flip a bit of a
+  tensor the op is handed, before it runs: what a rank *sends* (its contribution to a collective, a
+  send), the fault of a GPU, NIC or PCIe path that corrupts outgoing data. With ``ops=`` naming
+  torch.distributed's ops (``allreduce_``, ``_allgather_base_``, ``alltoall_base_``, ``send``, ...)
+  this is the fabric probe's corrupted-contribution fault.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +50,18 @@ _NOT_COMPUTE = frozenset({
     "_local_scalar_dense", "set_", "resize_", "arange", "scalar_tensor", "_unsafe_view",
 })
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8)}
+# One vocabulary: the short names the workloads are named with (gemm_fp32, gemm_bf16, ...), the
+# canonical spelling; torch's names ("float32", "torch.float32", torch aliases such as "half") are
+# accepted for them. No "tf32": TF32 is a matmul mode, not a tensor dtype (a TF32 matmul's output is
+# float32), so a tf32 fault is dtype=fp32 (with ops=mm|addmm|bmm for the matmuls alone).
+_DTYPES: dict[str, torch.dtype] = {
+    "fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+_SHORT = {d: name for name, d in _DTYPES.items()}
+_TORCH_NAMES = {str(d).removeprefix("torch."): d for d in _DTYPES.values()}
+
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -52,10 +69,27 @@ class FaultSpecError(ValueError):
     """A bad ``--inject`` spec; names the key."""
 
 
+def dtype_name(text: str) -> str:
+    """The canonical (short) name of a dtype given by its short or its torch name; raises
+    FaultSpecError listing what is accepted."""
+    name = text.strip().lower().removeprefix("torch.")
+    if name in _DTYPES:
+        return name
+    found = getattr(torch, name, None) if name.isidentifier() else None
+    if isinstance(found, torch.dtype) and found in _SHORT:
+        return _SHORT[found]  # float32, bfloat16, and torch's aliases (float, double, half, long, ...)
+    if name == "tf32":
+        raise FaultSpecError("dtype: 'tf32' is not a tensor dtype: a TF32 matmul computes float32 "
+                             "tensors, so its faults are dtype=fp32 (add ops=mm|addmm|bmm for the "
+                             "matmuls alone)")
+    raise FaultSpecError(f"dtype: {text!r} is not one of {', '.join(_DTYPES)} (torch's names are "
+                         f"accepted too: {', '.join(_TORCH_NAMES)})")
+
+
 @dataclass(frozen=True)
 class FaultSpec:
     worker: int
-    dtype: str = "float32"
+    dtype: str = "fp32"  # canonical short name; a torch name given here is turned into it
     rate: float = 1.0
     low: float = -math.inf
     high: float = math.inf
@@ -63,10 +97,12 @@ class FaultSpec:
     ops: tuple[str, ...] = ()
     seed: int = 0
     max_flips: int | None = None
+    where: str = "output"
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise FaultSpecError(f"dtype: {self.dtype!r} is not one of {', '.join(_DTYPES)}")
+        object.__setattr__(self, "dtype", dtype_name(str(self.dtype)))
+        if self.where not in ("output", "input"):
+            raise FaultSpecError(f"where: {self.where!r} is not one of output, input")
         if not 0.0 <= self.rate <= 1.0:
             raise FaultSpecError(f"rate: {self.rate} is not a probability in [0, 1]")
         if self.low > self.high:
@@ -90,6 +126,8 @@ class FaultSpec:
             parts.append("ops=" + "|".join(self.ops))
         if self.max_flips is not None:
             parts.append(f"max_flips={self.max_flips}")
+        if self.where != "output":
+            parts.append(f"where={self.where}")
         return ",".join(parts)
 
     @classmethod
@@ -103,7 +141,7 @@ class FaultSpec:
                 if key == "worker":
                     kwargs["worker"] = int(value)
                 elif key == "dtype":
-                    kwargs["dtype"] = value.removeprefix("torch.")
+                    kwargs["dtype"] = dtype_name(value)
                 elif key == "rate":
                     kwargs["rate"] = float(value)
                 elif key == "range":
@@ -118,9 +156,11 @@ class FaultSpec:
                     kwargs["seed"] = int(value)
                 elif key == "max_flips":
                     kwargs["max_flips"] = int(value)
+                elif key == "where":
+                    kwargs["where"] = value
                 else:
                     raise FaultSpecError(f"unknown key {key!r} (known: worker, dtype, rate, range, bits, "
-                                         "ops, seed, max_flips)")
+                                         "ops, seed, max_flips, where)")
             except ValueError as exc:
                 if isinstance(exc, FaultSpecError):
                     raise
@@ -128,6 +168,26 @@ class FaultSpec:
         if "worker" not in kwargs:
             raise FaultSpecError("worker: required (the worker to make faulty)")
         return cls(**kwargs)
+
+
+def simulated_fault(sdc_of: Mapping[int, str], gpus: Sequence[int]) -> FaultSpec | None:
+    """The harness spec for the worker of the first of ``gpus`` (in worker order) whose simulated
+    device model computes wrong bits: ``sdc_of`` maps a GPU index to its model's spec without the
+    worker ("dtype=float32,rate=1", scenario fault ``sdc``, gpumon/sim/devices.py); None if none."""
+    for worker, index in enumerate(gpus):
+        spec = sdc_of.get(index, "")
+        if spec:
+            return FaultSpec.parse(f"worker={worker},{spec}")
+    return None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result (lists of tensors, as collectives take, included)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 @dataclass
@@ -169,26 +229,31 @@ class FaultInjector(TorchDispatchMode):
         self.calls = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.spec.where == "input":
+            self._maybe_flip(func, _tensors(args))
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
+        self._maybe_flip(func, _tensors(out))
+        return out
+
+    def _maybe_flip(self, func: Any, candidates: list[torch.Tensor]) -> None:
         if self._quiet or getattr(func, "is_view", False):
-            return out
+            return
         op = func.overloadpacket.__name__
         if self.spec.ops:
             if op not in self.spec.ops:
-                return out
+                return
         elif op in _NOT_COMPUTE:
-            return out
-        tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                   if isinstance(t, torch.Tensor) and t.dtype == self.spec.torch_dtype and t.numel()]
+            return
+        tensors = [t for t in candidates if t.dtype == self.spec.torch_dtype and t.numel()]
         if not tensors:
-            return out
+            return
         self.calls += 1
         if self.spec.max_flips is not None and len(self.flips) >= self.spec.max_flips:
-            return out
+            return
         if self._rng.random() >= self.spec.rate:
-            return out
+            return
         self._flip(self._rng.choice(tensors), op)
-        return out
 
     def _flip(self, t: torch.Tensor, op: str) -> None:
         with torch.no_grad():

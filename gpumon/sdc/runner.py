@@ -67,6 +67,9 @@ class Options:
     bundle_dir: Path | None = None  # where failing runs are kept as replay bundles
     device: str = "auto"  # auto | cpu | cuda
     device_indices: Sequence[int] = ()  # GPU indices to use (default 0..workers-1)
+    # GPU index -> what NVML says of that GPU (uuid, serial, pci_bus_id, name), from the caller's
+    # hardware layer: bundles and findings name the GPU by it, not by the worker that ran on it
+    gpu_identity: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     threads: int = 1
     timeout_s: float = 600.0  # per iteration, all workloads
     startup_timeout_s: float = 300.0
@@ -84,6 +87,7 @@ class WorkerInfo:
     index: int  # the worker; its GPU index is Report.gpu_of(index)
     device: str
     key: DeviceKey
+    cuda_uuid: str | None = None  # the UUID CUDA gives the worker's device (None on the CPU)
 
 
 @dataclass
@@ -143,15 +147,44 @@ class Report:
     bundles: list[str] = field(default_factory=list)
     seconds: float = 0.0
     gpu_indices: list[int] = field(default_factory=list)  # worker -> GPU index (default: the same)
+    gpu_identity: dict[int, dict[str, Any]] = field(default_factory=dict)  # GPU index -> NVML's words
 
     def gpu_of(self, worker: int) -> int:
         return self.gpu_indices[worker] if worker < len(self.gpu_indices) else worker
+
+    def identity_of(self, worker: int) -> dict[str, Any]:
+        """The GPU a worker ran on: its index, NVML's UUID, serial, PCI bus id and name (None where
+        not known: CPU workers off a GPU node), the device the worker used, and a note when the
+        UUID CUDA gave that device is not NVML's for the index (CUDA_VISIBLE_DEVICES renumbered)."""
+        g = self.gpu_of(worker)
+        nvml = self.gpu_identity.get(g, {})
+        ident: dict[str, Any] = {"index": g, "uuid": nvml.get("uuid"), "serial": nvml.get("serial"),
+                                 "pci_bus_id": nvml.get("pci_bus_id"), "name": nvml.get("name")}
+        info = next((w for w in self.workers if w.index == worker), None)
+        if info is not None:
+            ident["device"] = info.device
+            if info.cuda_uuid:
+                ident["cuda_uuid"] = info.cuda_uuid
+                if ident["uuid"] and _uuid_key(ident["uuid"]) != _uuid_key(info.cuda_uuid):
+                    owner = next((i for i, v in self.gpu_identity.items()
+                                  if _uuid_key(str(v.get("uuid") or "")) == _uuid_key(info.cuda_uuid)), None)
+                    ident["identity_note"] = (
+                        f"CUDA's {info.device} has UUID {info.cuda_uuid}, which NVML gives "
+                        + (f"GPU {owner}" if owner is not None else "no GPU")
+                        + f", not GPU {g} ({ident['uuid']}): CUDA_VISIBLE_DEVICES or CUDA_DEVICE_ORDER "
+                        "renumbered the devices; trust the UUID")
+        return ident
 
     def findings(self, check: str = CHECK) -> list[Finding]:
         return findings_of(self, check)
 
 
 # -- device identity -------------------------------------------------------------------------------
+
+def _uuid_key(uuid: str) -> str:
+    """UUIDs compared as NVML and CUDA print them: NVML "GPU-xxxxxxxx-...", torch "xxxxxxxx-..."."""
+    return uuid.strip().lower().removeprefix("gpu-").removeprefix("mig-")
+
 
 def device_for(worker: int, options: Options) -> torch.device:
     want = options.device
@@ -200,17 +233,24 @@ def _worker_main(index: int, conn: multiprocessing.connection.Connection, option
 
 def _serve(index: int, conn: multiprocessing.connection.Connection, options: Options) -> None:
     try:
+        # NVML numbers GPUs in PCI order, CUDA fastest-first unless told otherwise (read when CUDA
+        # starts, so before anything touches it): in PCI order cuda:N is NVML's GPU N (without
+        # CUDA_VISIBLE_DEVICES), and the UUID below checks it
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         deterministic(options.threads)
         device = device_for(index, options)
+        cuda_uuid = None
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+            cuda_uuid = str(uuid) if uuid is not None else None
         key = device_key(device, driver=options.driver, cpu_model=options.cpu_model)
         workloads = resolve_workloads(options.workloads, options.bundles, device.type)
         base_injector = _injector(options.inject, index)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
-    conn.send(("ready", str(device), key, [w.name for w in workloads]))
+    conn.send(("ready", str(device), key, [w.name for w in workloads], cuda_uuid))
     kept: dict[str, dict[str, torch.Tensor]] = {}
     while True:
         msg = conn.recv()
@@ -341,10 +381,11 @@ class Session:
                 pool.failed[i] = f"worker could not start: {msg[1]}"
                 pool.startup_failed.add(i)
                 continue
-            workers.append(WorkerInfo(i, msg[1], msg[2]))
+            workers.append(WorkerInfo(i, msg[1], msg[2], msg[4] if len(msg) > 4 else None))
             names = msg[3]
         return Report(workers=workers, iterations={w.index: 0 for w in workers}, workloads=names,
-                      gpu_indices=list(options.device_indices))
+                      gpu_indices=list(options.device_indices),
+                      gpu_identity={int(k): dict(v) for k, v in options.gpu_identity.items()})
 
     def iterate(self, inject: FaultSpec | str | None = "default",
                 tensors_of: Sequence[int] = ()) -> int:
@@ -475,7 +516,9 @@ def _keep_bundles(report: Report, pool: _Pool, options: Options, iteration: int,
         if len(report.bundles) >= options.max_bundles:
             return
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        folder = options.bundle_dir / _SAFE.sub("_", f"{stamp}-gpu{m.worker}-{m.workload}-it{iteration}")
+        # named by the GPU, not the worker: with --gpus 4,5,6,7 (or the idle GPUs only) worker 2 is GPU 6
+        gpu_index = report.gpu_of(m.worker)
+        folder = options.bundle_dir / _SAFE.sub("_", f"{stamp}-gpu{gpu_index}-{m.workload}-it{iteration}")
         try:
             folder.mkdir(parents=True, exist_ok=False)
         except OSError as exc:
@@ -501,7 +544,9 @@ def _keep_bundles(report: Report, pool: _Pool, options: Options, iteration: int,
             folder, mismatch=m, run=run, expected=expected, expected_is_golden=golden is not None,
             reference_worker=reference, key=gkey, capture_bundle=capture,
             inject=inject.to_text() if inject is not None else None,
-            dump_errors={str(i): a[2] for i, a in answers.items() if a[2]})
+            dump_errors={str(i): a[2] for i, a in answers.items() if a[2]},
+            gpu=report.identity_of(m.worker),
+            reference_gpu=report.gpu_of(reference) if reference is not None else None)
         m.bundle = str(folder)
         report.bundles.append(str(folder))
 
@@ -520,6 +565,8 @@ def findings_of(report: Report, check: str = CHECK) -> list[Finding]:
         runs = report.iterations.get(w.index, 0)
         base: dict[str, Any] = {"device": w.device, "key": w.key.describe(), "iterations": runs,
                                 "workloads": report.workloads}
+        ident = report.identity_of(w.index)
+        base.update({k: ident[k] for k in ("uuid", "serial", "identity_note") if ident.get(k)})
         if w.index in report.worker_failures:
             out.append(Finding(check, comp, Severity.FAIL,
                                f"canary on GPU {g}: {report.worker_failures[w.index]}",
@@ -590,7 +637,9 @@ def findings_of(report: Report, check: str = CHECK) -> list[Finding]:
 
 def summary_json(report: Report) -> dict[str, Any]:
     return {
-        "workers": [{"index": w.index, "device": w.device, "key": w.key.describe()} for w in report.workers],
+        "workers": [{"index": w.index, "device": w.device, "key": w.key.describe(),
+                     "gpu": {k: v for k, v in report.identity_of(w.index).items() if k != "device"}}
+                    for w in report.workers],
         "iterations": {str(k): v for k, v in report.iterations.items()},
         "workloads": report.workloads,
         "no_golden": report.no_golden,

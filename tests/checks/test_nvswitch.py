@@ -65,9 +65,25 @@ def _run(ctx: CheckContext) -> list[Finding]:
     return findings
 
 
+def _readings(findings: list[Finding]) -> list[Finding]:
+    """Each reading's own finding: the check folds them into one per component (and code on a
+    switch), each reading's verdict kept under its name in the evidence."""
+    out = []
+    for f in findings:
+        parts = [v for v in f.evidence.values() if isinstance(v, dict) and "severity" in v and "reading" in v]
+        if not parts:
+            out.append(f)
+        for p in parts:
+            ev = {k: v for k, v in p.items() if k not in ("severity", "action", "message")}
+            out.append(Finding(f.check, f.component, Severity(p["severity"]), p["message"],
+                               Action(p["action"]), ev))
+    return out
+
+
 def _by(findings: list[Finding], reading: str) -> dict[str, Finding]:
-    out = {f.component: f for f in findings if f.evidence.get("reading") == reading}
-    assert len(out) == len([f for f in findings if f.evidence.get("reading") == reading])
+    mine = [f for f in _readings(findings) if f.evidence.get("reading") == reading]
+    out = {f.component: f for f in mine}
+    assert len(out) == len(mine)
     return out
 
 
@@ -474,7 +490,7 @@ def test_sim_sxid_fabric_and_fm_log_faults(sim: Any) -> None:
     before = h.run(NvswitchCheck, t=1)
     assert _sim_bad(before) == []
     # the h100-sxm profile expects 4 NVSwitches: the PCI count is judged too
-    assert {f.evidence.get("reading") for f in before} == {"sxid", "fabric_state", "fm_log", "pci"}
+    assert {f.evidence.get("reading") for f in _readings(before)} == {"sxid", "fabric_state", "fm_log", "pci"}
     findings = h.run(NvswitchCheck, t=10)
     assert _sim_bad(findings) == [
         ("gpu/3", "fail", "reboot_node"), ("gpu/6", "fail", "reboot_node"),  # fabric state
@@ -498,6 +514,105 @@ def test_sim_a100_fabric_state_not_supported(sim: Any) -> None:
     assert _sim_bad(findings) == []
     fabric = _by(findings, "fabric_state")
     assert set(fabric) == {"node"} and fabric["node"].severity is Severity.SKIPPED
+
+
+# --------------------------------------------------------------------------- one finding per component
+
+
+def _healthy_run_without_fm_log(h: Any, t: float) -> list[Finding]:
+    """A run at time t on a node where fabric manager logs elsewhere (syslog): no log file."""
+    h.render(t)
+    (h.node.host_root / DEFAULT_LOG_PATH).unlink(missing_ok=True)
+    findings: list[Finding] = NvswitchCheck().run(h.context(NvswitchCheck))
+    return findings
+
+
+def test_healthy_node_one_finding_per_component_the_same_every_run(sim: Any) -> None:
+    """Issue 14 #3: a healthy node gave ``node`` two findings each run (the NVSwitches ok; no fabric
+    manager log: skipped), so the daemon logged ok -> skipped -> ok every minute and the exported
+    severity sat at 1. One finding per component, the missing optional log a note in its evidence."""
+    h = sim(H100.format(faults="  []"))
+    runs = [_healthy_run_without_fm_log(h, t) for t in (60, 120)]
+    for findings in runs:
+        components = [f.component for f in findings]
+        assert len(components) == len(set(components)), sorted(components)
+        assert {f.severity for f in findings} == {Severity.OK}
+    assert [f.to_json() for f in runs[0]] == [f.to_json() for f in runs[1]]
+    node = {f.component: f for f in runs[1]}["node"]
+    assert node.evidence["reading"] == "node"
+    fm_log = node.evidence["fm_log"]
+    assert fm_log["severity"] == "skipped" and "not found at" in fm_log["message"]
+    assert fm_log["source"].endswith(DEFAULT_LOG_PATH)
+    assert (node.evidence["sxid"]["severity"], node.evidence["pci"]["severity"]) == ("ok", "ok")
+    assert "not found at" in node.message  # said, not hidden
+
+
+def test_healthy_node_recorded_twice_adds_no_event(sim: Any, tmp_path: Path) -> None:
+    """The daemon's recording: the second run of an unchanged healthy node is no news."""
+    from gpumon.health import Health
+    from gpumon.runner import CheckRun
+
+    h = sim(H100.format(faults="  []"))
+    health = Health.open(tmp_path / "state", boot_id="boot-1", clock=lambda: 1.8e9)
+    try:
+        first = health.record_run(CheckRun("nvswitch", _healthy_run_without_fm_log(h, 60), 0.0, 1.0,
+                                           "completed"))
+        assert first and {e.payload["severity"] for e in first if e.check == "nvswitch"} == {"ok"}
+        again = health.record_run(CheckRun("nvswitch", _healthy_run_without_fm_log(h, 120), 0.0, 1.0,
+                                           "completed"))
+        assert again == []
+        assert health.view().components["node"].level.value == "healthy"
+    finally:
+        health.close()
+
+
+def test_node_reading_verdicts_fold_worst_first(tmp_path: Path) -> None:
+    """Several readings on ``node``: one finding, the worst verdict, every reading in evidence; a
+    skipped reading alone does not make a judged node skipped; a switch's SXid and fabric manager
+    findings for one code are one fault."""
+    # kernel log unreadable (unknown) + fabric manager log missing at its default path (a note)
+    [node] = _run(_ctx(tmp_path, available=False))
+    assert (node.component, node.severity) == ("node", Severity.UNKNOWN)
+    assert node.message.startswith("kernel log unreadable") and "fabric manager" not in node.message
+    assert node.evidence["fm_log"]["severity"] == "skipped"
+    # the same fatal 20034 on the switch at 0000:85:00.0 in the kernel log and in fabric manager's
+    root = _fm_root(tmp_path / "fm", b"[Dec 19 2024 19:17:49] [ERROR] [tid 1374] detected NVSwitch fatal "
+                    b"error 20034 on fid 0 on NVSwitch pci bus id 00000000:85:00.0 physical id 2 port 33\n")
+    sx = parse_sxid("nvidia-nvswitch2: SXid (PCI:0000:85:00.0): 20034, Fatal, Link 33 LTSSM Fault Up")
+    findings = _run(_ctx(root, events=[sx]))
+    switch = [f for f in findings if f.component == "nvswitch/2"]
+    assert len(switch) == 1 and switch[0].evidence["reading"] == "sxid+fm_log"
+    assert (switch[0].severity, switch[0].action, switch[0].evidence["code"]) == \
+        (Severity.FAIL, Action.REBOOT_NODE, 20034)
+    assert switch[0].evidence["fm_log"]["ports"] == {"33": 1} and switch[0].evidence["sxid"]["links"] == [33]
+    assert [f.component for f in findings].count("node") == 1
+
+
+def test_daemon_logs_a_node_change_once(tmp_path: Path) -> None:
+    """The daemon on a simulated node whose fabric manager log has an error: before, ``node`` had an
+    ok finding (the SXid lines) and a warn one (the log) every run, and the daemon logged
+    ``warn -> ok`` and ``ok -> warn`` every run; now it logs the node's one change once."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    scenario = tmp_path / "fm.yaml"
+    scenario.write_text(H100.format(faults='  - {at_s: 0, kind: fm_log, text: "failed to find the GPU handle '
+                                           '5410063385821516767 in the multicast team request setup 1."}'))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("checks:\n  nvswitch:\n    interval_s: 1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpumon", "--config", str(cfg), "daemon", "--simulate", str(scenario),
+         "--sim-dir", str(tmp_path / "sim"), "--duration", "5", "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, env=clean_env(), timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    changes = [line for line in proc.stderr.splitlines() if "nvswitch node:" in line]
+    assert len(changes) == 1 and "new -> warn" in changes[0], changes
+    report = json.loads((tmp_path / "sim" / "state" / "report.json").read_text())
+    [node] = [f for f in report["findings"] if (f["check"], f["component"]) == ("nvswitch", "node")]
+    assert node["severity"] == "warn" and node["evidence"]["fm_log"]["count"] == 1
+    assert node["evidence"]["sxid"]["severity"] == "ok"
 
 
 # --------------------------------------------------------------------------- properties

@@ -93,7 +93,7 @@ def faulty_run(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     state = tmp_path_factory.mktemp("state")
     proc = canary("run", "--golden", str(golden), "--workers", str(WORKERS), "--device", "cpu",
                   "--workload", "gemm_fp64", "--workload", "gemm_fp32", "--workload", "moe_routing",
-                  "--inject", "worker=2,dtype=float32,ops=mm,rate=1,seed=5", "--state-dir", str(state), "-v")
+                  "--inject", "worker=2,dtype=fp32,ops=mm,rate=1,seed=5", "--state-dir", str(state), "-v")
     return proc, state
 
 
@@ -155,6 +155,11 @@ def test_replay_bundle_round_trip(faulty_run: tuple[Run, Path], golden: Path) ->
     manifest = read_manifest(bundle)
     fields = ("kind", "workload", "worker", "first_differing_tensor")
     assert [manifest[k] for k in fields] == ["failure", "gemm_fp32", 2, "mm"]
+    # CPU workers without --gpus: worker 2 stands for GPU 2, which no NVML knows here
+    assert manifest["gpu"] == {"index": 2, "uuid": None, "serial": None, "pci_bus_id": None, "name": None,
+                               "device": "cpu"}
+    assert "-gpu2-gemm_fp32-it0" in bundle.name
+    assert manifest["injected_fault"]["spec"].startswith("worker=2,dtype=fp32,")
     assert manifest["expected_is_golden"]
     recorded = Golden.load(golden).get(GoldenKey.from_json(manifest["key"]))
     assert recorded is not None and manifest["expected"] == [p.to_json() for p in recorded]
@@ -264,12 +269,37 @@ def test_golden_decides_when_there_is_no_majority() -> None:
 def test_fault_spec_parsing() -> None:
     spec = FaultSpec.parse("worker=2,dtype=bfloat16,rate=0.5,range=-1:1,bits=0:6,ops=mm|addmm,seed=3")
     assert (spec.worker, spec.dtype, spec.rate, spec.low, spec.high, spec.bits, spec.ops) == (
-        2, "bfloat16", 0.5, -1.0, 1.0, (0, 6), ("mm", "addmm"))
+        2, "bf16", 0.5, -1.0, 1.0, (0, 6), ("mm", "addmm"))
     assert FaultSpec.parse(spec.to_text()) == spec
     for bad in ("dtype=float32", "worker=1,rate=2", "worker=1,bits=0:16,dtype=float16", "worker=1,color=red",
                 "worker=x"):
         with pytest.raises(FaultSpecError):
             FaultSpec.parse(bad)
+
+
+def test_fault_spec_speaks_the_workloads_dtype_names() -> None:
+    """Issue 12 #5: ``--inject worker=1,dtype=fp32`` was refused ('fp32' is not one of float64,
+    float32, ...) while the workloads are named gemm_fp32: the short names are the vocabulary, torch's
+    names mean the same, and a refusal lists both."""
+    same = {"fp64": ("fp64", "float64", "torch.float64", "double"),
+            "fp32": ("fp32", "FP32", "float32", "torch.float32", "float"),
+            "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+            "fp16": ("fp16", "float16", "half")}
+    for short, names in same.items():
+        assert short in {w.removeprefix("gemm_") for w in WORKLOAD_NAMES if w.startswith("gemm_")}
+        for name in names:
+            spec = FaultSpec.parse(f"worker=1,dtype={name},rate=1")
+            assert spec.dtype == short and spec.to_text().startswith(f"worker=1,dtype={short},")
+            assert FaultSpec(worker=1, dtype=name) == FaultSpec(worker=1, dtype=short)
+    assert FaultSpec.parse("worker=1,dtype=fp32").torch_dtype is torch.float32
+    assert FaultSpec.parse("worker=1,dtype=bf16").torch_dtype is torch.bfloat16
+    with pytest.raises(FaultSpecError) as refused:
+        FaultSpec.parse("worker=1,dtype=fp8")
+    for accepted in ("fp64", "fp32", "bf16", "fp16", "float32", "bfloat16"):
+        assert accepted in str(refused.value)
+    # TF32 is a matmul mode: its outputs are fp32 tensors, and the refusal says so
+    with pytest.raises(FaultSpecError, match="dtype=fp32"):
+        FaultSpec.parse("worker=1,dtype=tf32")
 
 
 def test_harness_flips_only_its_dtype_range_and_bits() -> None:
