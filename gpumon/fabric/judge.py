@@ -19,8 +19,11 @@ ranks lost), findings and a report out.
   would have caught it).
 - A group that is slow against the profile with no node to blame gets a warning on every node
   (a switch or the whole fabric).
-- **Lost ranks** (no heartbeat) are named in the group report; the other nodes get ``unknown``:
-  the probe could not vouch for them.
+- **Lost ranks** (no heartbeat while the others went on) fail their node in the group report
+  (``check_cables``: a node that drops off mid-collective is the fault the probe hunts; the lost
+  node itself, cut off, records ``unknown`` locally, and its own ``ib`` check sees a port down); the
+  other nodes get ``unknown``: the probe could not vouch for them. When rank 0 loses most of the
+  group it may be the one cut off, and nobody is failed.
 
 Each node gets exactly one ``fabric`` finding for component ``node`` (worst wins, every problem in
 the message and the evidence), carrying the node's readings for Prometheus.
@@ -262,14 +265,24 @@ def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[Pro
                              f"{node} was slow with its partner(s) and the rounds could not tell which side "
                              f"is at fault ({'; '.join(iso.notes) or 'too few nodes'})"))
     lost_here = {r: what for r, what in p.lost.items() if r in mine}
+    lost_nodes = {p.node_of(r) for r in p.lost}
+    # rank 0 losing most of the group is more likely cut off itself than seeing a majority fail
+    majority_lost = len(lost_nodes) * 2 > len(p.nodes) - 1
     if lost_here:
         evidence["lost_ranks"] = {str(k): v for k, v in lost_here.items()}
-        problems.append((Severity.UNKNOWN, Action.NONE,
-                         f"{node} was lost during the probe (rank(s) {', '.join(map(str, lost_here))}: "
-                         f"last heard {next(iter(lost_here.values()))})"))
+        last = next(iter(lost_here.values()))
+        if majority_lost:
+            problems.append((Severity.UNKNOWN, Action.NONE,
+                             f"{node} stopped answering during the probe (last heard: {last}), as did most "
+                             "of the group: the rendezvous host may be the one cut off"))
+        else:
+            problems.append((Severity.FAIL, Action.CHECK_CABLES,
+                             f"{node} was lost during the probe: its rank(s) "
+                             f"{', '.join(map(str, lost_here))} "
+                             f"stopped answering (last heard: {last}) while the rest of the group went on: "
+                             "its NIC, cable or switch port"))
     elif not complete:
-        lost_nodes = sorted({p.node_of(r) for r in p.lost})
-        why = (f"lost {', '.join(lost_nodes)}" if lost_nodes else
+        why = (f"lost {', '.join(sorted(lost_nodes))}" if lost_nodes else
                (f"rank errors: {'; '.join(f'{r}: {e}' for r, e in sorted(p.errors.items()))}" if p.errors
                 else f"the group stopped in {p.hung}"))
         problems.append((Severity.UNKNOWN, Action.NONE, f"probe incomplete ({why}): {node} not fully judged"))

@@ -24,6 +24,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +42,7 @@ log = logging.getLogger("gpumon.fabric")
 
 PREFIX = "gpumon-fabric/"
 STALE_BEATS = 3  # heartbeats missed before a rank counts as lost
-ABORT_GRACE_S = 3.0  # after the deadline: how long ranks wait for the verdict / rank 0 for the others
+ABORT_GRACE_S = 4.0  # after the deadline: the most a rank takes to report, record and exit
 EXIT_OK, EXIT_WARN, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2, 3
 
 
@@ -107,7 +108,9 @@ class RankRun:
         self.world = setup.launch.world
         self.start = time.monotonic()
         self.started_wall = time.time()
-        self.deadline = self.start + setup.deadline_s
+        # the deadline counts from the process's start (imports and NVML setup included), which is
+        # what a launcher or an operator waiting for the probe sees
+        self.deadline = self.start + setup.deadline_s - max(0.0, self.started_wall - _process_start())
         self.phase = "rendezvous"
         self.collectives: list[OpResult] = []
         self.ranks: dict[int, RankInfo] = {}
@@ -125,6 +128,8 @@ class RankRun:
         return max(0.01, self.deadline - time.monotonic())
 
     def progress(self, phase: str) -> None:
+        if phase.split(" ", 1)[0] != self.phase.split(" ", 1)[0]:
+            log.info("rank %d: %s", self.rank, phase)
         self.phase = phase
 
     def _mine(self) -> list[int]:
@@ -176,6 +181,12 @@ class RankRun:
                 out[r] = beat.split("|", 1)[-1]
         return out
 
+    def _preempted(self, signum: int, frame: object) -> None:
+        # a job preempts the probe (PriorityClass, Slurm QOS): it measured nothing about the nodes
+        log.warning("rank %d: preempted (signal %d) in %s; nothing recorded", self.rank, signum, self.phase)
+        logging.shutdown()
+        os._exit(EXIT_WARN)
+
     def _watchdog(self) -> None:
         if not self._stop.wait(self.remaining()):
             self.abort(f"deadline of {self.s.deadline_s:g} s reached in {self.phase}")
@@ -183,6 +194,8 @@ class RankRun:
     # -- the run -----------------------------------------------------------------------------
 
     def run(self) -> int:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._preempted)
         threading.Thread(target=self._watchdog, name="fabric-watchdog", daemon=True).start()
         try:
             code = self._run()
@@ -387,63 +400,99 @@ class RankRun:
             log.error("could not record the fabric finding of %s: %s", self.s.node, exc)
 
     def abort(self, reason: str) -> None:
-        """End this rank now: name the lost ranks (rank 0), record what is known, exit."""
+        """End this rank now: name the lost ranks (rank 0), record what is known, exit, all within
+        ``ABORT_GRACE_S``."""
         with self._abort_lock:
             if self._aborting:
                 return
             self._aborting = True
         log.warning("rank %d: %s", self.rank, reason)
+        end = time.monotonic() + ABORT_GRACE_S
         code = EXIT_FAIL
         try:
-            if self.rank == 0 and self.probe is not None:
-                # let a dead peer's heartbeat go stale before naming it
-                wait_until = time.monotonic() + STALE_BEATS * self.s.settings.heartbeat_s + 0.5
-                while time.monotonic() < wait_until and not self.lost():
-                    time.sleep(0.1)
-                probe = self.probe
-                probe.lost = {q: w for q, w in self.lost().items() if q != 0}
-                probe.hung = reason
-                probe.collectives = {**self._partial_results(), 0: list(self.collectives)}
-                verdict = self._publish(probe)
-                self._record_own(verdict.findings.get(self.s.node))
-                code = max(verdict.status.exit_code, EXIT_WARN)
-                with contextlib.suppress(Exception):
-                    alive = [q for q in range(self.world) if q not in probe.lost and q != 0]
-                    self._client().wait([f"done/{q}" for q in alive], ABORT_GRACE_S)
-            else:
-                found = None
-                with contextlib.suppress(Exception):
-                    client = self._client()
-                    client.set(f"error/{self.rank}", reason)
-                    client.wait(["verdict"], ABORT_GRACE_S)
-                    found = client.get("verdict")["findings"].get(self.s.node)
-                if found is None:
-                    self._record_own(Finding(
-                        CHECK, NODE, Severity.UNKNOWN,
-                        f"the fabric probe did not complete on {self.s.node}: {reason}; lost the group "
-                        f"(rendezvous {self.launch.master_addr}:{self.launch.master_port})",
-                        Action.NONE, {"phase": self.phase, "reason": reason}))
-                else:
-                    self._record_own(Finding.from_json(found))
-                    code = EXIT_WARN
-                with contextlib.suppress(Exception):
-                    self._client().set(f"done/{self.rank}", 1)
+            code = self._abort_rank0(reason, end) if self.rank == 0 else self._abort_other(reason, end)
+        except Exception as exc:  # nothing may keep a rank from ending
+            log.error("rank %d: ending after %s: %s", self.rank, reason, exc)
         finally:
             logging.shutdown()
             os._exit(code)
 
-    def _client(self) -> _Store:
-        return _Store(self.launch, ABORT_GRACE_S)
+    def _client(self, end: float) -> _Store | None:
+        try:
+            return _Store(self.launch, max(0.1, end - time.monotonic()))
+        except Exception as exc:
+            log.debug("store unreachable: %s", exc)
+            return None
 
-    def _partial_results(self) -> dict[int, list[OpResult]]:
-        """Rank 0 after an abort: the collective results ranks had posted (none, mostly)."""
-        out: dict[int, list[OpResult]] = {}
-        with contextlib.suppress(Exception):
-            client = self._client()
+    def _abort_rank0(self, reason: str, end: float) -> int:
+        client = self._client(end)
+        ranks = dict(self.ranks)
+        if client is not None and not ranks:
+            # ended before the rank table was complete: who registered, on which node
+            for q in range(self.world):
+                with contextlib.suppress(Exception):
+                    if client.has(f"rank/{q}"):
+                        v = client.get(f"rank/{q}")
+                        ranks[q] = RankInfo(q, str(v["node"]), int(v["local_rank"]), int(v["pid"]))
+        ranks.setdefault(0, RankInfo(0, self.s.node, self.launch.local_rank, os.getpid()))
+        self.ranks = ranks
+        probe = self.probe or Probe(settings=self.s.settings, ranks=ranks, world=self.world,
+                                    large_min_bytes=1)
+        probe.ranks = ranks
+        # a peer that died a moment ago: let its heartbeat go stale before naming it
+        settle = min(end - 1.5, time.monotonic() + STALE_BEATS * self.s.settings.heartbeat_s + 0.2)
+        while time.monotonic() < settle and not self.lost():
+            time.sleep(0.05)
+        probe.lost = {q: w for q, w in self.lost().items() if q != 0}
+        probe.hung = reason
+        if client is not None:
             for q in range(1, self.world):
-                if client.has(f"result/{q}"):
-                    out[q] = [OpResult.from_json(x) for x in client.get(f"result/{q}")]
-        return out
+                with contextlib.suppress(Exception):
+                    if client.has(f"error/{q}"):
+                        probe.errors[q] = str(client.get(f"error/{q}"))
+                    if client.has(f"result/{q}"):
+                        probe.collectives[q] = [OpResult.from_json(x) for x in client.get(f"result/{q}")]
+        probe.collectives[0] = list(self.collectives)
+        verdict = self._publish(probe)
+        self._record_own(verdict.findings.get(self.s.node))
+        if client is not None:
+            alive = [q for q in range(1, self.world) if q not in probe.lost]
+            with contextlib.suppress(Exception):
+                client.wait([f"done/{q}" for q in alive], max(0.05, end - time.monotonic()))
+        return max(verdict.status.exit_code, EXIT_WARN)
+
+    def _abort_other(self, reason: str, end: float) -> int:
+        found = None
+        # cut off, a connect can take the whole grace: keep half of it for recording
+        client = self._client(min(end, time.monotonic() + ABORT_GRACE_S / 2))
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.set(f"error/{self.rank}", reason)
+                client.wait(["verdict"], max(0.05, end - time.monotonic()))
+                found = client.get("verdict")["findings"].get(self.s.node)
+        if found is None:
+            self._record_own(Finding(
+                CHECK, NODE, Severity.UNKNOWN,
+                f"the fabric probe did not complete on {self.s.node}: {reason}; lost the group "
+                f"(rendezvous {self.launch.master_addr}:{self.launch.master_port})",
+                Action.NONE, {"phase": self.phase, "reason": reason}))
+            code = EXIT_FAIL
+        else:
+            self._record_own(Finding.from_json(found))
+            code = EXIT_WARN
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.set(f"done/{self.rank}", 1)
+        return code
+
+
+def _process_start() -> float:
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return time.time()
 
 
 def pair_result(a: str, b: str, got: dict[int, list[OpResult]], ranks: dict[int, RankInfo]) -> PairResult:

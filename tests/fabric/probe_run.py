@@ -58,25 +58,49 @@ class ProbeRun:
     codes: dict[int, int | None] = field(default_factory=dict)
     ended: dict[int, float] = field(default_factory=dict)
 
+    def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[str]:
+        with self.out_path(i, "out").open("w") as out, self.out_path(i, "err").open("w") as err:
+            return self.net.popen(i, argv, env=env, text=True, stdout=out, stderr=err)
+
     def config(self, i: int) -> Path:
         return self.base / self.net.hosts[i].name / "gpumon.yaml"
 
     def state(self, i: int) -> Path:
         return self.base / self.net.hosts[i].name / "state"
 
-    def wait(self, timeout: float) -> None:
+    def out_path(self, i: int, stream: str) -> Path:
+        return self.base / self.net.hosts[i].name / f"rank{i}.{stream}"
+
+    def stderr(self, i: int) -> str:
+        return self.out_path(i, "err").read_text(errors="replace")
+
+    def wait_for(self, i: int, text: str, timeout: float) -> bool:
+        """Until rank ``i`` logs ``text`` (True) or ``timeout`` passes (False)."""
         limit = time.monotonic() + timeout
-        for i, p in self.procs.items():
-            try:
-                out, err = p.communicate(timeout=max(0.1, limit - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-                self.codes[i] = None
-            else:
-                self.codes[i] = p.returncode
+        while time.monotonic() < limit:
+            if text in self.stderr(i):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def wait(self, timeout: float) -> None:
+        """Until every rank has exited (a rank still running then is killed: code None)."""
+        limit = time.monotonic() + timeout
+        pending = dict(self.procs)
+        while pending and time.monotonic() < limit:
+            for i, p in list(pending.items()):
+                if p.poll() is not None:
+                    self.codes[i] = p.returncode
+                    self.ended[i] = time.monotonic()
+                    del pending[i]
+            time.sleep(0.05)
+        for i, p in pending.items():
+            p.kill()
+            p.wait()
+            self.codes[i] = None
             self.ended[i] = time.monotonic()
-            self.outs[i] = (out, err)
+        for i in self.procs:
+            self.outs[i] = (self.out_path(i, "out").read_text(errors="replace"), self.stderr(i))
 
     def report(self) -> dict[str, Any]:
         """Rank 0's JSON group report (``--json`` on stdout)."""
@@ -109,8 +133,7 @@ def start_static(net: TestNet, base: Path, port: int, args: Sequence[str] = (), 
                      MASTER_ADDR=net.hosts[0].ip, MASTER_PORT=str(port), **(env or {}))
         argv = [*(wrapper or [GPUMON]), "probe-fabric", "--json", "--device", "cpu",
                 "--config", str(run.config(h.index)), *args]
-        run.procs[h.index] = net.popen(h.index, argv, env=e, text=True, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE)
+        run.procs[h.index] = run.popen(h.index, argv, e)
     return run
 
 
@@ -124,11 +147,12 @@ def start_torchrun(net: TestNet, base: Path, port: int, args: Sequence[str] = ()
     for h in net.hosts:
         argv = [TORCHRUN, f"--nnodes={world}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={net.hosts[0].ip}:{port}", "--rdzv-id=gpumon-fabric-test",
+                # names do not resolve on the test hosts: host 0 hosts the rendezvous store by address
+                f"--rdzv-conf=is_host={int(h.index == 0)}",
                 f"--local-addr={h.ip}", "--max-restarts=0", "--monitor-interval=0.5", "--no-python",
                 GPUMON, "probe-fabric", "--json", "--device", "cpu", "--config", str(run.config(h.index)),
                 *args]
-        run.procs[h.index] = net.popen(h.index, argv, env=rank_env(), text=True, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE)
+        run.procs[h.index] = run.popen(h.index, argv, rank_env())
     return run
 
 
