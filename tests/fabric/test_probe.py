@@ -230,3 +230,60 @@ def test_not_started_by_a_launcher_is_exit_3_with_the_reason(tmp_path: Path) -> 
                           text=True, timeout=60)
     assert proc.returncode == 3, proc
     assert "not started by a launcher" in proc.stderr
+
+
+def _launch_env(kind: str, i: int, world: int, master: str, port: int) -> dict[str, str]:
+    """What Open MPI's mpirun (with -x MASTER_ADDR/MASTER_PORT) or a Kubernetes Indexed Job (one rank
+    per pod) put in a rank's environment."""
+    if kind == "openmpi":
+        return rank_env(OMPI_COMM_WORLD_RANK=str(i), OMPI_COMM_WORLD_SIZE=str(world),
+                        OMPI_COMM_WORLD_LOCAL_RANK="0", OMPI_COMM_WORLD_LOCAL_SIZE="1",
+                        MASTER_ADDR=master, MASTER_PORT=str(port))
+    return rank_env(JOB_COMPLETION_INDEX=str(i), GPUMON_FABRIC_WORLD_SIZE=str(world), MASTER_ADDR=master,
+                    MASTER_PORT=str(port))
+
+
+def test_openmpi_and_kubernetes_environments_launch_a_group(testnet: Any, tmp_path: Path) -> None:
+    net = testnet(2)
+    for kind in ("openmpi", "kubernetes"):
+        run = ProbeRun(net, tmp_path / kind)
+        for h in net.hosts:
+            node_config(run.base, h.name, collectives=["all_reduce"])
+        port = _port()
+        run.started = time.monotonic()
+        for h in net.hosts:
+            run.procs[h.index] = run.popen(h.index, [GPUMON, "probe-fabric", "--json", "--device", "cpu",
+                                                     "--config", str(run.config(h.index))],
+                                           _launch_env(kind, h.index, 2, net.hosts[0].ip, port))
+        run.wait(120)
+        report = run.report()
+        assert report["launch"]["launcher"] == kind and report["status"] == "ok", (kind, run.logs())
+        assert run.codes == {0: 0, 1: 0}
+    _no_leftovers(net)
+
+
+def test_a_busy_node_keeps_the_whole_group_from_probing(testnet: Any, tmp_path: Path) -> None:
+    """The idle gate of the SDC canaries, through NVML (the injection library of a simulated node): a
+    compute process on host 1's GPU 0 and no rank measures anything, nothing is recorded, exit 0."""
+    net = testnet(2)
+    busy = tmp_path / "busy.yaml"
+    busy.write_text("name: busy-8xh100\nsku: h100-sxm\ngpus: 8\nfaults:\n"
+                    "  - {at_s: 0, kind: compute_process, gpu: 0, pid: 4242, memory_mib: 20000}\n")
+    run = ProbeRun(net, tmp_path / "probe")
+    for h in net.hosts:
+        node_config(run.base, h.name)
+    port = _port()
+    run.started = time.monotonic()
+    for h in net.hosts:
+        scenario = str(busy) if h.index == 1 else "healthy-8xh100"
+        env = rank_env(RANK=str(h.index), WORLD_SIZE="2", MASTER_ADDR=net.hosts[0].ip, MASTER_PORT=str(port))
+        run.procs[h.index] = run.popen(h.index, [GPUMON, "probe-fabric", "--json", "--config",
+                                                 str(run.config(h.index)), "--simulate", scenario,
+                                                 "--sim-dir", str(tmp_path / f"sim{h.index}")], env)
+    run.wait(120)
+    report = run.report()
+    assert report["outcome"] == "skipped" and report["status"] == "ok", (report, run.logs())
+    assert "node1" in report["reason"] and "4242" in report["reason"]
+    assert run.codes == {0: 0, 1: 0}
+    assert not any((tmp_path / f"sim{i}" / "state" / "fabric" / "latest.json").exists() for i in (0, 1))
+    _no_leftovers(net)
