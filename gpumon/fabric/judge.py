@@ -296,7 +296,7 @@ def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[Pro
         bw, lat = pair_bw.get(node, (None, None))
         detail = (f"; pairs: {bw:.2f} GB/s, p95 {lat:.0f} us" if bw is not None and lat is not None else "")
         return Finding(CHECK, NODE, Severity.OK,
-                       f"fabric probe passed on {len(p.nodes)} nodes / {p.world} ranks{detail}",
+                       f"fabric probe passed on {len(p.nodes)} node(s) / {p.world} ranks{detail}",
                        Action.NONE, evidence)
     severity = max(s for s, _, _ in problems)
     action = max(a for _, a, _ in problems)
