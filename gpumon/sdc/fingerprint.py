@@ -21,16 +21,17 @@ between positions 0 and 2 of an fp64 tensor changes the words by +2^63 and
 -2^63: the plain sum is unchanged and the weighted one changes by
 ``(1 - 3) * 2^63 = -2^64 = 0 mod 2^64``. No pair of sums linear in 64-bit
 words avoids this (every two positions would need weights whose difference is
-odd, which at most two positions can have), so for 64-bit elements the weighted
-sum reads ``m(u) = u XOR (u >> 32)``: a bijection that folds the high half
-(sign, exponent) into the low half. With it, in a tensor of at most 2^31
-elements, two single-bit flips always change the fingerprint, and so does a swap
-of two values whose folded low halves differ (``x <-> -x``, values differing
-only in sign, exponent or low half). Other two-element changes of 64-bit words
-collide only by coincidence: some must (two changes carry 128 bits plus their
-positions, more than 128 bits of fingerprint can tell apart without a field
-such as GF(2^64), which torch has no kernels for), and the property tests find
-none among random, single-bit, sign/exponent and compensating (+d, -d) changes.
+odd, which at most two positions can have). An earlier fold,
+``u XOR (u >> 32)``, closed that case but stayed nearly linear for small
+changes: a property test found words at positions 0 and 2 changed by +2 and -2
+whose folded differences were 6 and -2 (``1*6 + 3*(-2) = 0``); about 1 % of
+small compensating changes at nearby positions collided. So for 64-bit elements
+``m`` is splitmix64's finalizer (Steele, Lea, Flood, "Fast splittable
+pseudorandom number generators", OOPSLA 2014): a bijection whose output
+differences behave like random 64-bit numbers, so a change that leaves the
+plain sum equal also leaves the weighted sum equal only with probability about
+2^-64, whatever its size or position. Golden files recorded with the fold are
+refused (format ``gpumon-sdc-golden/1``): record them again.
 
 How the sums stay on the device: the tensor is reinterpreted with
 ``Tensor.view(int dtype)`` (no copy), widened chunk by chunk on its own device
@@ -61,7 +62,27 @@ _CHUNK_GPU = 1 << 24
 # integer matmul does not exist on GPUs).
 _ROW = 1024
 
-_MASK32 = 0xFFFFFFFF
+# splitmix64's finalizer constants, as the signed int64 torch multiplies with (wrapping mod 2^64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_xor(y: torch.Tensor, k: int, tmp: torch.Tensor) -> None:
+    """y ^= y >>> k (a logical shift: torch's right shift of int64 is arithmetic)."""
+    torch.bitwise_right_shift(y, k, out=tmp)
+    tmp.bitwise_and_((1 << (64 - k)) - 1)
+    y.bitwise_xor_(tmp)
+
+
+def _mix64(x: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer of every word of ``x``, into ``out`` (see the module docstring)."""
+    out.copy_(x)
+    _shift_xor(out, 30, tmp)
+    out.mul_(_MIX1)
+    _shift_xor(out, 27, tmp)
+    out.mul_(_MIX2)
+    _shift_xor(out, 31, tmp)
+    return out
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Unsigned views: widening them gives the unsigned value in one pass. Not every
@@ -158,6 +179,7 @@ def fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
     per_chunk = _CHUNK_CPU_BYTES // acc.itemsize if device.type == "cpu" else _CHUNK_GPU
     chunk = min(n, per_chunk)
     buf = torch.empty(chunk, dtype=acc, device=device)
+    tmp = torch.empty(chunk, dtype=torch.int64, device=device) if bits == 64 else buf
     row_index = _arange(device, 0, max(chunk // _ROW, 1))
     col_weight = _arange(device, 1, _ROW)
     for start in range(0, n, chunk):
@@ -167,9 +189,7 @@ def fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
             x = y = _widen(part, bits, buf[:size])
         else:
             x = part
-            # fold the high half into the low half (see the module docstring)
-            y = torch.bitwise_right_shift(x, 32, out=buf[:size])
-            y.bitwise_and_(_MASK32).bitwise_xor_(x)
+            y = _mix64(x, buf[:size], tmp[:size])
         full = size - size % _ROW
         if full:
             rows = y[:full].view(-1, _ROW)

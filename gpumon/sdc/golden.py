@@ -25,7 +25,7 @@ from gpumon.hw.calls import BoundedCaller
 from gpumon.hw.hostfs import HostFs
 from gpumon.sdc.workloads import Point
 
-FORMAT = "gpumon-sdc-golden/1"
+FORMAT = "gpumon-sdc-golden/2"  # /2: 64-bit words mixed by splitmix64 (gpumon.sdc.fingerprint)
 
 
 @dataclass(frozen=True, order=True)
@@ -133,6 +133,10 @@ class Golden:
 
     @classmethod
     def from_json(cls, data: Any, source: str = "<golden>") -> Golden:
+        if isinstance(data, Mapping) and data.get("format") == "gpumon-sdc-golden/1":
+            raise ConfigError("golden file of format gpumon-sdc-golden/1: its fingerprints of 64-bit "
+                              "tensors used an older, weaker scheme; record it again with `gpumon canary "
+                              "record`", file=source)
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
             raise ConfigError(f"not a gpumon golden file (want format {FORMAT!r})", file=source)
         golden = cls()

@@ -38,7 +38,14 @@ def reference(t: torch.Tensor) -> Fingerprint:
     values = [v & ((1 << bits) - 1) for v in flat.tolist()]
 
     def m(u: int) -> int:
-        return u ^ (u >> 32) if bits == 64 else u
+        if bits != 64:
+            return u
+        # splitmix64's finalizer (Steele, Lea, Flood, OOPSLA 2014), in Python integers
+        u ^= u >> 30
+        u = (u * 0xBF58476D1CE4E5B9) & M64
+        u ^= u >> 27
+        u = (u * 0x94D049BB133111EB) & M64
+        return u ^ (u >> 31)
 
     return Fingerprint(sum(values) & M64, sum((i + 1) * m(u) for i, u in enumerate(values)) & M64)
 
@@ -178,7 +185,7 @@ def test_fp64_sign_swap_that_defeats_plain_weighted_sums_is_caught() -> None:
     """[+0, x, -0] -> [-0, x, +0]: words change by +2^63 and -2^63.
 
     With the literal weighted sum over 64-bit words both sums stay equal (the weighted one changes
-    by (1 - 3) * 2^63 = -2^64); the fold of the high half into the weighted term catches it.
+    by (1 - 3) * 2^63 = -2^64); the splitmix64 mix of 64-bit words in the weighted term catches it.
     """
     a = torch.tensor([0.0, 1.5, -0.0], dtype=torch.float64)
     b = torch.tensor([-0.0, 1.5, 0.0], dtype=torch.float64)
