@@ -14,7 +14,19 @@ per port, the outages of a sliding window (default 24 h) in ``ctx.state``:
 - one outage longer than ``outage_fail_s`` (NCCL's IB timeout x retries), a
   port down right now for longer than that, or more than ``downtime_fail_s``
   of downtime in the window fails with ``check_cables``. The flap count is
-  evidence only.
+  evidence only;
+- a port already down at gpumon's first reading of it (down at boot, or when
+  the daemon starts) is timed from that reading, like any other outage: it is
+  at least that long. Ports that are down on purpose (an uncabled second port)
+  belong in ``ignore_ports``.
+
+Restarts and crashes never shorten a recorded outage: the state is saved (atomic,
+fsync'd, through ``gpumon.checkstate.save_now``) at the sample where a port goes
+down or comes back, not only on the daemon's 10 s timer. After a restart (same
+boot) an outage left open is timed from its saved start to the first reading that
+sees the port up again, so one that ended while gpumon was not running is counted
+up to the restart (the safe side: gpumon cannot know it was shorter). A reboot
+closes it at the last saved reading that saw the port down.
 
 InfiniBand ports are also compared with the profile (rate, port count);
 Ethernet (RoCE) ports are checked for state and downtime only, since the
@@ -36,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon.check import Check, CheckContext
+from gpumon.checkstate import save_now
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.infiniband import (
     SAMPLE_COUNTERS,
@@ -114,6 +127,9 @@ class IbConfig:
         "min": 60, "source": "one hour: the unit the thresholds are written in (errors per hour)"})
     # HCAs that are not part of the monitored fabric (e.g. a storage or management NIC).
     ignore_devices: list[str] = field(default_factory=list)
+    # Single ports ("mlx5_0/2") that are down on purpose, e.g. the uncabled second port of a
+    # dual-port HCA: a port down from gpumon's first reading is otherwise timed as an outage.
+    ignore_ports: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rate_window_s > self.window_s:
@@ -153,8 +169,11 @@ class IbCheck(Check):
             state = _load_state(ctx.state)
             ctx.extras["ib.checked_state"] = ctx.state
         boot = ctx.hw.fs.boot_id()
+        # an outage opened or closed must be on disk at once (save_now below): a crash before
+        # the daemon's next timed save would otherwise lose its start, and shorten it
+        changed = False
         if state["boot_id"] != boot:
-            _new_boot(state)
+            changed = _new_boot(state)
             state["boot_id"] = boot
         try:
             devices = [d for d in list_devices(ctx.hw.fs) if d not in params.ignore_devices]
@@ -163,17 +182,23 @@ class IbCheck(Check):
         ports: dict[str, Any] = state["ports"]
         readings, unlisted, problems = self._read_all(ctx, devices, state, now)
         out: list[Finding] = []
+        for key in params.ignore_ports:
+            readings.pop(key, None)
         for key in sorted(set(ports) | set(readings)):
             dev = key.split("/", 1)[0]
-            if dev in params.ignore_devices:
+            if dev in params.ignore_devices or key in params.ignore_ports:
                 continue
             if key not in readings and dev in unlisted:
                 readings[key] = unlisted[dev]  # not read, which is not the same as gone
-            found, readings[key] = self._port(ctx, params, key, ports, readings.get(key), now)
+            found, readings[key], moved = self._port(ctx, params, key, ports, readings.get(key), now)
+            changed = changed or moved
             if found is not None:
                 out.append(found)
-        tracked = {k: p for k, p in ports.items() if k.split("/", 1)[0] not in params.ignore_devices}
+        tracked = {k: p for k, p in ports.items()
+                   if k.split("/", 1)[0] not in params.ignore_devices and k not in params.ignore_ports}
         out.append(self._node_finding(ctx, readings, tracked, problems))
+        if changed:
+            save_now(ctx.state)
         return out
 
     # -- reading -----------------------------------------------------------
@@ -242,29 +267,33 @@ class IbCheck(Check):
 
     def _port(self, ctx: CheckContext, params: IbConfig, key: str, ports: dict[str, Any],
               reading: IbPort | HwCondition | None, now: float
-              ) -> tuple[Finding | None, IbPort | HwCondition | None]:
-        """The port's finding, and its reading completed from the last full one."""
+              ) -> tuple[Finding | None, IbPort | HwCondition | None, bool]:
+        """The port's finding, its reading completed from the last full one, and whether an
+        outage opened or closed (or a port went missing) at this sample."""
         dev, _, num = key.partition("/")
         comp = component_for(dev, int(num))
         if comp is None:
-            return None, reading
+            return None, reading, False
         pst = ports.get(key)
         if pst is None:
             if not isinstance(reading, IbPort):
                 # never read successfully: nothing to track, say why
                 return (self.from_condition(reading, comp) if isinstance(reading, HwCondition)
-                        else self.finding(comp, Severity.UNKNOWN, "port folder vanished while read")), reading
+                        else self.finding(comp, Severity.UNKNOWN, "port folder vanished while read")
+                        ), reading, False
             pst = ports[key] = _fresh_port()
+        changed = False
         if isinstance(reading, IbPort):
             reading = _with_details(pst, reading, now)
-            _sample(pst, reading.up, now, reading)
+            changed = _sample(pst, reading.up, now, reading)
             pst["missing_since"] = None
         elif reading is None:
             if pst["missing_since"] is None:
                 pst["missing_since"] = now
-            _sample(pst, False, now, None)
+                changed = True
+            changed = _sample(pst, False, now, None) or changed
         _prune(pst, now, params)
-        return self._verdict(ctx, params, comp, pst, reading, now), reading
+        return self._verdict(ctx, params, comp, pst, reading, now), reading, changed
 
     def _verdict(self, ctx: CheckContext, params: IbConfig, comp: str, pst: dict[str, Any],
                  reading: IbPort | HwCondition | None, now: float) -> Finding:
@@ -308,14 +337,13 @@ class IbCheck(Check):
     def _reading_issues(self, ctx: CheckContext, params: IbConfig, port: IbPort, pst: dict[str, Any],
                         evidence: dict[str, Any], now: float) -> list[_Issue]:
         issues: list[_Issue] = []
-        if not port.up and pst["down_since"] is None:
-            issues.append(_Issue(Severity.WARN, Action.CHECK_CABLES,
-                                 f"down ({port.state}, {port.phys_state}) since gpumon first read it: "
-                                 "never seen ACTIVE/LinkUp, so no outage is timed"))
-        elif not port.up:
+        if not port.up:
+            since = pst["down_since"] if pst["down_since"] is not None else now
+            first = "" if pst["seen_up"] else (", since gpumon first read it (never seen ACTIVE/LinkUp: "
+                                               "down at least that long)")
             issues.append(_Issue(Severity.WARN, Action.CHECK_CABLES,
                                  f"down now ({port.state}, {port.phys_state}) for "
-                                 f"{now - pst['down_since']:.1f} s"))
+                                 f"{now - since:.1f} s{first}"))
         if port.is_infiniband:
             issues += _rate_issues(ctx, port, evidence)
         elif port.link_layer == "Ethernet":
@@ -534,19 +562,24 @@ def _valid_record(r: Any) -> bool:
             and isinstance(r["n"], int) and isinstance(r["kind"], str))
 
 
-def _new_boot(state: MutableMapping[str, Any]) -> None:
+def _new_boot(state: MutableMapping[str, Any]) -> bool:
     """Counters restart with the driver and an open outage cannot be followed across the
-    reboot: close it at the last sample that saw it, forget ports that are gone."""
+    reboot: close it at the last sample that saw it, forget ports that are gone. True when
+    an outage was closed or a port forgotten."""
     ports: dict[str, Any] = state["ports"]
+    changed = False
     for key in list(ports):
         p = ports[key]
         if p["missing_since"] is not None:
             del ports[key]
+            changed = True
             continue
         if p["down_since"] is not None:
             _close(p, end=p["last_down_t"] or p["down_since"], kind="state (closed by reboot)")
+            changed = True
         p.update({"last_t": None, "last_up": None, "counters": {}, "detail": None})
     state["layout"] = _fresh_layout()
+    return changed
 
 
 def _record(start: float, end: float, down_s: float, max_s: float, kind: str, n: int = 1) -> dict[str, Any]:
@@ -574,15 +607,21 @@ def _cap(records: list[dict[str, Any]]) -> None:
                       "kind": "merged"}
 
 
-def _sample(p: dict[str, Any], up: bool, now: float, port: IbPort | None) -> None:
-    """Fold one sample (or a missing port, ``port`` None, counted as down) into the port's state."""
+def _sample(p: dict[str, Any], up: bool, now: float, port: IbPort | None) -> bool:
+    """Fold one sample (or a missing port, ``port`` None, counted as down) into the port's state.
+    True when an outage opened or closed, or one was seen through link_downed: what a crash
+    must not lose (the caller saves the state at once)."""
     prev_t = p["last_t"]
-    opened = False
+    opened = closed = counted = False
     if up:
         if p["down_since"] is not None:
-            _close(p, end=now, kind="missing" if p["missing_since"] is not None else "state")
+            kind = "missing" if p["missing_since"] is not None else "state"
+            _close(p, end=now, kind=kind if p["seen_up"] else f"{kind} (down at first reading)")
+            closed = True
         p["seen_up"] = True
-    elif p["seen_up"] or p["down_since"] is not None:
+    else:
+        # A port down at its first reading (at boot, at daemon start) is timed from that
+        # reading: it has been down at least that long.
         if p["down_since"] is None:
             opened = True
             p["down_since"] = now
@@ -596,11 +635,13 @@ def _sample(p: dict[str, Any], up: bool, now: float, port: IbPort | None) -> Non
             # the state never did. Their length is unknown, at most the gap.
             p["outages"].append(_record(prev_t, now, 0.0, (now - prev_t) * extra, "link_downed", extra))
             _cap(p["outages"])
+            counted = True
         for counter in _RATE_COUNTERS:
             if deltas.get(counter, 0) > 0:
                 _add_bucket(p["buckets"][counter], now, deltas[counter])
     p["last_t"] = now
     p["last_up"] = up
+    return opened or closed or counted
 
 
 def _counter_deltas(p: dict[str, Any], port: IbPort) -> dict[str, int]:
@@ -661,6 +702,10 @@ def _downtime_evidence(p: dict[str, Any], now: float, params: IbConfig) -> dict[
                       reading("ib_longest_outage_seconds", longest)]
     if ongoing is not None:
         ev["ongoing_outage_s"] = round(ongoing, 1)
+        if not p["seen_up"]:
+            ev["ongoing_outage_note"] = (
+                "down at gpumon's first reading of this port (at boot, at daemon start, or never up): "
+                "timed from that reading, so the port has been down at least this long")
     if records:
         ev["recent_outages"] = [
             {"start": r["start"], "end": r["end"], "down_s": round(r["down_s"], 1),

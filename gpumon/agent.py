@@ -17,7 +17,7 @@ from pathlib import Path
 from gpumon.check import Check, KernelLog
 from gpumon.checkstate import CheckStateStore
 from gpumon.config import Config, with_profile
-from gpumon.errors import NvmlUnavailable, StartupError
+from gpumon.errors import HwCondition, NvmlUnavailable, StartupError
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory, collect
 from gpumon.hw.kmsg import KernelLogFollower
@@ -137,11 +137,22 @@ class Agent:
         return self.hw.host_root / "dev" / "kmsg"
 
     def open_kernel_log(self) -> KernelLogFollower:
-        return KernelLogFollower(self.kmsg_path, boot_time=self.hw.fs.boot_time(),
+        """A follower of the kernel log. Records that carry only kernel time are dated from
+        /proc/stat btime, else from /proc/uptime, else from the newest record
+        (``KernelLogFollower.boot_anchor``)."""
+        boot_time = self.hw.fs.boot_time()
+        uptime: float | None = None
+        if boot_time is None:
+            try:
+                uptime = float(self.hw.fs.read_text("proc/uptime").split()[0])
+            except (HwCondition, IndexError, ValueError):
+                uptime = None
+        return KernelLogFollower(self.kmsg_path, boot_time=boot_time, uptime_s=uptime,
                                  poll_interval=self.config.daemon.kernel_log_poll_s)
 
     def kernel_log_snapshot(self) -> KernelLog:
-        """Everything the kernel log holds for the current boot, parsed."""
+        """Everything the kernel log holds for the current boot, parsed; ``available`` False,
+        with the reason, when it cannot be read (missing, a directory, permission denied...)."""
         path = self.kmsg_path
         if not path.exists():
             return KernelLog(available=False, error=f"{path} does not exist", source=str(path))
@@ -152,19 +163,21 @@ class Agent:
         try:
             records = follower.read_available()
             lost = follower.lost_records
+            failed = follower.last_error
+            anchor = follower.boot_anchor
         except OSError as exc:
-            return KernelLog(available=False, error=f"reading {path}: {exc.strerror or exc}",
-                             source=str(path))
+            failed = exc
         finally:
             follower.close()
+        if failed is not None:
+            return KernelLog(available=False, error=kernel_log_error(path, failed), source=str(path))
         parser = NvrmParser()
         events: list[object] = []
         for rec in records:
             events.extend(parser.feed(rec))
         events.extend(parser.flush())
         return KernelLog(events=events, records=records, available=True, source=str(path),
-                         records_read=len(records),
-                         lost_records=lost, boot_time=self.hw.fs.boot_time())
+                         records_read=len(records), lost_records=lost, boot_time=anchor)
 
     def selected(self, phase: Phase, names: Sequence[str] = ()) -> list[Check]:
         chosen = []
@@ -179,6 +192,11 @@ class Agent:
     def run_once(self, checks: Sequence[Check]) -> list[CheckRun]:
         log = self.kernel_log_snapshot() if any(c.uses_kernel_log for c in checks) else None
         return self.runner.run(checks, log)
+
+
+def kernel_log_error(path: Path, exc: OSError) -> str:
+    """Why the kernel log at ``path`` cannot be read, in words."""
+    return f"reading {path}: {exc.strerror or exc}"
 
 
 def now() -> float:

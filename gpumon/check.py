@@ -42,7 +42,13 @@ class KernelLog:
     boot_time: float | None = None
 
     def time_of(self, record: Any, now: float) -> float:
-        """When a record was logged: its wall clock, else boot time + kernel uptime, else ``now``."""
+        """When a record was logged: its wall clock, else boot time + kernel uptime, else ``now``.
+
+        ``boot_time`` is /proc/stat btime or, without it, the kernel-log follower's anchor
+        (now - /proc/uptime, else now - the newest record's kernel time; see
+        ``KernelLogFollower.boot_anchor``): records with kernel time are then dated by their
+        own stamps, so intervals between them are right whatever the anchor's error. Only a
+        record with no timestamp at all is dated ``now``."""
         wall = getattr(record, "wall_time", None)
         if wall is not None:
             return float(wall.timestamp())

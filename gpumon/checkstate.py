@@ -1,10 +1,16 @@
 """Per-check persisted state (windows, counters, histories) across daemon restarts.
 
 A check keeps JSON-friendly data in ``ctx.state``; the daemon saves it after
-each run, atomically, one file per check under ``<state_dir>/checks/``, so a
-restart does not forget an outage or an Xid history. A state file that cannot
-be read is set aside (renamed ``*.corrupt``) and the check starts afresh; a
-write that fails is logged and retried on the next run.
+each run (a frequently run check at most every 10 s), atomically, one file per
+check under ``<state_dir>/checks/``, so a restart does not forget an outage or
+an Xid history. A check whose state just changed in a way a crash must not lose
+(an IB port went down or came back) saves it at once with :func:`save_now`. A
+state file that cannot be read is set aside (renamed ``*.corrupt``) and the
+check starts afresh; a write that fails is logged and retried on the next run.
+
+Every write goes to a temporary file that is fsync'd, renamed over the old one,
+and the directory fsync'd: after a crash (``kill -9``, power loss) the file holds
+the old state or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -14,16 +20,36 @@ import json
 import logging
 import os
 import threading
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("gpumon.checkstate")
 
 
+class CheckState(dict[str, Any]):
+    """A check's persisted state: a plain dict that knows which store saves it."""
+
+    def __init__(self, data: dict[str, Any], store: CheckStateStore, name: str) -> None:
+        super().__init__(data)
+        self._store = store
+        self._name = name
+
+    def save_now(self) -> bool:
+        return self._store.save(self._name)
+
+
+def save_now(state: MutableMapping[str, Any]) -> bool:
+    """Write ``state`` to disk now (atomically, fsync'd) when it is a store's state; False when
+    it is not persisted (a one-shot ``gpumon check``, a test's plain dict) or the write failed.
+    Call it from the check's own run, where nothing else changes the state meanwhile."""
+    return state.save_now() if isinstance(state, CheckState) else False
+
+
 class CheckStateStore:
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
-        self._states: dict[str, dict[str, Any]] = {}
+        self._states: dict[str, CheckState] = {}
         self._saved: dict[str, str] = {}
         # checks run on threads of their own and two may save one shared state (kernel-log
         # watermarks) at once: one writer at a time, or both would write the same .tmp file
@@ -33,11 +59,11 @@ class CheckStateStore:
     def _path(self, name: str) -> Path | None:
         return None if self.directory is None else self.directory / f"{name}.json"
 
-    def get(self, name: str) -> dict[str, Any]:
-        state = self._states.get(name)
-        if state is not None:
-            return state
-        state = {}
+    def get(self, name: str) -> CheckState:
+        got = self._states.get(name)
+        if got is not None:
+            return got
+        state: dict[str, Any] = {}
         path = self._path(name)
         if path is not None and path.is_file():
             try:
@@ -49,8 +75,8 @@ class CheckStateStore:
                 log.warning("state of check %s unreadable (%s): starting afresh", name, exc)
                 with contextlib.suppress(OSError):  # set aside for a post-mortem
                     os.replace(path, path.with_suffix(".corrupt"))
-        self._states[name] = state
-        return state
+        self._states[name] = got = CheckState(state, self, name)
+        return got
 
     def save(self, name: str) -> bool:
         with self._lock:
@@ -71,6 +97,7 @@ class CheckStateStore:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
+            _sync_dir(path.parent)
             self._saved[name] = text
             self.last_error = None
             return True
@@ -79,3 +106,18 @@ class CheckStateStore:
             self.last_error = f"cannot save state of {name} to {path}: {exc}"
             log.warning("%s", self.last_error)
             return False
+
+
+def _sync_dir(directory: Path) -> None:
+    """fsync a directory, so that a rename in it survives a power loss (not every file system
+    lets a directory be opened for that: then the rename is as durable as that system makes it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

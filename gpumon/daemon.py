@@ -24,10 +24,10 @@ from types import FrameType
 from typing import Any
 
 from gpumon import __version__
-from gpumon.agent import Agent
+from gpumon.agent import Agent, kernel_log_error
 from gpumon.check import Check, KernelLog
 from gpumon.config import split_listen
-from gpumon.errors import StartupError
+from gpumon.errors import HwCondition, StartupError
 from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder
 from gpumon.export.webserver import load_web_config, serve_metrics
 from gpumon.health import Health, HealthView
@@ -46,6 +46,8 @@ WATERMARK_STATE = "kernel-log-watermarks"
 # it sleeps otherwise (a wall clock stepped back or forth is caught up within that).
 SIM_TICK_S = 0.25
 SIM_MAX_SLEEP_S = 5.0
+# How long a kernel-log check waits, at daemon start, for the pump's first read of the log.
+_FIRST_READ_WAIT_S = 2.0
 
 
 def sim_wait(scenario: Scenario, t: float) -> float:
@@ -99,7 +101,10 @@ class KernelLogPump:
     """Follows the kernel log on its own thread and hands parsed events to each subscribed check.
 
     Every subscriber gets every event once: two checks reading the kernel log
-    (xid, nvswitch) do not steal each other's lines.
+    (xid, nvswitch) do not steal each other's lines. A log that cannot be read (missing,
+    a directory, permission denied, vanished) is handed over as unavailable with the
+    reason, so those checks say ``unknown``, never ``ok``; the pump keeps trying, and a
+    failure of its own thread is reported the same way instead of ending the daemon.
     """
 
     def __init__(self, agent: Agent, wake: threading.Event, subscribers: dict[str, tuple[str, ...]]) -> None:
@@ -112,6 +117,12 @@ class KernelLogPump:
         self.records = 0
         self.error: str | None = None
         self.follower: KernelLogFollower | None = None
+        # epoch seconds of this boot for records with kernel time only: fixed once known
+        self.boot_anchor: float | None = None
+        # set once the log has been read (or failed to be) for the first time: until then a
+        # check must not be handed an empty log as if it had been read
+        self.first_read = threading.Event()
+        self._waited = False
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="gpumon-kmsg", daemon=True)
 
@@ -121,53 +132,85 @@ class KernelLogPump:
     def _loop(self) -> None:
         parser = NvrmParser()
         while not self.stop.is_set():
-            if self.follower is None:
-                path = self.agent.kmsg_path
-                try:
-                    self.follower = self.agent.open_kernel_log()
-                    self.error = None
-                except OSError as exc:
-                    self.error = f"cannot open {path}: {exc.strerror or exc}"
-                    self.stop.wait(5.0)
-                    continue
             try:
-                records = self.follower.wait(1.0)
-            except OSError as exc:
-                self.error = f"reading {self.agent.kmsg_path}: {exc.strerror or exc}"
-                self.follower.close()
-                self.follower = None
+                self._turn(parser)
+            except Exception as exc:  # the pump outlives any one failure
+                log.exception("kernel-log reader failed")
+                self.error = f"kernel-log reader failed: {type(exc).__name__}: {exc}"
+                self.first_read.set()
+                if self.follower is not None:
+                    self.follower.close()
+                    self.follower = None
+                parser = NvrmParser()
                 self.stop.wait(1.0)
-                continue
-            events: list[Any] = []
-            for rec in records:
-                events.extend(parser.feed(rec))
-            events.extend(parser.flush())
-            woken = False
-            with self.lock:
-                self.records += len(records)
-                for name, (queued_events, queued_records) in self.pending.items():
-                    queued_events.extend(events)
-                    queued_records.extend(records)
-                    words = self.match[name]
-                    if records and (not words or any(w in r.text for r in records for w in words)):
-                        self.due.add(name)
-                        woken = True
-            if woken:
-                self.wake.set()
+
+    def _turn(self, parser: NvrmParser) -> None:
+        path = self.agent.kmsg_path
+        if self.follower is None:
+            try:
+                self.follower = self.agent.open_kernel_log()
+            except (OSError, HwCondition) as exc:
+                self.error = f"cannot open {path}: {exc}"
+                self.first_read.set()
+                self.stop.wait(5.0)
+                return
+        follower = self.follower
+        records = follower.wait(1.0) if self.first_read.is_set() else follower.read_available()
+        failed = follower.last_error
+        if failed is not None:
+            if self.error is None:
+                log.warning("kernel log unreadable: %s", kernel_log_error(path, failed))
+            self.error = kernel_log_error(path, failed)
+        elif self.error is not None:
+            log.info("kernel log %s readable again", path)
+            self.error = None
+        anchor = follower.boot_anchor
+        if records and anchor is not None and (self.boot_anchor is None or anchor < self.boot_anchor):
+            # fixed once known; moved only earlier, when the follower found a record that it
+            # would otherwise date in the future
+            self.boot_anchor = anchor
+        events: list[Any] = []
+        for rec in records:
+            events.extend(parser.feed(rec))
+        events.extend(parser.flush())
+        woken = False
+        with self.lock:
+            self.records += len(records)
+            for name, (queued_events, queued_records) in self.pending.items():
+                queued_events.extend(events)
+                queued_records.extend(records)
+                words = self.match[name]
+                if records and (not words or any(w in r.text for r in records for w in words)):
+                    self.due.add(name)
+                    woken = True
+        self.first_read.set()
+        if woken:
+            self.wake.set()
 
     def take(self, name: str) -> KernelLog:
+        # the first read is one non-blocking pass over what the log holds: normally milliseconds;
+        # waited for once (this runs on the daemon's main loop), not at every take
+        waited, self._waited = self._waited, True
+        if not self.first_read.wait(0.0 if waited else _FIRST_READ_WAIT_S):
+            return KernelLog(available=False, source=str(self.agent.kmsg_path),
+                             error=f"{self.agent.kmsg_path} not read yet (still reading it after "
+                                   f"{_FIRST_READ_WAIT_S:g} s)")
         with self.lock:
             events, records = self.pending.get(name, ([], []))
             self.pending[name] = ([], [])
             self.due.discard(name)
             total = self.records
         lost = self.follower.lost_records if self.follower is not None else 0
-        if self.error is not None and not records:
-            return KernelLog(available=False, error=self.error, source=str(self.agent.kmsg_path))
+        error = self.error
+        if error is None and self.thread.ident is not None and not self.thread.is_alive() \
+                and not self.stop.is_set():
+            error = "the kernel-log reader thread has stopped"
+        if error is not None and not records:
+            return KernelLog(available=False, error=error, source=str(self.agent.kmsg_path))
         events, records = self._after_watermark(name, events, records)
         return KernelLog(events=events, records=records, available=True,
                          source=str(self.agent.kmsg_path), records_read=total, lost_records=lost,
-                         boot_time=self.agent.hw.fs.boot_time())
+                         boot_time=self.boot_anchor)
 
     def _after_watermark(self, name: str, events: list[Any],
                          records: list[Any]) -> tuple[list[Any], list[Any]]:

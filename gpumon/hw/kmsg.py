@@ -30,6 +30,7 @@ Time conventions (DESIGN.md "Host root", kernel log):
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import select
@@ -430,9 +431,13 @@ class _Assembler:
         self._last_dropped = False
         self._prev_mono: int | None = None
         self._prev_seq: int | None = None
+        # a record that stepped the clock back, not yet confirmed as a new boot:
+        # (index in the output where it went, the mono and seq stamps before it)
+        self._step: tuple[int, int | None, int | None] | None = None
 
     def add(self, lines: Iterable[str], *, initial: bool) -> list[KernelRecord]:
         out: list[KernelRecord] = []
+        self._step = None
         boot_time = self._boot_time
         for line in lines:
             rec = parse_line(line)
@@ -459,9 +464,13 @@ class _Assembler:
                 if initial and rec.text.startswith(_BOOT_MARKER_PREFIXES):
                     out.clear()  # journalctl separates boots with this marker
                     self._prev_mono = self._prev_seq = None
+                    self._step = None
                 continue
-            if initial and self._clock_restarted(rec):
-                out.clear()  # everything before is an older boot
+            if initial:
+                cut = self._boot_change(rec, len(out))
+                if cut:
+                    del out[:cut]  # everything before is an older boot
+                    self._step = None if self._step is None else (self._step[0] - cut, *self._step[1:])
             self._last = rec
             wall = rec.wall_time
             if boot_time is not None and wall is not None and wall.timestamp() < boot_time:
@@ -471,16 +480,39 @@ class _Assembler:
             out.append(rec)
         return out
 
-    def _clock_restarted(self, rec: KernelRecord) -> bool:
+    def _boot_change(self, rec: KernelRecord, index: int) -> int:
+        """How many records before ``index`` belong to an older boot (0: none).
+
+        A boot change is the kernel clock (or kmsg sequence) stepping back *and staying
+        back*: the record after the step continues below where the clock was. One
+        out-of-order record (a replayed or misfiled line) that the next record steps over
+        again is not a reboot, and must not make every record before it vanish. A step
+        that nothing follows yet is not acted on (a new boot prints hundreds of lines).
+        """
         mono, seq = rec.monotonic_us, rec.seq
-        restarted = False
+        if mono is None and seq is None:
+            return 0
+        cut = 0
+        step = self._step
+        if step is not None:
+            at, mono0, seq0 = step
+            if _stepped_back(mono0, seq0, mono, seq):
+                cut = at  # still below the old clock: the step was a new boot
+            self._step = None  # else: back above it, the step was one odd record
+        if _stepped_back(self._prev_mono, self._prev_seq, mono, seq):
+            self._step = (index, self._prev_mono, self._prev_seq)
         if mono is not None:
-            restarted = self._prev_mono is not None and mono < self._prev_mono - _MONO_RESET_US
             self._prev_mono = mono
         if seq is not None:
-            restarted = restarted or (self._prev_seq is not None and seq < self._prev_seq)
             self._prev_seq = seq
-        return restarted
+        return cut
+
+
+def _stepped_back(mono0: int | None, seq0: int | None, mono: int | None, seq: int | None) -> bool:
+    """(mono, seq) lies before (mono0, seq0) by more than printk reordering between CPUs."""
+    if mono is not None and mono0 is not None and mono < mono0 - _MONO_RESET_US:
+        return True
+    return seq is not None and seq0 is not None and seq < seq0
 
 
 def records_from_bytes(data: bytes) -> list[KernelRecord]:
@@ -512,11 +544,25 @@ class KernelLogFollower:
       for its newline. Records whose ``wall_time`` is before ``boot_time``
       (epoch seconds, /proc/stat btime; None = unknown) are dropped, and in the
       first read everything before the last backwards jump of the monotonic
-      clock (or of the kmsg sequence, or a journal ``-- Boot`` marker) is dropped
-      as an older boot.
+      clock (or of the kmsg sequence) that the records after it confirm, or a
+      journal ``-- Boot`` marker, is dropped as an older boot. A FIFO is read the
+      same way; one with no writer is an error (nothing feeds it).
+    * A directory or a block device is not a kernel log: an error, never an
+      empty log.
 
-    ``read_available()`` and ``wait()`` never raise for I/O problems: the last
-    OSError is kept in ``last_error`` and the open is retried on the next call.
+    ``read_available()`` and ``wait()`` never raise for I/O problems: what went
+    wrong in the latest ``read_available()`` (the path cannot be opened, is a
+    directory, vanished, a read failed) is in ``last_error``, None when it read
+    fine; the open is retried on the next call. A caller must treat a log with
+    ``last_error`` set as unreadable, not as a quiet one.
+
+    ``boot_anchor`` dates records that carry only kernel time (``monotonic_us``):
+    ``boot_time`` when known (/proc/stat btime), else ``clock() - uptime_s``
+    (/proc/uptime) taken when the follower was made, else ``clock()`` minus the
+    newest kernel time of the first read that had one; a derived anchor is moved
+    earlier if a record would otherwise be dated in the future. Records are then
+    dated by their own kernel time, so intervals between them hold whatever the
+    anchor's error.
     Not thread-safe: use it from one thread (``wait()`` returns within its
     timeout, so that thread can check a stop flag and call ``close()`` itself).
     If the log goes quiet, ``NvrmParser.flush()`` emits a block still waiting
@@ -530,20 +576,27 @@ class KernelLogFollower:
         path: Path | str,
         *,
         boot_time: float | None = None,
+        uptime_s: float | None = None,
         poll_interval: float = 0.2,
         opener: Opener = os.open,
         reader: Reader = os.read,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.path = Path(path)
         self.boot_time = boot_time
         self.poll_interval = poll_interval
         self.lost_records = 0
         self.last_error: OSError | None = None
+        self._clock = clock
+        self._anchor: float | None = boot_time
+        if boot_time is None and uptime_s is not None and uptime_s >= 0:
+            self._anchor = clock() - uptime_s
         self._opener = opener
         self._reader = reader
         self._fd: int | None = None
         self._record_mode = False
         self._regular = False
+        self._fifo = False
         self._ident: tuple[int, int] | None = None
         self._offset = 0
         self._opened_before = False
@@ -564,15 +617,32 @@ class KernelLogFollower:
         read chunk), over-long lines, and device records without a kmsg header."""
         return self._lines.malformed + self._record_malformed
 
+    @property
+    def boot_anchor(self) -> float | None:
+        """Epoch seconds to add to a record's ``monotonic_us`` to date it (see the class doc)."""
+        return self._anchor
+
     def read_available(self) -> list[KernelRecord]:
         """Everything new since the last call, without blocking."""
         if self._closed:
             return []
+        self.last_error = None
         if self._fd is None and not self._open():
             return []
-        if self._record_mode:
-            return self._read_records()
-        return self._read_file()
+        records = self._read_records() if self._record_mode else self._read_file()
+        if records and self.boot_time is None:
+            self._anchor_to(records)
+        return records
+
+    def _anchor_to(self, records: list[KernelRecord]) -> None:
+        newest = max((r.monotonic_us for r in records if r.monotonic_us is not None), default=None)
+        if newest is None:
+            return
+        latest = self._clock() - newest / 1e6
+        # a record cannot have been logged after now: an anchor that says so (no uptime, or an
+        # uptime that is not the kernel's, e.g. a container's) is moved back to fit it
+        if self._anchor is None or self._anchor > latest + _BOOT_TIME_SLACK_S:
+            self._anchor = latest
 
     def wait(self, timeout: float) -> list[KernelRecord]:
         """Return as soon as records arrive, or ``[]`` after ``timeout`` seconds."""
@@ -626,6 +696,10 @@ class KernelLogFollower:
             return False
         try:
             st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "is a directory, not a kernel log", str(self.path))
+            if stat.S_ISBLK(st.st_mode):
+                raise OSError(errno.EINVAL, "is a block device, not a kernel log", str(self.path))
             record_mode = stat.S_ISCHR(st.st_mode) or stat.S_ISSOCK(st.st_mode)
             if record_mode:
                 os.set_blocking(fd, False)
@@ -636,6 +710,7 @@ class KernelLogFollower:
         self._fd = fd
         self._record_mode = record_mode
         self._regular = stat.S_ISREG(st.st_mode)
+        self._fifo = stat.S_ISFIFO(st.st_mode)
         self._ident = (st.st_dev, st.st_ino)
         self._offset = 0
         if record_mode:
@@ -738,6 +813,10 @@ class KernelLogFollower:
                 self.last_error = e
                 return
             if not chunk:
+                if self._fifo:
+                    # O_NONBLOCK: EAGAIN while a writer is attached, end-of-file when none is
+                    self.last_error = OSError(errno.EPIPE, "a FIFO with no writer: nothing feeds it",
+                                              str(self.path))
                 return
             self._offset += len(chunk)
             lines.extend(self._lines.feed(chunk))
@@ -745,6 +824,9 @@ class KernelLogFollower:
     def _replaced(self) -> bool:
         try:
             st = os.stat(self.path)
-        except OSError:
-            return False  # gone for now: keep the old descriptor until a new file appears
+        except OSError as e:
+            # gone for now: keep the old descriptor until a new file appears (what was
+            # appended to it is still read), but say so: nothing new will be logged there
+            self.last_error = e
+            return False
         return (st.st_dev, st.st_ino) != self._ident

@@ -276,13 +276,46 @@ def test_window_total_downtime_fails_without_any_long_outage(node: Node) -> None
     assert (f.severity, f.action) == (Severity.FAIL, Action.CHECK_CABLES) and "36.0 s down" in f.message
 
 
-def test_never_up_port_warns_without_timing_an_outage(node: Node) -> None:
+def test_port_down_from_the_first_reading_is_timed_and_fails(node: Node) -> None:
+    """Issue 14 #8: a port down at boot (or at daemon start) is an outage from the first reading,
+    failed past the same limits as one that went down while watched."""
     node.down("mlx5_8")
     node.write("mlx5_8", "phys_state", "3: Disabled\n")
     f = node.run(0)["ib/mlx5_8/1"]
-    f = node.run(100)["ib/mlx5_8/1"]
     assert (f.severity, f.action) == (Severity.WARN, Action.CHECK_CABLES)
-    assert "never seen ACTIVE" in f.message and f.evidence["outages"] == 0
+    assert "since gpumon first read it" in f.message and f.evidence["ongoing_outage_s"] == 0.0
+    assert node.run(7)["ib/mlx5_8/1"].severity is Severity.WARN  # exactly the limit: not longer
+    f = node.run(8)["ib/mlx5_8/1"]
+    assert (f.severity, f.action) == (Severity.FAIL, Action.CHECK_CABLES)
+    assert f.evidence["ongoing_outage_s"] == 8.0 and "at least" in f.evidence["ongoing_outage_note"]
+    assert "down for 8.0 s now" in f.message
+    f = node.run(100)["ib/mlx5_8/1"]
+    assert (f.severity, f.evidence["outages"], f.evidence["downtime_s"]) == (Severity.FAIL, 1, 100.0)
+    node.up("mlx5_8")
+    f = node.run(101)["ib/mlx5_8/1"]  # back: the outage stays in the window
+    assert (f.severity, f.action) == (Severity.FAIL, Action.CHECK_CABLES)
+    assert f.evidence["longest_outage_s"] == 101.0
+    assert f.evidence["recent_outages"][0]["seen_by"] == "state (down at first reading)"
+
+
+def test_port_down_from_the_first_reading_keeps_its_start_across_a_restart(node: Node,
+                                                                            tmp_path: Path) -> None:
+    node.state = CheckStateStore(tmp_path / "state").get("ib")
+    node.down("mlx5_8")
+    node.run(0)
+    node.run(1)  # no save by the daemon's timer: the state was saved when the outage opened
+    node.state = CheckStateStore(tmp_path / "state").get("ib")  # a new process, same boot
+    f = node.run(8)["ib/mlx5_8/1"]
+    assert (f.severity, f.evidence["ongoing_outage_s"]) == (Severity.FAIL, 8.0)
+
+
+def test_ignored_ports_are_neither_read_nor_counted(scratch: Path) -> None:
+    n = Node(scratch, params=IbConfig(ignore_ports=["mlx5_8/1"]))
+    n.down("mlx5_8")
+    assert "ib/mlx5_8/1" not in n.run(0)
+    found = n.run(60)
+    assert "ib/mlx5_8/1" not in found and found["ib/mlx5_9/1"].severity is Severity.OK
+    assert "mlx5_8/1" not in found["node"].evidence["infiniband_ports"]
 
 
 def test_outage_records_are_capped(scratch: Path) -> None:
@@ -460,6 +493,46 @@ def test_state_survives_a_daemon_restart(node: Node, tmp_path: Path) -> None:
     node.up("mlx5_8")
     ev = node.run(4)["ib/mlx5_8/1"].evidence
     assert (ev["outages"], ev["downtime_s"]) == (1, 3.0)
+
+
+def test_an_outage_start_is_on_disk_the_moment_it_is_seen(node: Node, tmp_path: Path) -> None:
+    """Issue 14 #1: the daemon saves check state at most every 10 s; the sample that sees a port
+    go down (or come back) saves it at once, so a kill -9 right after loses nothing."""
+    store = CheckStateStore(tmp_path / "state")
+    node.state = store.get("ib")
+    node.run(0)
+    assert store.save("ib")  # the daemon's timed save, port up
+    node.down("mlx5_8")
+    node.run(1)
+    on_disk = json.loads((tmp_path / "state" / "ib.json").read_text())
+    assert on_disk["ports"]["mlx5_8/1"]["down_since"] == T0 + 1
+    node.run(2)
+    node.run(3)
+    # killed here, no save since the one at t=1; restarted on the same state dir, same boot
+    at_crash = (tmp_path / "state" / "ib.json").read_text()
+    for still_down, back_at in ((True, 11.0), (False, 12.0)):
+        (tmp_path / "state" / "ib.json").write_text(at_crash)
+        node.down("mlx5_8")
+        node.state = CheckStateStore(tmp_path / "state").get("ib")
+        if still_down:
+            # the port is still down: the outage goes on from its saved start
+            f = node.run(5)["ib/mlx5_8/1"]
+            assert (f.severity, f.evidence["ongoing_outage_s"]) == (Severity.WARN, 4.0)
+            node.up("mlx5_8")
+            f = node.run(back_at)["ib/mlx5_8/1"]
+            assert f.evidence["longest_outage_s"] == 10.0
+        else:
+            # the port came back while gpumon was not running: counted up to the first reading
+            # after the restart, the one that sees it up (gpumon cannot know it was shorter)
+            node.up("mlx5_8")
+            f = node.run(back_at)["ib/mlx5_8/1"]
+            assert f.evidence["longest_outage_s"] == 11.0
+        assert (f.severity, f.action) == (Severity.FAIL, Action.CHECK_CABLES)
+        assert (f.evidence["outages"], f.evidence["recent_outages"][0]["start"]) == (1, T0 + 1)
+        # the closed outage is on disk too, before any timed save
+        on_disk = json.loads((tmp_path / "state" / "ib.json").read_text())
+        assert on_disk["ports"]["mlx5_8/1"]["down_since"] is None
+        assert on_disk["ports"]["mlx5_8/1"]["outages"][0]["end"] == T0 + back_at
 
 
 def test_reboot_closes_an_open_outage_and_rebaselines_counters(node: Node) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import clean_env, run_gpumon
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory, PciDevice
@@ -15,6 +17,7 @@ from gpumon.hw.nvml import GpuInfo
 from gpumon.hw.nvrm import parse_file
 from gpumon.model import Finding, Severity
 from gpumon.profiles import GENERIC
+from gpumon.sim import nvml_inject
 from gpumon_checks.xid import XidCheck, XidConfig
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "kmsg-xid"
@@ -343,3 +346,67 @@ def test_nvlink5_decode_rules_refine_the_fatal_word(sim: Any) -> None:
     assert (nonfatal.severity, nonfatal.action.value) == (Severity.WARN, "none")
     assert "Xid 154" in nonfatal.message
     _expect(found[("nvlink/2/3", 146)], Severity.FAIL, "reset_gpu", 1)
+
+
+# -- a host tree through `gpumon check`: kernel time without btime, an unusable kernel log ---------
+
+
+def _host_tree(tmp_path: Path, faults: list[str]) -> Any:
+    """A simulated 8x H100 node rendered once into a host-root tree (after every fault), for
+    ``gpumon --host-root`` with the NVML injection library; the test then edits the tree."""
+    from gpumon.schema import load_yaml
+    from gpumon.sim.render import SimNode
+    from gpumon.sim.scenario import _build
+
+    data, src = load_yaml(_scenario(*faults), str(tmp_path / "scenario.yaml"))
+    scenario = _build(data, src)
+    node = SimNode(scenario, tmp_path / "node", start_wall=time.time() - 3600)
+    node.render(scenario.horizon_s)
+    return node
+
+
+def _check(node: Any, lib_dir: Path, *names: str) -> tuple[int, dict[tuple[str, str], dict[str, Any]]]:
+    env = nvml_inject.subprocess_env(lib_dir, node.nvml_state_path, base=clean_env())
+    proc = run_gpumon("--host-root", str(node.host_root), "check", *names, "--json", env=env)
+    assert proc.stdout, proc.stderr
+    doc = json.loads(proc.stdout)
+    return proc.returncode, {(f["check"], f["component"]): f for f in doc["findings"]}
+
+
+def test_xid13_bursts_dated_by_kernel_time_without_btime(tmp_path: Path, inject_lib_dir: Path) -> None:
+    """Issue 14 #6: /proc/stat without btime dated every kernel record "now", so three Xid 13
+    bursts minutes apart were one burst and never escalated. Records carry their kernel time
+    (the /dev/kmsg usec field): dated by it, the bursts stay apart with or without btime."""
+    node = _host_tree(tmp_path, [f"{{at_s: {t}, kind: xid, gpu: 3, code: 13}}" for t in (0, 300, 600)])
+    kmsg = (node.host_root / "dev" / "kmsg").read_text()
+    assert kmsg.count(": 13, ") == 3 and "T" not in kmsg.split(";")[0]  # kernel time only
+    stat = node.host_root / "proc" / "stat"
+    with_btime = stat.read_text()
+    assert "btime " in with_btime
+    uptime = node.host_root / "proc" / "uptime"
+    for case in ("btime", "no btime: /proc/uptime", "neither: the newest record"):
+        if case != "btime":
+            stat.write_text("".join(line for line in with_btime.splitlines(True)
+                                    if not line.startswith("btime ")))
+        if case.startswith("neither"):
+            uptime.unlink()
+        code, found = _check(node, inject_lib_dir, "xid")
+        f = found[("xid", "gpu/3")]
+        assert (code, f["severity"], f["action"]) == (2, "fail", "inspect_hardware"), (case, f)
+        assert (f["evidence"]["count"], f["evidence"]["bursts"]) == (3, 3), case
+
+
+def test_kernel_log_that_is_a_directory_is_unknown_not_ok(tmp_path: Path, inject_lib_dir: Path) -> None:
+    """Issue 14 bad input #4: <host-root>/dev/kmsg replaced by a directory read as an empty log
+    (xid, nvswitch, pcie ok, exit 0). It is a log that cannot be read: unknown, with the reason."""
+    node = _host_tree(tmp_path, [])
+    kmsg = node.host_root / "dev" / "kmsg"
+    kmsg.unlink()
+    kmsg.mkdir()
+    code, found = _check(node, inject_lib_dir, "xid", "nvswitch", "pcie")
+    assert code == 1, found
+    for check in ("xid", "nvswitch", "pcie"):
+        said = [f for (c, _), f in found.items() if c == check and "kernel log" in f["message"]]
+        assert [f["severity"] for f in said] == ["unknown"], found
+        assert "is a directory" in said[0]["message"] and str(kmsg) in said[0]["message"], said
+    assert {f["severity"] for f in found.values()} <= {"ok", "unknown"}, found

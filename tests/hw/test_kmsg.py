@@ -429,6 +429,69 @@ def test_follow_file_that_does_not_exist_yet(tmp_path: Path) -> None:
         assert [r.text[-2:] for r in f.wait(1.0)] == ["n1"]
 
 
+def test_unusable_sources_are_errors_not_an_empty_log(tmp_path: Path) -> None:
+    """Issue 14 bad input #4: a directory (or a FIFO nobody writes to, or a log that vanished)
+    read as an empty log made every kernel-log check ok. ``last_error`` says what is wrong with
+    the latest read, and is cleared once the log reads fine again."""
+    log = tmp_path / "kmsg"
+    log.mkdir()
+    with KernelLogFollower(log, poll_interval=0.02) as f:
+        assert f.read_available() == [] and isinstance(f.last_error, IsADirectoryError)
+        assert f.wait(0.05) == [] and isinstance(f.last_error, IsADirectoryError)
+        log.rmdir()
+        log.write_text(ISO.format(1, 1))
+        assert [r.text[-2:] for r in f.read_available()] == ["n1"] and f.last_error is None
+        log.unlink()  # vanished: what was appended to the open file is still read, but it is said
+        assert f.read_available() == [] and isinstance(f.last_error, FileNotFoundError)
+        log.write_text(ISO.format(2, 2))
+        assert [r.text[-2:] for r in f.read_available()] == ["n2"] and f.last_error is None
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with KernelLogFollower(fifo) as f:
+        assert f.read_available() == []
+        assert f.last_error is not None and "no writer" in str(f.last_error)
+        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            assert f.read_available() == [] and f.last_error is None  # a writer, quiet for now
+            os.write(writer, ISO.format(3, 3).encode())
+            assert [r.text[-2:] for r in f.read_available()] == ["n3"] and f.last_error is None
+        finally:
+            os.close(writer)
+        assert f.read_available() == [] and "no writer" in str(f.last_error)
+    if os.geteuid() != 0:  # root reads anything
+        locked = tmp_path / "locked"
+        locked.write_text(ISO.format(4, 4))
+        locked.chmod(0)
+        with KernelLogFollower(locked) as f:
+            assert f.read_available() == [] and isinstance(f.last_error, PermissionError)
+
+
+def test_boot_anchor_dates_kernel_time_without_btime(tmp_path: Path) -> None:
+    """Issue 14 #6: without /proc/stat btime, records that carry only kernel time are dated by
+    it from one anchor: now - /proc/uptime, else now - the newest record's kernel time."""
+    now = 2_000_000_000.0
+    log = tmp_path / "kmsg"
+    log.write_text("6,1,1000000000,-;NVRM: a\n6,2,1300000000,-;NVRM: b\n")
+    with KernelLogFollower(log, boot_time=now - 5000) as f:
+        assert f.boot_anchor == now - 5000  # btime: taken as it is
+        f.read_available()
+        assert f.boot_anchor == now - 5000
+    with KernelLogFollower(log, uptime_s=1400.0, clock=lambda: now) as f:
+        assert f.boot_anchor == now - 1400
+        assert len(f.read_available()) == 2 and f.boot_anchor == now - 1400
+        _append(log, "6,3,1500000000,-;NVRM: c\n")  # 100 s "in the future": the anchor moves back
+        f.read_available()
+        assert f.boot_anchor == now - 1500
+    with KernelLogFollower(log, clock=lambda: now) as f:
+        assert f.boot_anchor is None
+        f.read_available()
+        assert f.boot_anchor == now - 1500  # the newest record is taken as logged now
+        # the clock here stands still: a newer record would be dated in the future, so it moves
+        _append(log, "6,4,1600000000,-;NVRM: d\n")
+        f.read_available()
+        assert f.boot_anchor == now - 1600
+
+
 def test_boot_filter_by_wall_time(tmp_path: Path) -> None:
     boot = datetime(2025, 1, 21, 2, 21, 30, tzinfo=UTC).timestamp()
     log = tmp_path / "kern.log"
@@ -477,14 +540,43 @@ def test_boot_filter_by_monotonic_reset(tmp_path: Path) -> None:
 
 def test_boot_filter_by_kmsg_seq_reset_and_journal_marker(tmp_path: Path) -> None:
     log = tmp_path / "kmsg.txt"
-    log.write_text("6,900,5000000,-;old\n6,901,5000001,-;old2\n6,1,5000002,-;new\n")
+    log.write_text("6,900,5000000,-;old\n6,901,5000001,-;old2\n6,1,5000002,-;new\n6,2,5000003,-;new2\n")
     with KernelLogFollower(log) as f:
-        assert [r.text for r in f.read_available()] == ["new"]
+        assert [r.text for r in f.read_available()] == ["new", "new2"]
     log.write_text(
         "Nov 28 10:00:00 h kernel: old\n-- Boot 0123456789abcdef --\nNov 29 11:28:11 h kernel: new\n"
     )
     with KernelLogFollower(log) as f:
         assert [r.text for r in f.read_available()] == ["new"]
+
+
+def test_one_out_of_order_record_is_not_a_reboot(tmp_path: Path) -> None:
+    """A record with a lower sequence number and kernel time after an Xid (a replayed or misfiled
+    line) does not make the Xid an "older boot" record: a boot change is the clock stepping back
+    and staying back, not one record that the next one steps over again."""
+    xid = "6,501,9000000000,-;NVRM: Xid (PCI:0000:38:00): 13, pid=1, name=python, Graphics Exception"
+    stray = "6,3,2000000,-;an older record, filed late"
+    log = tmp_path / "kmsg.txt"
+    for text, want in (
+            # in the middle: the next record continues the clock of the Xid
+            (f"6,500,8000000000,-;before\n{xid}\n{stray}\n6,502,9000000100,-;after\n",
+             ["before", xid.split(";", 1)[1], stray.split(";", 1)[1], "after"]),
+            # last in the file: nothing confirms a new boot
+            (f"6,500,8000000000,-;before\n{xid}\n{stray}\n",
+             ["before", xid.split(";", 1)[1], stray.split(";", 1)[1]]),
+            # the same with dmesg's [seconds] stamps only
+            ("[ 8000.000000] before\n[ 9000.000000] NVRM: Xid 13\n[    2.000000] stray\n"
+             "[ 9000.000100] after\n", ["before", "NVRM: Xid 13", "stray", "after"]),
+            # a real reboot: the clock steps back and the records after it go on from there
+            (f"6,500,8000000000,-;before\n{xid}\n6,0,0,-;Linux version 6.8.0\n6,1,1000,-;Command line\n",
+             ["Linux version 6.8.0", "Command line"]),
+            # two reboots in one file: the last boot only
+            ("[ 9000.000000] boot1\n[    1.000000] boot2\n[    2.000000] boot2b\n"
+             "[    0.500000] boot3\n[    0.600000] boot3b\n", ["boot3", "boot3b"]),
+    ):
+        log.write_text(text)
+        with KernelLogFollower(log) as f:
+            assert [r.text for r in f.read_available()] == want, text
 
 
 def test_kmsg_dictionary_lines_in_a_file_belong_to_the_record(tmp_path: Path) -> None:
