@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpumon.check import Check, CheckContext
-from gpumon.errors import ConfigError, HwCondition, NotSupported
+from gpumon.errors import ConfigError, HwCondition
+from gpumon.idle import idle_gate
 from gpumon.model import NODE, Finding, Phase, Severity, gpu
 
 if TYPE_CHECKING:
     from gpumon.sdc.inject import FaultSpec
 
-PIDS_SHOWN = 8  # in a busy GPU's message; the evidence lists them all
 
 
 @dataclass(frozen=True)
@@ -79,38 +78,6 @@ class SdcCanaryConfig:
             raise ValueError("gpus: listed twice")
 
 
-@dataclass(frozen=True)
-class IdleGate:
-    """Whether one GPU may take a canary, and what that was judged on."""
-
-    busy: str | None  # why the GPU is busy; None: idle
-    evidence: dict[str, Any]
-
-
-def idle_gate(ctx: CheckContext, index: int, max_utilization_pct: int) -> IdleGate:
-    """Compute processes first, utilization second (module docstring). Raises HwCondition."""
-    # a CUDA context of gpumon's own (torch initialised in-process) must not make its GPU busy
-    own_pid = os.getpid()
-    evidence: dict[str, Any] = {}
-    try:
-        procs = [p for p in ctx.hw.nvml.compute_processes(index) if p.pid != own_pid]
-    except NotSupported as cond:
-        evidence["compute_processes"] = f"not supported ({cond}): idle judged by utilization only"
-    else:
-        evidence["compute_processes"] = [{"pid": p.pid, "used_memory_bytes": p.used_memory_bytes}
-                                         for p in procs]
-        if procs:
-            pids = ", ".join(str(p.pid) for p in procs[:PIDS_SHOWN])
-            more = f" (+{len(procs) - PIDS_SHOWN} more)" if len(procs) > PIDS_SHOWN else ""
-            return IdleGate(f"GPU {index} busy: {len(procs)} compute process(es): pids {pids}{more}",
-                            evidence)
-    util = ctx.hw.nvml.utilization_pct(index)
-    evidence["utilization_pct"] = util
-    if util > max_utilization_pct:
-        return IdleGate(f"GPU {index} busy ({util} % utilization)", evidence)
-    return IdleGate(None, evidence)
-
-
 class SdcCanaryCheck(Check):
     name = "sdc_canary"
     phase = Phase.CANARY
@@ -138,7 +105,7 @@ class SdcCanaryCheck(Check):
         for info in ctx.inventory.gpus:
             index = info.index
             try:
-                gate = idle_gate(ctx, index, params.idle_max_utilization_pct)
+                gate = idle_gate(ctx.hw, index, params.idle_max_utilization_pct)
             except HwCondition as cond:
                 if index in wanted:
                     out.append(self.from_condition(cond, gpu(index)))

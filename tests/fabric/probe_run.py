@@ -120,21 +120,33 @@ class ProbeRun:
 
 def start_static(net: TestNet, base: Path, port: int, args: Sequence[str] = (), *,
                  wrapper: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 configs: bool = True, **fabric: Any) -> ProbeRun:
-    """One rank per host, rendezvous at host 0 (the env:// protocol torchrun and Kubernetes use)."""
+                 sim_dirs: Mapping[int, Path] | None = None, **fabric: Any) -> ProbeRun:
+    """One rank per host, rendezvous at host 0 (the env:// protocol torchrun and Kubernetes use).
+    ``sim_dirs``: run each host as a simulated GPU node kept in that directory (its state there)."""
     run = ProbeRun(net, base)
     world = len(net.hosts)
     for h in net.hosts:
-        if configs:
-            node_config(base, h.name, **fabric)
+        node_config(base, h.name, **fabric)
     run.started = time.monotonic()
     for h in net.hosts:
         e = rank_env(RANK=str(h.index), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                      MASTER_ADDR=net.hosts[0].ip, MASTER_PORT=str(port), **(env or {}))
-        argv = [*(wrapper or [GPUMON]), "probe-fabric", "--json", "--device", "cpu",
+        sim = (["--simulate", "healthy-8xh100", "--sim-dir", str(sim_dirs[h.index])] if sim_dirs
+               else ["--device", "cpu"])
+        argv = [*(wrapper or [GPUMON]), "probe-fabric", "--json", *sim,
                 "--config", str(run.config(h.index)), *args]
         run.procs[h.index] = run.popen(h.index, argv, e)
     return run
+
+
+def stop(proc: subprocess.Popen[Any], grace: float = 15) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` s; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def start_torchrun(net: TestNet, base: Path, port: int, args: Sequence[str] = (), **fabric: Any) -> ProbeRun:

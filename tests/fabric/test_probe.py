@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from .netns import TestNet
-from .probe_run import FAULTY_RANK, GPUMON, ProbeRun, node_config, rank_env, start_static, start_torchrun
+from .probe_run import (
+    FAULTY_RANK,
+    GPUMON,
+    ProbeRun,
+    node_config,
+    rank_env,
+    start_static,
+    start_torchrun,
+    stop,
+)
 
 _ports = itertools.count(29810)
 
@@ -152,16 +161,7 @@ def test_findings_reach_health_state_and_metrics_and_a_passing_probe_clears_them
     sims = {i: tmp_path / f"sim{i}" for i in range(4)}
 
     # --sim-dir per host: each node keeps its simulated host tree and state
-    run = ProbeRun(net, tmp_path / "first")
-    for h in net.hosts:
-        node_config(run.base, h.name, collectives=["all_reduce"])
-    port = _port()
-    run.started = time.monotonic()
-    for h in net.hosts:
-        env = rank_env(RANK=str(h.index), WORLD_SIZE="4", MASTER_ADDR=net.hosts[0].ip, MASTER_PORT=str(port))
-        run.procs[h.index] = run.popen(h.index, [GPUMON, "probe-fabric", "--json", "--config",
-                                                 str(run.config(h.index)), "--simulate", "healthy-8xh100",
-                                                 "--sim-dir", str(sims[h.index])], env)
+    run = start_static(net, tmp_path / "first", _port(), sim_dirs=sims, collectives=["all_reduce"])
     run.wait(120)
     assert _verdicts(run.report())["node3"] == ("fail", "check_cables"), run.logs()
     assert (sims[3] / "state" / "fabric" / "latest.json").is_file()
@@ -173,16 +173,7 @@ def test_findings_reach_health_state_and_metrics_and_a_passing_probe_clears_them
     assert "gpumon_fabric_last_probe_passed" in metrics
 
     net.unshape(3)
-    again = ProbeRun(net, tmp_path / "second")
-    for h in net.hosts:
-        node_config(again.base, h.name, collectives=["all_reduce"])
-    port = _port()
-    again.started = time.monotonic()
-    for h in net.hosts:
-        env = rank_env(RANK=str(h.index), WORLD_SIZE="4", MASTER_ADDR=net.hosts[0].ip, MASTER_PORT=str(port))
-        again.procs[h.index] = again.popen(h.index, [
-            GPUMON, "probe-fabric", "--json", "--config", str(again.config(h.index)),
-            "--simulate", "healthy-8xh100", "--sim-dir", str(sims[h.index])], env)
+    again = start_static(net, tmp_path / "second", _port(), sim_dirs=sims, collectives=["all_reduce"])
     again.wait(120)
     assert all(v == ("ok", "none") for v in _verdicts(again.report()).values()), again.logs()
     metrics = _daemon_metrics(sims[3], again.config(3))
@@ -216,12 +207,7 @@ def _daemon_metrics(sim_dir: Path, config: Path) -> str:
                 return text
         raise AssertionError(f"no fabric metrics within 45 s:\n{text[-2000:]}")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def test_not_started_by_a_launcher_is_exit_3_with_the_reason(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .probe_run import GPUMON, node_config, rank_env
+from .probe_run import GPUMON, node_config, rank_env, stop
 from .slurm_cluster import SlurmCluster
 
 
@@ -75,10 +75,5 @@ def test_srun_spans_three_slurm_nodes_names_the_slow_one_and_its_daemon_drains_i
         assert reason.startswith("gpumon: check_cables"), reasons
         assert "node0" not in reasons and "node2" not in reasons
     finally:
-        daemon.terminate()
-        try:
-            daemon.wait(15)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        stop(daemon)
         cluster.resume("node1")
