@@ -5,7 +5,8 @@ collector turns the daemon's latest snapshot into metric families, fresh on
 every scrape, from its own registry (no global REGISTRY, no import side
 effects).
 
-Metrics (all prefixed ``gpumon_``):
+Metrics (all prefixed ``gpumon_``; :data:`FAMILIES` holds the HELP text of each, which says
+what it means, its unit and where the number comes from):
 
 - ``build_info{version,profile,node}`` 1
 - ``check_last_run_timestamp_seconds{check}``, ``check_duration_seconds{check}``
@@ -16,10 +17,13 @@ Metrics (all prefixed ``gpumon_``):
   every other state (a component's other states are not sent: they would be most of
   the exposition)
 - ``recommended_action{component,action}``: likewise for the recommended action
+- ``remediation_*`` when remediation is configured
 - readings that checks publish in a finding's ``evidence["readings"]`` as
-  ``[name, value, {labels}]``: ``gpumon_<name>{check,component,labels...}``; a
-  name ending in ``_total`` is a counter (the check keeps it monotonic in its
-  persisted state, so it neither resets on scrape nor on restart).
+  ``[name, value, {labels}]``: ``gpumon_<name>{check,component,labels...}``, with the HELP
+  text and type of ``gpumon.export.readings.READINGS`` (a name not in it, a site's own
+  check's, gets a HELP that names the check); a name ending in ``_total`` is a counter
+  (the check keeps it monotonic in its persisted state, so it neither resets on scrape
+  nor on restart).
 
 A fault's series returns to healthy/ok when the state does: every family is
 rebuilt from the current snapshot, nothing is latched in the exporter.
@@ -38,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from gpumon.export.readings import help_for, kind_of
 from gpumon.model import Action, Severity
 from gpumon.runner import CheckRun
 
@@ -46,6 +51,60 @@ HEALTH_STATES = ("healthy", "degraded", "unhealthy", "quarantined")
 SEVERITY_VALUE = {Severity.OK: 0, Severity.SKIPPED: 1, Severity.UNKNOWN: 2, Severity.WARN: 3,
                   Severity.FAIL: 4}
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+_STATES = ", ".join(HEALTH_STATES)
+_ACTIONS = ", ".join(a.value for a in Action)
+# HELP of every family that is not a reading (readings: gpumon.export.readings): meaning, unit, source.
+FAMILIES: Mapping[str, str] = {
+    "gpumon_build_info":
+        "Always 1: the gpumon build serving these metrics (label version), the SKU profile its checks "
+        "judge against (label profile: chosen from the GPUs' NVML name, or the configured one) and the "
+        "node name it reports (label node: node_name, default the host name). Source: gpumon.",
+    "gpumon_check_last_run_timestamp_seconds":
+        "When each check's last run finished (label check). Unit: Unix time in seconds. Source: "
+        "gpumon's check runner; a value that stops advancing means the check no longer runs.",
+    "gpumon_check_duration_seconds":
+        "Wall-clock duration of each check's last run (label check). Unit: seconds. Source: "
+        "gpumon's check runner (0 for a run that was not started: skipped, still-hung).",
+    "gpumon_check_outcome":
+        "Outcome of each check's last run: 1 for the outcome it had, 0 for the others (label outcome: "
+        "completed; skipped = not applicable on this node; error = the check raised; hung = past its "
+        "deadline; still-hung = its previous run has not returned, so it was not started). Source: "
+        "gpumon's check runner.",
+    "gpumon_finding_severity":
+        "Worst severity of a check's findings on a component at the check's last run (labels check, "
+        "component: node, gpu/<i>, nvlink/<gpu>/<link>, ib/<dev>/<port>, pci/<bdf>, ...): 0 ok, "
+        "1 skipped, 2 unknown, 3 warn, 4 fail (an enumeration, no unit). Source: gpumon's judgement "
+        "of the check's readings; the reasons are in gpumon status.",
+    "gpumon_health_state":
+        f"Health state of each component: 1 for its current state (label state: {_STATES}); only "
+        "component=\"node\", the node's roll-up, also gets 0 for the others, so a state that ends "
+        "goes stale. Source: gpumon's health store (health.db), which folds every check's findings "
+        "over time: a fault that needs a GPU reset or a reboot clears only after it and a passing "
+        "retest.",
+    "gpumon_recommended_action":
+        f"What should be done about each component: 1 for the current action (label action: "
+        f"{_ACTIONS}; the worst open fault's wins); only component=\"node\" also gets 0 for the "
+        "others. Source: gpumon's health store, from the checks' findings and NVIDIA's Xid catalog.",
+    "gpumon_remediation_info":
+        "Always 1: the remediation backend (label backend) and mode (label mode: observe = only "
+        "report, enforce = act) of the daemon's remediation loop. Source: gpumon configuration "
+        "(remediation.*).",
+    "gpumon_remediation_breaker_open":
+        "1 while the remediation circuit breaker stops gpumon from taking this node out (too large "
+        "a share of the fleet is already out), else 0. Source: gpumon's remediation loop, from the "
+        "scheduler's view of the fleet.",
+    "gpumon_remediation_decision":
+        "The remediation loop's last decision, 1 (label decision: wait, none, take_out, keep_out, "
+        "blocked, bring_back, left_alone); in observe mode what it would have done. Source: "
+        "gpumon's remediation loop.",
+    "gpumon_remediation_error":
+        "1 when the remediation loop's last step failed (scheduler backend or health store; the "
+        "next step retries), else 0. Source: gpumon's remediation loop.",
+    "gpumon_remediation_errors":
+        "Remediation steps that failed since the daemon started (resets when it restarts). Unit: "
+        "steps. Source: gpumon's remediation loop.",
+}
 
 
 @dataclass(frozen=True)
@@ -74,28 +133,23 @@ class GpumonCollector(Collector):
         # are not described (client_python then does not call collect() at
         # registration: cloudwatch_exporter PR #259).
         return [
-            GaugeMetricFamily("gpumon_build_info", "gpumon build and profile", labels=["version", "profile",
-                                                                                        "node"]),
+            GaugeMetricFamily("gpumon_build_info", FAMILIES["gpumon_build_info"],
+                              labels=["version", "profile", "node"]),
         ]
 
     def collect(self) -> Iterable[Metric]:
         snap = self._snapshot()
         fast, content = self._part in ("all", "fast"), self._part in ("all", "content")
         if content:
-            info = GaugeMetricFamily("gpumon_build_info", "gpumon build and profile",
+            info = GaugeMetricFamily("gpumon_build_info", FAMILIES["gpumon_build_info"],
                                      labels=["version", "profile", "node"])
             info.add_metric([snap.version, snap.profile, snap.node], 1)
             yield info
-        last = GaugeMetricFamily("gpumon_check_last_run_timestamp_seconds",
-                                 "When each check last finished (Unix time)", labels=["check"])
-        duration = GaugeMetricFamily("gpumon_check_duration_seconds", "Duration of each check's last run",
-                                     labels=["check"])
-        outcome = GaugeMetricFamily("gpumon_check_outcome", "Outcome of each check's last run",
-                                    labels=["check", "outcome"])
-        severity = GaugeMetricFamily("gpumon_finding_severity",
-                                     "Worst severity per check and component: 0 ok, 1 skipped, "
-                                     "2 unknown, 3 warn, 4 fail", labels=["check", "component"])
-        readings: dict[str, tuple[str, list[tuple[list[str], dict[str, str], float]]]] = {}
+        last = _gauge("gpumon_check_last_run_timestamp_seconds", ["check"])
+        duration = _gauge("gpumon_check_duration_seconds", ["check"])
+        outcome = _gauge("gpumon_check_outcome", ["check", "outcome"])
+        severity = _gauge("gpumon_finding_severity", ["check", "component"])
+        readings: dict[str, list[tuple[list[str], dict[str, str], float]]] = {}
         for name in sorted(snap.runs):
             run = snap.runs[name]
             last.add_metric([name], run.started + run.seconds)
@@ -117,7 +171,7 @@ class GpumonCollector(Collector):
             yield from self._reading_families(readings)
 
     def _readings(self, check: str, component: str, items: Any,
-                  out: dict[str, tuple[str, list[tuple[list[str], dict[str, str], float]]]]) -> None:
+                  out: dict[str, list[tuple[list[str], dict[str, str], float]]]) -> None:
         if not isinstance(items, list):
             return
         for item in items:
@@ -129,21 +183,21 @@ class GpumonCollector(Collector):
             except (TypeError, ValueError):
                 self.skipped_readings += 1
                 continue
-            kind = "counter" if name.endswith("_total") else "gauge"
-            out.setdefault(name, (kind, []))[1].append(([check, component], dict(labels), value))
+            out.setdefault(name, []).append(([check, component], dict(labels), value))
 
-    def _reading_families(self, readings: Mapping[str, tuple[str, list[tuple[list[str], dict[str, str],
-                                                                             float]]]]) -> Iterable[Metric]:
+    def _reading_families(self, readings: Mapping[str, list[tuple[list[str], dict[str, str], float]]]
+                          ) -> Iterable[Metric]:
         for name in sorted(readings):
-            kind, samples = readings[name]
+            samples = readings[name]
             extra = sorted({k for _, labels, _ in samples for k in labels})
             label_names = ["check", "component", *extra]
+            text = help_for(name, (base[0] for base, _, _ in samples))
             family: GaugeMetricFamily | CounterMetricFamily
-            if kind == "counter":
-                family = CounterMetricFamily(f"gpumon_{name.removesuffix('_total')}",
-                                             f"gpumon reading {name}", labels=label_names)
+            if kind_of(name) == "counter":
+                family = CounterMetricFamily(f"gpumon_{name.removesuffix('_total')}", text,
+                                             labels=label_names)
             else:
-                family = GaugeMetricFamily(f"gpumon_{name}", f"gpumon reading {name}", labels=label_names)
+                family = GaugeMetricFamily(f"gpumon_{name}", text, labels=label_names)
             seen: set[tuple[str, ...]] = set()
             for base, labels, value in samples:
                 key = (*base, *(labels.get(k, "") for k in extra))
@@ -157,29 +211,24 @@ class GpumonCollector(Collector):
         r = snap.remediation
         if r is None:
             return
-        info = GaugeMetricFamily("gpumon_remediation_info", "Remediation backend and mode",
-                                 labels=["backend", "mode"])
+        info = _gauge("gpumon_remediation_info", ["backend", "mode"])
         info.add_metric([str(r.get("backend")), str(r.get("mode"))], 1)
         yield info
         yield GaugeMetricFamily("gpumon_remediation_breaker_open",
-                                "1 while the circuit breaker keeps gpumon from taking the node out",
+                                FAMILIES["gpumon_remediation_breaker_open"],
                                 value=1.0 if r.get("breaker_open") else 0.0)
-        decision = GaugeMetricFamily("gpumon_remediation_decision", "Last remediation decision (1)",
-                                     labels=["decision"])
+        decision = _gauge("gpumon_remediation_decision", ["decision"])
         if r.get("decision"):
             decision.add_metric([str(r["decision"])], 1)
         yield decision
-        yield GaugeMetricFamily("gpumon_remediation_error", "1 when the last step failed (retried)",
+        yield GaugeMetricFamily("gpumon_remediation_error", FAMILIES["gpumon_remediation_error"],
                                 value=1.0 if r.get("error") else 0.0)
-        yield CounterMetricFamily("gpumon_remediation_errors", "Failed remediation steps",
+        yield CounterMetricFamily("gpumon_remediation_errors", FAMILIES["gpumon_remediation_errors"],
                                   value=float(r.get("errors_total") or 0))
 
     def _health(self, snap: Snapshot) -> Iterable[Metric]:
-        state = GaugeMetricFamily("gpumon_health_state", "Health state per component (1 = current)",
-                                  labels=["component", "state"])
-        action = GaugeMetricFamily("gpumon_recommended_action",
-                                   "Recommended action per component (1 = current)",
-                                   labels=["component", "action"])
+        state = _gauge("gpumon_health_state", ["component", "state"])
+        action = _gauge("gpumon_recommended_action", ["component", "action"])
         for comp in sorted(snap.health):
             current, act = snap.health[comp]
             if comp == "node":
@@ -196,6 +245,10 @@ class GpumonCollector(Collector):
                 action.add_metric([comp, act], 1.0)
         yield state
         yield action
+
+
+def _gauge(name: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, FAMILIES[name], labels=labels)
 
 
 def _run_signature(run: CheckRun) -> tuple[Any, ...]:
