@@ -10,9 +10,10 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from gpumon.check import Check, KernelLog
 from gpumon.checkstate import CheckStateStore
@@ -28,6 +29,8 @@ from gpumon.runner import CheckRun, Runner
 from gpumon.sim.render import SimNode
 from gpumon.sim.scenario import Scenario
 
+T = TypeVar("T")
+
 
 @dataclass
 class Simulation:
@@ -38,21 +41,40 @@ class Simulation:
     lib_dir: Path
     at_s: float
     tmp: tempfile.TemporaryDirectory[str] | None = None
+    # a one-shot ``check``: the times its checks run at (Scenario.replay_times), the last one
+    # the time it reports; empty otherwise
+    replay_times: list[float] = field(default_factory=list)
 
     @classmethod
     def start(cls, scenario: Scenario, at_s: float | None, workdir: Path | None = None,
-              live: bool = False) -> Simulation:
-        """Render ``scenario`` at ``at_s`` (None: after every fault), or, ``live``, at the wall
-        clock's time since the node's start (a resumed node keeps its start)."""
+              live: bool = False, *, new_boot: bool = False, replay: bool = False) -> Simulation:
+        """Render ``scenario`` into ``workdir`` (None: a temporary directory, removed by close()).
+
+        - ``live`` (the daemon): at the wall clock's time since the node's start (a resumed node
+          keeps its start; ``new_boot`` boots the node in ``workdir`` again, from scenario time 0);
+        - ``replay`` (``gpumon check``): at the first of ``replay_times`` up to ``at_s`` (None: after
+          every fault); the caller steps through them with :meth:`replay`;
+        - else at ``at_s``; None: a node already in ``workdir`` as it is now (its clock runs whether
+          or not a daemon does), a new one after every fault.
+
+        A new node is started ``t`` seconds before now, so that what it logs is in the past."""
         from gpumon.sim import nvml_inject
         tmp = None
         if workdir is None:
             tmp = tempfile.TemporaryDirectory(prefix="gpumon-sim-")
             workdir = Path(tmp.name)
-        node = SimNode(scenario, workdir)
-        t = scenario.horizon_s if at_s is None else at_s
-        if live:
-            t = max(0.0, time.time() - node.start_wall)
+        node = SimNode(scenario, workdir, resume=not new_boot)
+        now = time.time()
+        times: list[float] = []
+        if live or (at_s is None and node.resumed and not replay):
+            t = max(0.0, now - node.start_wall)  # the node's own clock
+        else:
+            t = scenario.horizon_s if at_s is None else at_s
+            if not node.resumed:
+                node.start_wall = now - t
+            if replay:
+                times = scenario.replay_times(t)
+                t = times[0]
         node.render(t)
         lib_dir = nvml_inject.build_library()
         os.environ[nvml_inject.STATE_ENV] = str(node.nvml_state_path)
@@ -63,7 +85,22 @@ class Simulation:
         if str(lib_dir) not in paths:
             os.environ["LD_LIBRARY_PATH"] = ":".join([str(lib_dir), *paths])
         nvml_inject.preload(lib_dir)
-        return cls(scenario, node, lib_dir, t, tmp)
+        return cls(scenario, node, lib_dir, t, tmp, times)
+
+    def clock(self) -> float:
+        """The wall clock of the node at its scenario time (what a replay's checks read)."""
+        return self.node.start_wall + self.at_s
+
+    def replay(self, step: Callable[[], T]) -> T:
+        """``step()`` at each of ``replay_times``, the node rendered at that time; the last result.
+        ``step`` runs the checks with :meth:`clock` as their clock, so that what they keep between
+        runs (an outage's start, a counter's last reading) is timed in scenario time."""
+        result: T | None = None
+        for t in self.replay_times or [self.at_s]:
+            self.advance(t)
+            result = step()
+        assert result is not None
+        return result
 
     def advance(self, t: float) -> None:
         # Re-render only when the scenario changes: the simulator must not be
@@ -150,16 +187,25 @@ class Agent:
         return KernelLogFollower(self.kmsg_path, boot_time=boot_time, uptime_s=uptime,
                                  poll_interval=self.config.daemon.kernel_log_poll_s)
 
-    def kernel_log_snapshot(self) -> KernelLog:
+    def kernel_log_snapshot(self, saved: Path | None = None, *, all_boots: bool = False) -> KernelLog:
         """Everything the kernel log holds for the current boot, parsed; ``available`` False,
-        with the reason, when it cannot be read (missing, a directory, permission denied...)."""
-        path = self.kmsg_path
+        with the reason, when it cannot be read (missing, a directory, permission denied...).
+
+        ``saved``: judge this saved log (dmesg, ``journalctl -k``, kern.log, a /dev/kmsg dump) on
+        purpose instead of the live one (``gpumon check --kmsg-file``). It is its own boot: not
+        compared with this host's boot time; only its last boot is kept (journal ``-- Boot``
+        markers, the kernel clock stepping back), every record with ``all_boots``. Records are
+        dated by their own clock (kernel time only: as if the log ended now), and the log is
+        judged at its newest record (``SavedKernelLog.judged_at``). The daemon never reads a log
+        this way."""
+        path = saved if saved is not None else self.kmsg_path
         if not path.exists():
             return KernelLog(available=False, error=f"{path} does not exist", source=str(path))
         if not os.access(path, os.R_OK):
             return KernelLog(available=False, error=f"{path} is not readable (permission denied)",
                              source=str(path))
-        follower = self.open_kernel_log()
+        follower = (KernelLogFollower(path, all_boots=all_boots) if saved is not None
+                    else self.open_kernel_log())
         try:
             records = follower.read_available()
             lost = follower.lost_records
@@ -176,6 +222,13 @@ class Agent:
         for rec in records:
             events.extend(parser.feed(rec))
         events.extend(parser.flush())
+        if saved is not None:
+            log = SavedKernelLog(events=events, records=records, available=True, source=str(path),
+                                 records_read=len(records), lost_records=lost, boot_time=anchor,
+                                 all_boots=all_boots)
+            t = now()
+            log.judged_at = max((log.time_of(r, t) for r in records), default=t)
+            return log
         return KernelLog(events=events, records=records, available=True, source=str(path),
                          records_read=len(records), lost_records=lost, boot_time=anchor)
 
@@ -192,6 +245,16 @@ class Agent:
     def run_once(self, checks: Sequence[Check]) -> list[CheckRun]:
         log = self.kernel_log_snapshot() if any(c.uses_kernel_log for c in checks) else None
         return self.runner.run(checks, log)
+
+
+@dataclass
+class SavedKernelLog(KernelLog):
+    """A saved kernel log judged on purpose (``Agent.kernel_log_snapshot(saved=...)``), not this
+    boot's live log. Checks that date verdicts (the xid check) judge it at ``judged_at``, the
+    time of its newest record, as the node would have been judged when the log ended."""
+
+    judged_at: float = 0.0
+    all_boots: bool = False
 
 
 def kernel_log_error(path: Path, exc: OSError) -> str:

@@ -61,7 +61,7 @@ from rich.table import Table
 from gpumon.check import Check, CheckContext
 from gpumon.errors import ConfigError
 from gpumon.model import NODE, Finding, Phase, Severity, Status, overall_status, worst_action, worst_severity
-from gpumon.report import json_report, print_table
+from gpumon.report import console_for, json_report, print_table
 from gpumon.runner import CheckRun
 
 if TYPE_CHECKING:
@@ -544,11 +544,13 @@ _STYLE = {Severity.OK: "green", Severity.SKIPPED: "dim", Severity.UNKNOWN: "yell
 
 def print_summary(result: SuiteResult, console: Console) -> None:
     if not console.is_terminal:
-        # piped to a file or a pager: do not fold the table at 80 columns (as report.print_table)
-        console = Console(file=console.file, highlight=False, soft_wrap=False, width=200)
+        # piped to a file or a pager: one record per line (as report.print_table)
+        console = console_for(console.file)
     verdict = "PASSED" if result.passed else ("INTERRUPTED" if result.interrupted else "NOT PASSED")
-    table = Table(title=f"bootstrap suite on {result.node} (profile {result.profile}): {verdict} "
-                        f"in {result.finished - result.started:.1f} s", title_justify="left")
+    # the headline on a line of its own: a table title is padded with blanks to the table's width
+    console.print(f"bootstrap suite on {result.node} (profile {result.profile}): {verdict} "
+                  f"in {result.finished - result.started:.1f} s")
+    table = Table()
     for col in ("#", "check", "result", "action", "seconds", "budget", "attempts", "note"):
         table.add_column(col, overflow="fold")
     for i, c in enumerate(result.checks, 1):

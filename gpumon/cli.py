@@ -10,21 +10,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from gpumon import __version__
 from gpumon.agent import Agent, Simulation
-from gpumon.check import Check
+from gpumon.check import Check, KernelLog
 from gpumon.config import Config, load_config
 from gpumon.errors import ConfigError, GpumonError, StartupError
 from gpumon.fabric import cli as fabric_cli
 from gpumon.model import Phase, Status
 from gpumon.registry import load_checks
 from gpumon.report import json_report, print_table
+from gpumon.runner import CheckRun
 from gpumon.sdc import cli as canary_cli
-from gpumon.sim.scenario import load_scenario
+from gpumon.sim.render import default_root
+from gpumon.sim.scenario import Scenario, load_scenario
 
 EXIT_OK = 0
 EXIT_WARN = 1
@@ -44,12 +48,15 @@ def _global_options(suppress: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--host-root", metavar="DIR", help="where the host's /sys, /proc, /dev are (default /)")
     p.add_argument("--profile", metavar="NAME", help="SKU profile (default: chosen from the GPU name)")
     p.add_argument("--simulate", metavar="SCENARIO",
-                   help="run on a simulated node: a shipped scenario name or a scenario YAML file")
+                   help="run on a simulated node: a shipped scenario name or a scenario YAML file; "
+                        "the node and its health state are kept in --sim-dir")
     p.add_argument("--sim-at", type=float, metavar="SECONDS",
-                   help="one-shot commands: render the scenario at this time "
-                        "(default: after every fault has started)")
+                   help="one-shot commands: the scenario's time to look at (default: check: after "
+                        "every fault; others: the kept node as it is now, a new one after every fault)")
     p.add_argument("--sim-dir", type=Path, metavar="DIR",
-                   help="render the simulated node here instead of a temporary directory")
+                   help="keep the simulated node here (default: $XDG_STATE_HOME/gpumon/sim/SCENARIO, "
+                        "i.e. ~/.local/state/gpumon/sim/SCENARIO, shared by daemon, status, "
+                        "run-bootstrap, canary; check uses a private temporary node)")
     return p
 
 
@@ -60,10 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _global_options(suppress=True)
 
-    p = sub.add_parser("check", parents=[common], help="one-shot run of the continuous checks")
+    p = sub.add_parser("check", parents=[common], help="one-shot run of the continuous checks",
+                       description="One-shot run of the continuous checks. With --simulate: the "
+                       "scenario is replayed on a private temporary node from time 0 to --sim-at "
+                       "(default: after every fault), the checks run at 0, at every fault's start "
+                       "and end, and at the end, as the daemon would have run them; the report is "
+                       "the last run's, so a fault that is over (an IB port down for 9 s) shows as "
+                       "it does in the daemon.")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these checks")
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("-v", "--verbose", action="store_true", help="show ok findings too")
+    p.add_argument("--kmsg-file", type=Path, metavar="FILE",
+                   help="judge this saved kernel log (dmesg, journalctl -k, kern.log, a /dev/kmsg dump) "
+                        "instead of the live one, as its own boot: its last boot, at the time of its "
+                        "newest record")
+    p.add_argument("--all-boots", action="store_true",
+                   help="with --kmsg-file: judge every boot in the file, not only its last")
 
     p = sub.add_parser("run-bootstrap", parents=[common], help="run the bootstrap suite")
     p.add_argument("--only", metavar="N,..", help="run only these checks")
@@ -97,6 +116,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sim_root(args: argparse.Namespace, scenario: Scenario) -> Path:
+    """The directory the simulated node is kept in: --sim-dir, else the user's own per scenario."""
+    return Path(args.sim_dir) if args.sim_dir else default_root(scenario)
+
+
+def _start_simulation(args: argparse.Namespace, scenario: Scenario) -> Simulation:
+    """The simulated node of --simulate, said on stderr. ``check`` replays the scenario on a node of
+    its own (a temporary one unless --sim-dir): it must not step a node a daemon is running."""
+    replay = args.command == "check"
+    root = None if replay and not args.sim_dir else _sim_root(args, scenario)
+    # the daemon boots the node kept per user again (scenario time 0, its health state kept, as a
+    # real node's across a reboot); a --sim-dir node resumes, like a restarted daemon on a node
+    new_boot = args.command == "daemon" and not args.sim_dir
+    try:
+        sim = Simulation.start(scenario, args.sim_at, root, live=args.command == "daemon",
+                               new_boot=new_boot, replay=replay)
+    except OSError as exc:
+        raise StartupError(f"cannot keep the simulated node in {root}: {exc.strerror or exc} "
+                           "(--sim-dir DIR puts it elsewhere)") from None
+    if root is not None:
+        if args.command == "daemon":
+            how = f"resumed at t={sim.at_s:.0f} s" if sim.node.resumed else "new boot"
+        else:
+            how = f"at t={sim.at_s:.0f} s of its scenario"
+        print(f"gpumon: simulated node {scenario.name} ({how}) in {root}", file=sys.stderr)
+    return sim
+
+
+def _canary_on_simulated_node(args: argparse.Namespace, scenario: Scenario) -> None:
+    """``canary --simulate``: on the node kept per user (as run-bootstrap), its replay bundles under
+    that node's state directory unless --state-dir says otherwise."""
+    root = _sim_root(args, scenario)
+    args.sim_dir = root
+    if hasattr(args, "state_dir") and not args.state_dir:
+        args.state_dir = root / "state"
+    print(f"gpumon: simulated node {scenario.name} in {root}", file=sys.stderr)
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, object]:
     out: dict[str, object] = {"host_root": args.host_root, "profile": args.profile}
     if getattr(args, "listen", None):
@@ -104,13 +161,55 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
+class _PipeGuard:
+    """sys.stdout while a command runs: when the reader of a pipe leaves (`gpumon status | head`),
+    the rest of the output goes to /dev/null and the command finishes, so that its exit code is
+    the same wherever stdout goes."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self.broken = False
+
+    def _gone(self) -> None:
+        if not self.broken:
+            self.broken = True
+            # what is still buffered, and every later write, goes to /dev/null: at exit Python
+            # flushes stdout again, and a failing flush there would turn the exit code into 120
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self._out.fileno())
+            finally:
+                os.close(devnull)
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return int(self._out.write(text))
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._out.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    real = sys.stdout
+    guard = _PipeGuard(real)
+    sys.stdout = guard
     try:
-        return _main(argv)
-    except BrokenPipeError:
-        # `gpumon status | head`: the reader left; not an error of ours
-        sys.stderr.close()
-        return EXIT_OK
+        code = _main(argv)
+        guard.flush()
+        return code
+    finally:
+        sys.stdout = real
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
@@ -119,7 +218,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s gpumon %(levelname)s %(message)s")
     try:
+        scenario = load_scenario(args.simulate) if args.simulate else None
         if args.command == "canary":
+            if scenario is not None:
+                _canary_on_simulated_node(args, scenario)
             return int(canary_cli.main(args))
         checks = load_checks()
         config = load_config(args.config, checks, overrides=_overrides(args))
@@ -127,14 +229,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if args.command == "list-checks":
             return _list_checks(checks, config)
         if args.command == "status":
-            return _status(config, args)
+            return _status(config, args, scenario)
         if args.command == "set-healthy":
-            return _set_healthy(config, args)
+            return _set_healthy(config, args, scenario)
         simulation = None
-        if args.simulate:
-            scenario = load_scenario(args.simulate)
-            simulation = Simulation.start(scenario, args.sim_at, args.sim_dir,
-                                          live=args.command == "daemon")
+        if scenario is not None:
+            simulation = _start_simulation(args, scenario)
         if args.command == "probe-fabric":
             try:
                 return fabric_cli.main(args, config, checks, simulation)
@@ -167,17 +267,26 @@ def _main(argv: Sequence[str] | None = None) -> int:
     return EXIT_CANNOT_RUN
 
 
+# the phases the daemon runs on a schedule; the others run when asked (run-bootstrap, probe-fabric)
+_SCHEDULED = (Phase.CONTINUOUS, Phase.CANARY)
+
+
 def _list_checks(checks: dict[str, type[Check]], config: Config) -> int:
-    from rich.console import Console
     from rich.table import Table
-    table = Table(title="gpumon checks", title_justify="left")
+
+    from gpumon.report import console_for
+    console = console_for()
+    table = Table()
     for col in ("name", "phase", "interval", "timeout", "enabled", "description"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col)
     for name, cls in checks.items():
         s = config.settings(cls)
-        table.add_row(name, cls.phase.value, f"{s.interval_s:g}s", f"{s.timeout_s:g}s",
+        interval = f"{s.interval_s:g}s" if cls.phase in _SCHEDULED else "-"
+        table.add_row(name, cls.phase.value, interval, f"{s.timeout_s:g}s",
                       "yes" if s.enabled else "no", cls.description)
-    Console(highlight=False).print(table)
+    console.print("gpumon checks")
+    console.print(table)
+    console.print("interval: how often the daemon runs the check; - : run on demand (gpumon run-bootstrap)")
     return EXIT_OK
 
 
@@ -197,8 +306,54 @@ def _check(agent: Agent, args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown check {unknown[0]!r} (registered: {', '.join(agent.checks)})",
                           key="check")
     checks = agent.selected(Phase.CONTINUOUS, args.names)
-    runs = agent.run_once(checks)
+    if args.all_boots and not args.kmsg_file:
+        raise ConfigError("--all-boots judges a saved log: give it with --kmsg-file FILE", key="check")
+    if args.kmsg_file:  # a saved log judged on purpose, as its own boot (Agent.kernel_log_snapshot)
+        log = (agent.kernel_log_snapshot(args.kmsg_file, all_boots=args.all_boots)
+               if any(c.uses_kernel_log for c in checks) else None)
+        return _emit(agent, agent.runner.run(checks, log), args)
+    sim = agent.simulation
+    runs = _replay(agent, sim, checks) if sim is not None and sim.replay_times else agent.run_once(checks)
     return _emit(agent, runs, args)
+
+
+def _replay(agent: Agent, sim: Simulation, checks: list[Check]) -> list[CheckRun]:
+    """``check --simulate``: the scenario's timeline read as the daemon would have read it: the
+    checks run at each of the replay's times, in scenario time, keeping their state from run to
+    run, each run handed the kernel-log records logged since the one before; the last run's
+    findings are the report (see ``check --help``)."""
+    from gpumon.agent import kernel_log_error
+    from gpumon.hw.nvrm import NvrmParser
+
+    agent.runner.clock = sim.clock
+    path = agent.kmsg_path
+    follower = agent.open_kernel_log() if any(c.uses_kernel_log for c in checks) else None
+    parser = NvrmParser()
+
+    def step() -> list[CheckRun]:
+        if follower is None:
+            return agent.runner.run(checks, None)
+        try:
+            records = follower.read_available()
+        except OSError as exc:
+            return agent.runner.run(checks, KernelLog(available=False, source=str(path),
+                                                      error=kernel_log_error(path, exc)))
+        if follower.last_error is not None:
+            return agent.runner.run(checks, KernelLog(available=False, source=str(path),
+                                                      error=kernel_log_error(path, follower.last_error)))
+        events: list[object] = []
+        for rec in records:
+            events.extend(parser.feed(rec))
+        events.extend(parser.flush())
+        return agent.runner.run(checks, KernelLog(
+            events=events, records=records, available=True, source=str(path), records_read=len(records),
+            lost_records=follower.lost_records, boot_time=follower.boot_anchor))
+
+    try:
+        return sim.replay(step)
+    finally:
+        if follower is not None:
+            follower.close()
 
 
 def _split(value: str | None) -> list[str]:
@@ -231,22 +386,36 @@ def _bootstrap(agent: Agent, args: argparse.Namespace) -> int:
 _LEVEL_EXIT = {"healthy": EXIT_OK, "degraded": EXIT_WARN, "unhealthy": EXIT_FAIL, "quarantined": EXIT_FAIL}
 
 
-def _state_dir(config: Config, args: argparse.Namespace) -> Path:
-    return Path(args.state_dir) if args.state_dir else Path(config.state_dir)
+def _state_dir(config: Config, args: argparse.Namespace, scenario: Scenario | None) -> Path:
+    """--state-dir, else the simulated node's (--simulate), else the config's state_dir."""
+    if args.state_dir:
+        return Path(args.state_dir)
+    if scenario is not None:
+        return _sim_root(args, scenario) / "state"
+    return Path(config.state_dir)
 
 
-def _status(config: Config, args: argparse.Namespace) -> int:
+def _status(config: Config, args: argparse.Namespace, scenario: Scenario | None) -> int:
     from datetime import datetime, timezone
 
-    from rich.console import Console
     from rich.table import Table
 
     from gpumon.health import StoreError, load_view
+    from gpumon.report import console_for
 
+    state_dir = _state_dir(config, args, scenario)
     try:
-        view = load_view(_state_dir(config, args))
+        view = load_view(state_dir)
     except StoreError as exc:
-        raise StartupError(f"no health state: {exc}") from None
+        hint = ""
+        if scenario is not None and not args.state_dir:
+            hint = (f" (`gpumon daemon --simulate {args.simulate}` runs the simulated node that "
+                    "keeps its health there)")
+        if exc.corrupt:
+            hint += _CORRUPT_HINT
+        raise StartupError(f"no health state: {exc}{hint}") from None
+    if scenario is not None:
+        print(f"gpumon: simulated node {scenario.name}: health state in {state_dir}", file=sys.stderr)
     code = _LEVEL_EXIT[view.node.level.value]
     if args.json:
         print(json.dumps(view.to_json(history=args.history), indent=2))
@@ -255,7 +424,7 @@ def _status(config: Config, args: argparse.Namespace) -> int:
     def when(t: float) -> str:
         return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if t else "-"
 
-    console = Console(highlight=False)
+    console = console_for()
     node = view.node
     console.print(f"node: [bold]{node.level.value}[/] (action {node.action.value}) since {when(node.since)}")
     if node.quarantine is not None:
@@ -263,12 +432,13 @@ def _status(config: Config, args: argparse.Namespace) -> int:
                       f"{node.quarantine.reason}")
     table = Table(title_justify="left")
     for col in ("component", "state", "action", "since", "why"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col)
     shown = {n: c for n, c in view.components.items() if args.verbose or c.level.value != "healthy"}
     for name, comp in sorted(shown.items()):
         why = "; ".join(f"{f.check}: {f.message}" for f in comp.why)
         table.add_row(name, comp.level.value, comp.action.value, when(comp.since), why)
-    console.print(table)
+    if shown:
+        console.print(table)
     healthy = len(view.components) - len(shown)
     if healthy:
         console.print(f"{healthy} more components healthy (-v lists them)")
@@ -281,21 +451,27 @@ def _status(config: Config, args: argparse.Namespace) -> int:
     return code
 
 
-def _set_healthy(config: Config, args: argparse.Namespace) -> int:
+_CORRUPT_HINT = (" (the daemon moves a corrupt store aside, as health.db.corrupt-<time>, and starts a "
+                 "fresh one when it starts)")
+
+
+def _set_healthy(config: Config, args: argparse.Namespace, scenario: Scenario | None) -> int:
     import getpass
 
     from gpumon.health import Health, StoreError
     from gpumon.hw.calls import BoundedCaller
     from gpumon.hw.hostfs import HostFs
 
-    boot = HostFs(Path(config.host_root), BoundedCaller(), config.timeouts.sysfs_read_s).boot_id()
-    health = Health.open(_state_dir(config, args), boot_id=boot)
+    host_root = _sim_root(args, scenario) / "host" if scenario is not None else Path(config.host_root)
+    boot = HostFs(host_root, BoundedCaller(), config.timeouts.sysfs_read_s).boot_id()
+    health = Health.open(_state_dir(config, args, scenario), boot_id=boot)
     try:
         health.set_healthy(args.component, who=getpass.getuser(), reason=args.reason)
     except ValueError as exc:
         raise ConfigError(str(exc), key="set-healthy") from None
     except StoreError as exc:
-        raise StartupError(f"could not record the override: {exc}") from None
+        raise StartupError(f"could not record the override: {exc}"
+                           + (_CORRUPT_HINT if exc.corrupt else "")) from None
     finally:
         health.close()
     print(f"gpumon: {args.component} marked healthy ({args.reason})")

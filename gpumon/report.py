@@ -62,15 +62,26 @@ def json_report(runs: Sequence[CheckRun], *, node: str, profile: str, verbose: b
     return doc
 
 
+# Piped output (a file, a pager, grep, a health-check wrapper) is never wrapped: one record per
+# line, no word folded at 80 columns. Rich lays a table out no wider than its content.
+PIPE_WIDTH = 1_000_000
+
+
+def console_for(file: IO[str] | None = None, *, stderr: bool = False) -> Console:
+    """A console for people: the terminal's width on a terminal; piped, one record per line."""
+    console = Console(file=file, stderr=stderr, highlight=False, soft_wrap=False)
+    if not console.is_terminal:
+        console.width = PIPE_WIDTH
+    return console
+
+
 def print_table(runs: Sequence[CheckRun], *, node: str, profile: str, verbose: bool,
                 file: IO[str] | None = None) -> Status:
-    console = Console(file=file, highlight=False, soft_wrap=False)
-    if not console.is_terminal:
-        # piped to a file or a pager: do not fold messages at 80 columns
-        console.width = 200
+    console = console_for(file)
     status = overall_status(all_findings(runs))
-    table = Table(title=f"gpumon on {node} (profile {profile}): {status.value.upper()}",
-                  title_justify="left", show_lines=False)
+    # the headline on a line of its own: a table title is padded with blanks to the table's width
+    console.print(f"gpumon on {node} (profile {profile}): {status.value.upper()}")
+    table = Table(show_lines=False)
     for col in ("check", "component", "severity", "action", "message"):
         table.add_column(col, overflow="fold")
     for f in shown(runs, verbose):

@@ -7,9 +7,12 @@ CLI tests run ``gpumon`` as a child process with LD_LIBRARY_PATH.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,9 +48,15 @@ def nvml_state(inject_lib_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     yield path
 
 
+# simulated nodes started without --sim-dir live under $XDG_STATE_HOME: the tests' own, not the user's
+_STATE_HOME = tempfile.mkdtemp(prefix="gpumon-tests-state-")
+atexit.register(shutil.rmtree, _STATE_HOME, True)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("LD_LIBRARY_PATH", nvml_inject.STATE_ENV, "NOTIFY_SOCKET")}
+    env["XDG_STATE_HOME"] = _STATE_HOME
     env.update(extra)
     return env
 

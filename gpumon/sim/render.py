@@ -10,8 +10,10 @@ reads all three through its normal hardware layer: the simulator sits below
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
@@ -67,6 +69,23 @@ UPTIME_AT_START_S = 3600.0
 IB_SPEED_NAMES = {400.0: "NDR", 200.0: "HDR", 100.0: "EDR", 56.0: "FDR"}
 
 
+def default_root(scenario: Scenario) -> Path:
+    """Where ``--simulate`` keeps the simulated node when no ``--sim-dir`` is given: per user and per
+    scenario, ``$XDG_STATE_HOME/gpumon/sim/<scenario>`` (``~/.local/state/gpumon/sim/<scenario>``),
+    so that ``gpumon status --simulate X`` finds what ``gpumon daemon --simulate X`` left there. A
+    scenario file's node is told apart from another file's of the same name by the file's path."""
+    base = os.environ.get("XDG_STATE_HOME", "")
+    state = Path(base) if os.path.isabs(base) else Path.home() / ".local" / "state"
+    stem = Path(scenario.file).stem
+    if scenario.file == f"config/scenarios/{stem}.yaml":  # shipped (load_scenario names it so)
+        key = stem
+    else:
+        where = hashlib.sha256(str(Path(scenario.file).resolve()).encode()).hexdigest()[:8]
+        key = f"{scenario.name}-{where}"
+    key = re.sub(r"[^A-Za-z0-9._-]", "_", key)
+    return state / "gpumon" / "sim" / (f"_{key}" if key.startswith(".") or not key else key)
+
+
 @dataclass
 class _Port:
     device: str
@@ -83,6 +102,10 @@ class SimNode:
     _emitted: set[int] = field(default_factory=set)
     _written: dict[str, str] = field(default_factory=dict)
     _seq: int = 1000
+    # False: a new boot of the node kept in ``root`` (new boot id, clock and kernel log; the
+    # health state under root/state is kept, as a real node's is across a reboot)
+    resume: bool = True
+    resumed: bool = field(default=False, init=False)  # the node was already in ``root``
 
     def __post_init__(self) -> None:
         profiles = builtin_profiles()
@@ -118,7 +141,11 @@ class SimNode:
         self.host_root = self.root / "host"
         self.nvml_state_path = self.root / "nvml-state.txt"
         self.kmsg_path = self.host_root / "dev" / "kmsg"
-        self._resume()
+        if self.resume:
+            self._resume()
+        else:
+            for log in (self.kmsg_path, self.host_root / "var/log/fabricmanager.log"):
+                log.unlink(missing_ok=True)
 
     # A node rendered again into the same directory is the same boot of the same
     # node (a daemon restart), not a new one: keep its boot id, clock and log.
@@ -132,12 +159,18 @@ class SimNode:
             self._seq = int(saved["seq"])
         except (OSError, ValueError, KeyError, TypeError):
             return
+        self.resumed = True
 
     def _save(self) -> None:
+        # atomic: another command on the same node (``gpumon status``, ``run-bootstrap`` while the
+        # daemon runs) must never read half a file and take the node for a new one
         self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / "sim.json").write_text(json.dumps({
+        path = self.root / "sim.json"
+        tmp = path.with_name(f".sim.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({
             "boot_id": self.boot_id, "start_wall": self.start_wall,
             "emitted": sorted(self._emitted), "seq": self._seq}))
+        os.replace(tmp, path)
 
     @property
     def boot_time(self) -> float:
@@ -167,7 +200,7 @@ class SimNode:
         self._written[rel] = text
         path = self.host_root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two processes may render one node
         tmp.write_text(text)
         os.replace(tmp, path)
 

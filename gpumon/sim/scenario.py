@@ -210,6 +210,18 @@ class Scenario:
                 return True
         return False
 
+    def replay_times(self, until: float) -> list[float]:
+        """When a one-shot ``gpumon check`` runs its checks to see the node at ``until``: at 0 and at
+        every fault's start and end before ``until``, then at ``until``. A fault that has ended
+        (an IB port that went down and came back) or a counter that moved is seen only by a
+        check that read the node before it; a timeline on which nothing changes is read once."""
+        if not self.changes_between(0.0, until):
+            return [until]
+        times = {0.0, until}
+        for f in self.faults:
+            times.update(t for t in (f.at_s, f.end_s) if t is not None and t < until)
+        return sorted(times)
+
     @property
     def horizon_s(self) -> float:
         """A time by which every fault has started and every timed fault has ended."""
