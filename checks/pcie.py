@@ -20,7 +20,13 @@ partner), so a fault on the GPU's link may only show at its switch port.
   the baseline; there is never a negative rate.
 - **Kernel log**: "PCIe Bus Error: severity=Uncorrected/Uncorrectable ..." on a
   watched function fails it; corrected reports are counted as evidence (the
-  kernel rate-limits these messages, the counters are exact).
+  kernel rate-limits these messages, the counters are exact). The AER summary
+  line ("AER: [Multiple] Uncorrected|Uncorrectable (Fatal|Non-Fatal) error
+  [message] received[: | from] <source>") fails its source (else the port that
+  printed it) when no detail line came with it (gcm's test lines have none);
+  "AER: can't recover (no error_detected callback)" (a driver without AER
+  recovery, such as nvidia's) and "AER: device recovery failed" fail the
+  function that printed them: it stays unusable until a reset or a reboot.
 - **Link**: each physical link is judged at its upstream-facing end (endpoint
   or switch upstream port) against the lower of the two ends' maxima. Width
   below that fails. Speed below it warns only while the GPU on the link is
@@ -42,6 +48,7 @@ the boot (the counters themselves only reset at boot).
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +64,17 @@ _MAX_SAMPLES = 5
 _MAX_NAMES = 32
 _UNCORRECTABLE: tuple[pcihw.AerKind, ...] = ("fatal", "nonfatal")
 _WORDS = {"fatal": "fatal", "nonfatal": "non-fatal", "correctable": "correctable"}
+# AER summary lines (drivers/pci/pcie/aer.c, err.c): 4.x "AER: Multiple Corrected error received:
+# 0000:00:1c.0", 3.x "... received: id=00e0", 6.x "AER: Correctable error message received from
+# 0000:07:00.0", gcm's test "AER: Uncorrectable (Fatal) error received" (no source)
+_AER_BDF = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
+_AER_SUMMARY_RE = re.compile(
+    rf"(?P<bdf>{_AER_BDF}):\s+AER:\s+(?:Multiple\s+)?(?P<kind>Correct(?:ed|able)|Uncorrect(?:ed|able))"
+    r"(?:\s+\((?P<sev>Fatal|Non-Fatal)\))?\s+error(?:\s+message)?\s+received"
+    rf"(?:(?::\s*|\s+from\s+)(?:(?P<src>{_AER_BDF})|id=(?P<id>[0-9a-fA-F]{{4}})))?", re.IGNORECASE)
+_AER_LOST_RE = re.compile(
+    rf"(?P<bdf>{_AER_BDF}):\s+AER:\s+(?P<what>can't recover \(no error_detected callback\)|"
+    r"device recovery failed)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -113,7 +131,7 @@ class PcieCheck(Check):
     timeout = 30.0
     Config = PcieConfig
     uses_kernel_log = True
-    kernel_log_match = ("PCIe Bus Error",)
+    kernel_log_match = ("PCIe Bus Error", "AER:")
 
     def supported(self, inventory: Inventory) -> str | None:
         if not inventory.pci_devices:
@@ -318,6 +336,8 @@ class PcieCheck(Check):
                 msg = pcihw.parse_aer_message(line)
                 if msg is not None:
                     _ingest(kmsg, last_header, msg, line, log.time_of(rec, now))
+                elif "AER:" in line:
+                    _ingest_summary(kmsg, line, log.time_of(rec, now))
         return []
 
 
@@ -483,15 +503,55 @@ def _ingest(kmsg: dict[str, Any], last_header: dict[str, str], msg: pcihw.AerLog
         group["errors"].append(msg.name)
 
 
+def _ingest_summary(kmsg: dict[str, Any], line: str, when: float) -> None:
+    """An AER summary or "not recovered" line, counted on the function it names."""
+    m = _AER_SUMMARY_RE.search(line)
+    lost = None if m is not None else _AER_LOST_RE.search(line)
+    if m is not None:
+        reporter = m.group("bdf").lower()
+        bdf = (m.group("src") or "").lower() or reporter
+        if m.group("id"):
+            value = int(m.group("id"), 16)
+            bdf = f"{reporter[:4]}:{value >> 8:02x}:{(value & 0xFF) >> 3:02x}.{value & 7}"
+        sev = (m.group("sev") or "").lower()
+        kind = "correctable" if m.group("kind").lower().startswith("correct") else (
+            "fatal" if sev == "fatal" else "nonfatal")
+        key = "summary"
+    elif lost is not None:
+        bdf = lost.group("bdf").lower()
+        kind = lost.group("what").lower()
+        key = "not_recovered"
+    else:
+        return
+    entry = kmsg.get(bdf)
+    if entry is None:
+        if len(kmsg) >= _MAX_LOG_DEVICES:
+            return
+        entry = kmsg[bdf] = {"samples": []}
+    group = entry.setdefault(key, {}).setdefault(kind, {"count": 0, "first": when, "last": when})
+    group["count"] += 1
+    group["first"] = min(group["first"], when)
+    group["last"] = max(group["last"], when)
+    if kind != "correctable" and len(entry["samples"]) < _MAX_SAMPLES:
+        entry["samples"].append(line.strip()[:300])
+
+
 def _logged(entry: Mapping[str, Any], evidence: dict[str, Any]) -> list[_Problem]:
     evidence["kernel_log"] = copy.deepcopy({k: v for k, v in entry.items() if k != "current"})
     out: list[_Problem] = []
+    summary = entry.get("summary") or {}
     for kind in _UNCORRECTABLE:
         group = entry.get(kind)
         if group:
             errors = ", ".join(group["errors"]) or "no error bits logged"
             out.append(_fail(f"kernel log: {group['count']} uncorrectable ({_WORDS[kind]}) PCIe Bus Error "
                              f"report(s) ({errors})"))
+        elif summary.get(kind):
+            out.append(_fail(f"kernel log: {summary[kind]['count']} uncorrectable ({_WORDS[kind]}) AER error "
+                             "report(s) (summary line only, no 'PCIe Bus Error' detail)"))
+    for what, group in sorted((entry.get("not_recovered") or {}).items()):
+        out.append(_fail(f"kernel log: not recovered after an AER error ('{what}', {group['count']} "
+                         "report(s)): the device stays unusable until a reset or a reboot"))
     return out
 
 

@@ -14,13 +14,24 @@ one finding with a count. Catalog workflows applied here:
 
 - Xid 45 "caused by previous Xid N" is a sympathetic cleanup: act on N.
 - Xid 154 only announces the GPU's new recovery action: act on that action.
-- NVLink5 Xids 144-150 take NVIDIA's decode rules for (unit, error status), else the
-  Fatal/Nonfatal word; Xid 74 decodes the first register word's bit classes
-  (``xid_catalog.decode_xid74``); both are link faults on ``nvlink/<gpu>/<link>``.
+- NVLink5 Xids 144-150 take NVIDIA's decode sheet (unit, IntrInfo pattern and sub-code, error
+  status), else the Fatal/Nonfatal word; a line NVIDIA resolves as XID_154_EVAL follows the Xid
+  154 that accompanies it on the same GPU (from ``burst_gap_s`` before the NVLink line on), else
+  it is restart_app. Xid 74 decodes NVIDIA's bit lists of registers 1, 3, 4 and 5
+  (``xid_catalog.decode_xid74``), and a bit class NVIDIA qualifies with "more than 2 times on the
+  same link" / "if seen repeatedly" / "if it persists" escalates past ``XID74_REPEAT_LIMIT`` lines
+  of the link. Both are link faults on ``nvlink/<gpu>/<link>``.
 - Xid 63 (row remap event) asks NVML whether the remap is still pending.
 - "GPU has fallen off the bus" without an Xid line is Xid 79 (NVSentinel #155).
 - Xid 13/31 repeated on the same GPU (default 3 bursts in 24 h) escalate from
   restart_app to inspect_hardware; spread over GPUs they stay app errors.
+- A code NVIDIA's catalog does not list, and a Xid 154 whose new action cannot be read, are
+  warn / inspect_hardware (``xid_catalog.UNKNOWN``).
+
+A saved kernel log judged on purpose (``gpumon check --kmsg-file``: the kernel log handed in has
+a ``judged_at`` time) is judged at the time of its newest record, as the node would have been
+judged then, and without this host's NVML (its Xid events and row-remap state belong to this
+boot, not to the saved one).
 
 Application-level Xids (restart_app) stop being reported ``recent_window_s``
 after their last line; GPU-level ones stay for the boot (a reboot or GPU reset
@@ -45,7 +56,7 @@ from gpumon.hw.nvml import XidEventSet
 from gpumon.hw.nvrm import FallenOffBus, GpuIdentity, XidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci, reading
 
-from .xid_catalog import XID74_ECC_REPEAT_LIMIT, decode_nvlink5, decode_xid74, lookup
+from .xid_catalog import UNKNOWN, decode_nvlink5, decode_xid74, lookup, xid74_repeats
 
 # nvmlGpuRecoveryAction_t values as printed in Xid 154 lines
 _RECOVERY = {
@@ -139,20 +150,30 @@ class XidCheck(Check):
             state.clear()
             state["boot_id"] = boot
         groups: dict[str, dict[str, Any]] = state.setdefault("groups", {})
-        now = ctx.clock()
-        source = self._nvml_source(ctx, now)
-        if log.available:
-            self._kernel_events(ctx, groups, params, now, watching=source.events is not None)
-        poll = self._poll(source, now)
-        for gpu_index, code in poll.events:
-            if code not in params.ignore_codes:
-                self._nvml_event(ctx, groups, gpu_index, code, poll, params)
-        self._prune(state, now, params)
-        remaps = {i: r for i in _gpus_with(groups, 63) if (r := _remap_state(ctx, i)) is not None}
+        judged_at = getattr(log, "judged_at", None)
+        saved = isinstance(judged_at, (int, float))
+        now = float(judged_at) if isinstance(judged_at, (int, float)) else ctx.clock()
+        if saved:
+            # a saved log of another boot: this host's NVML has nothing to say about it
+            poll = _Poll(False, [], now, now, False, "not used for a saved kernel log", now)
+            if log.available:
+                self._kernel_events(ctx, groups, params, now, watching=False)
+        else:
+            source = self._nvml_source(ctx, now)
+            if log.available:
+                self._kernel_events(ctx, groups, params, now, watching=source.events is not None)
+            poll = self._poll(source, now)
+            for gpu_index, code in poll.events:
+                if code not in params.ignore_codes:
+                    self._nvml_event(ctx, groups, gpu_index, code, poll, params)
+            self._prune(state, now, params)
+        remaps = {} if saved else {i: r for i in _gpus_with(groups, 63)
+                                   if (r := _remap_state(ctx, i)) is not None}
         identities: dict[str, dict[str, str]] = state.setdefault("identities", {})
+        recoveries = _recoveries(groups)
         findings = [f for g in list(groups.values())
-                    if (f := self._finding(g, now, params, identities, remaps))]
-        return findings + self._node_findings(log, poll, bool(findings))
+                    if (f := self._finding(g, now, params, identities, remaps, recoveries))]
+        return findings + self._node_findings(log, poll, bool(findings), saved=saved)
 
     # -- NVML events --------------------------------------------------------
 
@@ -300,34 +321,50 @@ class XidCheck(Check):
 
     def _finding(self, g: dict[str, Any], now: float, params: XidConfig,
                  identities: dict[str, dict[str, str]],
-                 remaps: dict[int, dict[str, Any]]) -> Finding | None:
+                 remaps: dict[int, dict[str, Any]],
+                 recoveries: dict[str, dict[str, Any]]) -> Finding | None:
         code: int = g["code"]
         info = lookup(code)
-        severity = info.severity if info else Severity.WARN
-        action = info.action if info else Action.NONE
+        severity = info.severity if info else UNKNOWN.severity
+        action = info.action if info else UNKNOWN.action
         name = info.mnemonic.split(" / ")[0] if info else "(not in NVIDIA's catalog)"
         label = f"Xid {code} {name}"
-        note = ""
+        advice = info.advice if info else UNKNOWN.advice
+        note = f": {advice}" if advice else ""
         extra: dict[str, Any] = {}
         detail = g.get("detail")
         if code == 154:
             to = g["recovery_to"]
             if to is None:
-                return None
-            severity, action = _RECOVERY.get(int(to[0]), (Severity.WARN, Action.RESET_GPU))
-            note = f": GPU recovery action is now {to[1]}"
+                severity, action = UNKNOWN.severity, UNKNOWN.action
+                note = (": the GPU's recovery action changed, but to what cannot be read (a damaged line, "
+                        "or an NVML event without its line): read it with nvidia-smi -q")
+            else:
+                severity, action = _RECOVERY.get(int(to[0]), (Severity.WARN, Action.RESET_GPU))
+                note = f": GPU recovery action is now {to[1]}"
         elif detail is not None:
             severity, action = Severity(detail["severity"]), Action(detail["action"])
             note = f": {detail['basis']}"
-            if code == 74 and g.get("ecc_lines", 0) > XID74_ECC_REPEAT_LIMIT:
-                severity, action = Severity.FAIL, Action.INSPECT_HARDWARE
-                note += (f"; ECC/parity bits on {g['ecc_lines']} lines of this link (NVIDIA: more than "
-                         f"{XID74_ECC_REPEAT_LIMIT} on one link is a hardware fault)")
-            extra = {k: g[k] for k in ("register_words", "nvlink_classes", "nvlink_unit", "error_status")
+            if detail.get("resolution") == "XID_154_EVAL":
+                follow = recoveries.get(g["pci"] or "")
+                if follow is not None and follow["last"] >= g["first"] - params.burst_gap_s:
+                    to = follow["recovery_to"]
+                    severity, action = _RECOVERY.get(int(to[0]), (Severity.WARN, Action.RESET_GPU))
+                    note += f"; follows the Xid 154 on this GPU: recovery action {to[1]}"
+                else:
+                    note += "; no Xid 154 with it, so NVIDIA says restart the application"
+            if code == 74:
+                repeated = xid74_repeats(g.get("x74_lines") or {})
+                if repeated is not None and (repeated[0], repeated[1]) > (severity, action):
+                    severity, action = repeated[0], repeated[1]
+                    note += f"; {repeated[2]}"
+            extra = {k: g[k] for k in ("register_words", "nvlink_classes", "nvlink_unit", "error_status",
+                                       "nvidia_resolution", "nvidia_investigatory")
                      if g.get(k) is not None}
         elif code == 45 and not g["via"]:
             # Solo Xid 45: NVIDIA says restart fabric manager; the job itself was killed.
             severity, action = Severity.WARN, Action.RESTART_APP
+            note = ": solo (no root Xid named): NVIDIA says restart the fabric manager (WORKFLOW_XID_45)"
         elif code == 63 and g["component"].startswith("gpu/"):
             remap = remaps.get(int(g["component"].split("/")[1]))
             if remap is not None:
@@ -351,6 +388,8 @@ class XidCheck(Check):
         if info:
             evidence["mnemonic"] = info.mnemonic
             evidence["nvidia_action"] = info.nvidia_action
+            if info.override:
+                evidence["gpumon_override"] = info.override
         for key in ("pids", "processes"):
             if g[key]:
                 evidence[key] = g[key]
@@ -366,7 +405,7 @@ class XidCheck(Check):
         return self.finding(g["component"], severity, f"{label} on {where}{via}{times}{note}", action,
                             **evidence)
 
-    def _node_findings(self, log: Any, poll: _Poll, have_findings: bool) -> list[Finding]:
+    def _node_findings(self, log: Any, poll: _Poll, have_findings: bool, *, saved: bool) -> list[Finding]:
         nvml_status = (f"watching since {_iso(poll.since)}" if poll.ok
                        else f"unavailable: {poll.error or 'unknown reason'}")
         if not log.available:
@@ -384,7 +423,9 @@ class XidCheck(Check):
                                  f"Xids seen through NVML events only ({why})", kernel_log=log.source,
                                  missing_source="kernel_log", nvml_events=nvml_status)]
         if not have_findings:
-            return [self.ok(NODE, "no Xid errors in the kernel log this boot",
+            said = f"no Xid errors in the saved kernel log {log.source}" if saved else \
+                "no Xid errors in the kernel log this boot"
+            return [self.ok(NODE, said,
                             source=log.source, records_read=log.records_read,
                             lost_records=log.lost_records, nvml_events=nvml_status)]
         if log.lost_records:
@@ -457,30 +498,42 @@ def _details(g: dict[str, Any], event: XidEvent, code: int, via: int | None) -> 
     if 144 <= code <= 150:
         nvl5 = decode_nvlink5(code, event.nvlink_unit, event.nvlink_fatal, event.nvlink_words)
         if nvl5 is not None:
-            _worst_detail(g, nvl5.severity, nvl5.action, nvl5.basis)
+            if _worst_detail(g, nvl5.severity, nvl5.action, nvl5.basis, nvl5.resolution):
+                g["nvidia_resolution"] = nvl5.resolution or None
+                g["nvidia_investigatory"] = nvl5.investigatory or None
+                if nvl5.status is not None:
+                    g["error_status"] = hex(nvl5.status)
             g["nvlink_unit"] = event.nvlink_unit
-            if nvl5.status is not None:
-                g["error_status"] = hex(nvl5.status)
     elif code == 74:
         x74 = decode_xid74(event.register_words)
         if x74 is not None:
-            basis = ("register word 0: " + ", ".join(x74.classes) if x74.classes
-                     else "register words not decodable from NVIDIA's notes")
-            if x74.unknown_bits or x74.undecoded_words:
-                basis += " (undecoded: " + ", ".join(
-                    [f"bit {b}" for b in x74.unknown_bits] + [f"word {w}" for w in x74.undecoded_words]) + ")"
-            _worst_detail(g, x74.severity, x74.action, basis)
+            _worst_detail(g, x74.severity, x74.action, x74.basis)
             g["nvlink_classes"] = sorted(set(g.get("nvlink_classes") or []) | set(x74.classes))
             g["register_words"] = [hex(w) for w in event.register_words]
-            if x74.ecc_parity:
-                g["ecc_lines"] = g.get("ecc_lines", 0) + 1
+            lines: dict[str, int] = g.setdefault("x74_lines", {})
+            for name in x74.classes:
+                lines[name] = lines.get(name, 0) + 1
 
 
-def _worst_detail(g: dict[str, Any], severity: Severity, action: Action, basis: str) -> None:
+def _worst_detail(g: dict[str, Any], severity: Severity, action: Action, basis: str,
+                  resolution: str = "") -> bool:
+    """Keep the worst line's verdict as the group's detail; True when this line's was kept."""
     old = g.get("detail")
     if old is not None and (Severity(old["severity"]), Action(old["action"])) >= (severity, action):
-        return
-    g["detail"] = {"severity": severity.value, "action": action.value, "basis": basis}
+        return False
+    g["detail"] = {"severity": severity.value, "action": action.value, "basis": basis,
+                   "resolution": resolution}
+    return True
+
+
+def _recoveries(groups: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The Xid 154 group with a readable recovery action, per PCI bus id, newest line first."""
+    out: dict[str, dict[str, Any]] = {}
+    for g in groups.values():
+        if g["code"] == 154 and g["recovery_to"] is not None and g["pci"] and (
+                g["pci"] not in out or g["last"] > out[g["pci"]]["last"]):
+            out[g["pci"]] = g
+    return out
 
 
 def _gpus_with(groups: dict[str, dict[str, Any]], code: int) -> set[int]:

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ruff_clean() -> None:
-    paths = ["gpumon", "checks", "tests", "bench", "examples"]
+    paths = ["gpumon", "checks", "tests", "bench", "examples", "tools"]
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", *paths],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -10,7 +10,10 @@ Two entry points:
   ``talosctl dmesg``. It never raises.
 * :class:`KernelLogFollower` follows ``<host-root>/dev/kmsg`` (a character
   device) or a regular file (read, then followed like ``tail -F``), returning
-  only records of the current boot. It needs no thread.
+  only records of the current boot. It needs no thread. The same class reads a
+  saved log judged on purpose (``gpumon check --kmsg-file``): with no
+  ``boot_time`` it keeps the file's last boot, and with ``all_boots`` every
+  record in it.
 
 Time conventions (DESIGN.md "Host root", kernel log):
 
@@ -569,6 +572,10 @@ class KernelLogFollower:
     for its next line.
     ``opener``/``reader`` default to ``os.open``/``os.read``; tests substitute
     them to hand in a socket or to inject EPIPE.
+
+    ``all_boots`` turns the boot filter off: every record of a regular file is
+    returned, whatever boot it came from (a saved log judged on purpose;
+    ``boot_time`` then only dates records). The live log is never read this way.
     """
 
     def __init__(
@@ -581,8 +588,10 @@ class KernelLogFollower:
         opener: Opener = os.open,
         reader: Reader = os.read,
         clock: Callable[[], float] = time.time,
+        all_boots: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.all_boots = all_boots
         self.boot_time = boot_time
         self.poll_interval = poll_interval
         self.lost_records = 0
@@ -603,7 +612,7 @@ class KernelLogFollower:
         self._initial = False
         self._closed = False
         self._lines = _LineBuffer()
-        self._assembler = _Assembler(boot_time)
+        self._assembler = _Assembler(None if all_boots else boot_time)
         self._record_malformed = 0
         self._last_seq: int | None = None
         self._epipe = False
@@ -785,7 +794,7 @@ class KernelLogFollower:
             except OSError as e:
                 self.last_error = e
         self._drain(lines)
-        records = self._assembler.add(lines, initial=initial)
+        records = self._assembler.add(lines, initial=initial and not self.all_boots)
         if self._regular and self._replaced():
             partial = self._lines.take_partial()
             tail = [partial] if partial is not None else []

@@ -154,11 +154,11 @@ _GPU_AT_RE = re.compile(r"GPU at PCI:([0-9a-fA-F:.]+?):\s+(\S+)")
 _UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _BOARD_SERIAL_RE = re.compile(r"GPU Board Serial Number:\s*(\S+)")
 _SERIAL_IS_RE = re.compile(r"GPU ([0-9a-fA-F:.]+): GPU serial number is (\S+?)\.?$")
-_FOB_HEAD_RE = re.compile(r"The NVIDIA GPU ([0-9a-fA-F]{1,8}:[0-9a-fA-F]{1,2}:[0-9a-fA-F]{1,2}(?:\.[0-7])?)")
-_FOB_SINGLE_RE = re.compile(
-    r"GPU (?:at )?(?:PCI:)?([0-9a-fA-F]{1,8}:[0-9a-fA-F]{1,2}:[0-9a-fA-F]{1,2}(?:\.[0-7])?):? "
-    r"(?:GPU )?has fallen off the bus"
-)
+# The PCI domain is optional: gpud's tests carry "GPU 18:00.0: GPU has fallen off the bus." (bus and
+# device only), which canonical_pci reads as domain 0000 like an Xid line's "0000:18:00".
+_FOB_BDF = r"((?:[0-9a-fA-F]{1,8}:)?[0-9a-fA-F]{1,2}:[0-9a-fA-F]{1,2}(?:\.[0-7])?)"
+_FOB_HEAD_RE = re.compile(r"The NVIDIA GPU " + _FOB_BDF)
+_FOB_SINGLE_RE = re.compile(r"GPU (?:at )?(?:PCI:)?" + _FOB_BDF + r":? (?:GPU )?has fallen off the bus")
 _FALLEN = "fallen off the bus"
 
 

@@ -550,6 +550,27 @@ def test_boot_filter_by_kmsg_seq_reset_and_journal_marker(tmp_path: Path) -> Non
         assert [r.text for r in f.read_available()] == ["new"]
 
 
+def test_all_boots_keeps_every_record_of_a_saved_log(tmp_path: Path) -> None:
+    """``gpumon check --kmsg-file FILE --all-boots`` (issue 11): a saved log judged on purpose keeps
+    every boot in it; without ``all_boots`` (and without this host's boot time) only its last boot."""
+    older = _lines("dmesg_xid79-fallen-off-bus_plus_sxid20034-ltssm-fault-up.log")  # ~6781741 s uptime
+    current = _lines("issue_nvsentinel-155_fallen-off-bus-no-xid_570.158.01.log")  # 1843 s uptime
+    log = tmp_path / "dmesg.txt"
+    log.write_text("\n".join(older + current) + "\n")
+    with KernelLogFollower(log) as f:
+        assert [r.raw for r in f.read_available()] == current
+    with KernelLogFollower(log, all_boots=True) as f:
+        assert [r.raw for r in f.read_available()] == older + current
+    journal = tmp_path / "journal.txt"
+    journal.write_text(ISO.format(10, 1) + "-- Boot 0123456789abcdef --\n" + ISO.format(40, 2))
+    with KernelLogFollower(journal) as f:
+        assert [r.text[-2:] for r in f.read_available()] == ["n2"]
+    # all boots: neither the journal's boot marker nor a boot time drops anything
+    boot = datetime(2025, 1, 21, 2, 21, 30, tzinfo=UTC).timestamp()
+    with KernelLogFollower(journal, boot_time=boot, all_boots=True) as f:
+        assert [r.text[-2:] for r in f.read_available()] == ["n1", "n2"]
+
+
 def test_one_out_of_order_record_is_not_a_reboot(tmp_path: Path) -> None:
     """A record with a lower sequence number and kernel time after an Xid (a replayed or misfiled
     line) does not make the Xid an "older boot" record: a boot change is the clock stepping back

@@ -359,6 +359,18 @@ def test_fallen_off_bus_forms() -> None:
         r"in this system has\x0aNVRM: fallen off the bus and is not responding to commands."
     )
     assert [(type(e), getattr(e, "pci", None)) for e in events] == [(FallenOffBus, "0000:b3:00.0")]
+    # without a PCI domain (leptonai/gpud kmsg_test.go TestMatch, tests/data/peer-fixtures gpud-kmsg-09):
+    # domain 0000, like an Xid line's "0000:18:00"
+    events, _ = _feed("NVRM: GPU 18:00.0: GPU has fallen off the bus.",
+                      "NVRM: The NVIDIA GPU 29:00.0",
+                      "NVRM: (PCI ID: 10de:2901) installed in this system has",
+                      "NVRM: fallen off the bus and is not responding to commands.")
+    assert [(type(e), getattr(e, "pci", None)) for e in events] == [
+        (FallenOffBus, "0000:18:00.0"), (FallenOffBus, "0000:29:00.0")]
+    # no bus id at all (gpud-kmsg-10): nothing
+    events, _ = _feed("NVRM: The NVIDIA GPU invalid-bdf.0",
+                      "NVRM: fallen off the bus and is not responding to commands.")
+    assert events == []
     # cut off by an unrelated line: not enough to say the GPU fell off
     events, _ = _feed(
         "[ 1843.308145] NVRM: The NVIDIA GPU 0000:b3:00.0",
