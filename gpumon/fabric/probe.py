@@ -121,6 +121,7 @@ class RankRun:
         self._heard: dict[int, tuple[str, float]] = {}  # rank 0: rank -> (last beat, when it changed)
         self.store: _Store | None = None
         self.iso: Isolator | None = None  # rank 0, once the pair rounds start
+        self._confirm: list[tuple[str, str]] | None = None  # rank 0: link faults still to re-measure
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -328,6 +329,8 @@ class RankRun:
             k += 1
             if self.rank == 0:
                 pairs = iso.next_round() if iso is not None else []
+                if not pairs and iso is not None:
+                    pairs = self._confirmation_round(iso)
                 store.set(f"plan/{k}", [list(p) for p in pairs])
             else:
                 store.wait([f"plan/{k}"], self.remaining())
@@ -355,6 +358,21 @@ class RankRun:
                 results = [pair_result(a, b, got, self.ranks) for a, b in pairs]
                 self.probe.pairs.extend(results)
                 iso.add(results)
+
+    def _confirmation_round(self, iso: Isolator) -> list[tuple[str, str]]:
+        """Rank 0, once the rounds are over: measure every pair judged a link fault once more
+        (bandwidth varies run to run, and a path fault names two nodes that are fast elsewhere, so it
+        must be slow twice; the isolator keeps a pair's best figure). Disjoint pairs per round."""
+        if self._confirm is None:
+            self._confirm = sorted({(min(lf.a, lf.b), max(lf.a, lf.b)) for lf in iso.verdict().link_faults})
+        busy: set[str] = set()
+        chosen = []
+        for a, b in list(self._confirm):
+            if a not in busy and b not in busy:
+                chosen.append((a, b))
+                busy.update((a, b))
+                self._confirm.remove((a, b))
+        return chosen
 
     # -- verdict, report, record -------------------------------------------------------------
 
