@@ -16,6 +16,9 @@ and ``gpu.count`` of the profile.
   firmware could not train: it needs a power cycle, a reseat or an RMA.
 - More GPUs than the profile: warn (wrong profile?).
 - No PCI information under the host root: the bus comparison is ``unknown``.
+- A PCI function whose vendor/device/class cannot be read (a read that hangs, an I/O error)
+  is its own finding on ``pci/<bus-id>`` (a hang: fail, naming the file), is not counted
+  as a GPU, and makes the bus count a lower bound: a shortfall it may explain is ``unknown``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon.check import Check, CheckContext
-from gpumon.errors import GpuLost, HwCondition
+from gpumon.errors import GpuLost, HwCondition, NotSupported
 from gpumon.hw.inventory import NVIDIA_VENDOR, Inventory, PciDevice
 from gpumon.hw.nvml import GpuInfo
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, pci
@@ -50,6 +53,8 @@ class BusView:
     gpus: list[PciDevice] = field(default_factory=list)  # the SKU's GPUs (plus any NVML knows)
     other_nvidia: list[PciDevice] = field(default_factory=list)  # NVIDIA GPUs of other models
     error: str | None = None  # no PCI information: why
+    # functions listed on the bus whose identity cannot be read (hung, I/O error): bus id -> why
+    unreadable: dict[str, HwCondition] = field(default_factory=dict)
 
 
 def _is_nvidia_gpu(vendor: str, pci_class: str) -> bool:
@@ -77,6 +82,8 @@ class GpuPresenceCheck(Check):
                                     "answers GPU_IS_LOST", Action.REBOOT_NODE, call=cond.call))
         for index, cond in sorted(nv.unreadable.items()):
             out.append(self.from_condition(cond, gpu(index)))
+        for bus_id, cond in sorted(bus.unreadable.items()):
+            out.append(self.from_condition(cond, pci(bus_id)))
         out.extend(self._bus_vs_nvml(nv, bus))
         out.append(self._counts(ctx, nv, bus))
         return out
@@ -116,6 +123,9 @@ class GpuPresenceCheck(Check):
         for entry in listing:
             bus_id = entry.lower()
             dev = known.get(bus_id) or self._read_device(ctx, entry)
+            if isinstance(dev, HwCondition):
+                view.unreadable[bus_id] = dev
+                continue
             if dev is None or not _is_nvidia_gpu(dev.vendor, dev.pci_class):
                 continue
             if not sku_ids or dev.device in sku_ids or bus_id in nv.bus_ids:
@@ -125,7 +135,9 @@ class GpuPresenceCheck(Check):
         return view
 
     @staticmethod
-    def _read_device(ctx: CheckContext, entry: str) -> PciDevice | None:
+    def _read_device(ctx: CheckContext, entry: str) -> PciDevice | HwCondition | None:
+        """The function's identity; None when it is not an NVIDIA one or vanished meanwhile; the
+        condition when it cannot be read (it may be a GPU: not counted, but not forgotten)."""
         base = f"{_PCI_DIR}/{entry}"
         try:
             vendor = ctx.hw.fs.read_text(f"{base}/vendor").lower()
@@ -133,8 +145,10 @@ class GpuPresenceCheck(Check):
                 return None
             device = ctx.hw.fs.read_text(f"{base}/device").lower()
             pci_class = ctx.hw.fs.read_text(f"{base}/class").lower()
-        except HwCondition:
-            return None  # a device that vanished or cannot be read is not counted as a GPU
+        except NotSupported:
+            return None  # removed while listed
+        except HwCondition as cond:
+            return cond
         return PciDevice(entry.lower(), vendor, device, pci_class)
 
     # -- comparisons -----------------------------------------------------
@@ -158,7 +172,7 @@ class GpuPresenceCheck(Check):
                                         f"NVML{note}", Action.REBOOT_NODE, vendor=dev.vendor,
                                         device=dev.device, pci_class=dev.pci_class))
         for g in sorted(nv.gpus.values(), key=lambda g: g.index):
-            if g.pci_bus_id not in on_bus:
+            if g.pci_bus_id not in on_bus and g.pci_bus_id not in bus.unreadable:
                 out.append(self.finding(gpu(g.index), Severity.UNKNOWN,
                                         f"NVML reports GPU {g.index} at {g.pci_bus_id}, which is not under "
                                         f"{_PCI_DIR} of the host root: is the host's /sys mounted?",
@@ -177,16 +191,23 @@ class GpuPresenceCheck(Check):
             evidence["other_nvidia_gpus"] = [f"{d.bus_id} {d.device}" for d in bus.other_nvidia]
         if bus.error:
             evidence["bus_error"] = bus.error
+        if bus.unreadable:
+            evidence["unreadable_pci_functions"] = {b: f"{c.call}: {c}"
+                                                    for b, c in sorted(bus.unreadable.items())}
         if nv.count is None:
             assert nv.error is not None
             found = self.from_condition(nv.error, NODE)
             return self.finding(NODE, max(found.severity, Severity.UNKNOWN),
                                 f"NVML device count unreadable: {found.message}", found.action, **evidence)
         bus_n = None if bus.error else len(bus.gpus)
+        # functions that could not be identified may be GPUs: the bus count is then a lower bound
+        maybe = len(bus.unreadable)
         if expected is not None and nv.count < expected:
-            on_bus_enough = bus_n is None or bus_n >= expected
+            on_bus_enough = bus_n is None or bus_n + maybe >= expected
             where = ("they are on the PCI bus" if bus_n is not None and bus_n >= expected else
                      "the PCI bus cannot be read" if bus_n is None else
+                     f"{bus_n} are on the PCI bus and {maybe} PCI function(s) cannot be identified"
+                     if bus_n + maybe >= expected else
                      f"only {bus_n} are on the PCI bus: not enumerated by PCIe at this boot")
             return self.finding(NODE, Severity.FAIL,
                                 f"NVML sees {nv.count} of the {expected} GPUs of {ctx.profile.name}; {where}",
@@ -201,6 +222,11 @@ class GpuPresenceCheck(Check):
                                 f"NVML sees {nv.count} GPUs"
                                 + (f" (profile: {expected})" if expected is not None else "")
                                 + f"; PCI bus not compared: {bus.error}", **evidence)
+        if bus_n < nv.count <= bus_n + maybe:
+            return self.finding(NODE, Severity.UNKNOWN,
+                                f"NVML sees {nv.count} GPUs, the PCI bus has {bus_n} and {maybe} PCI "
+                                f"function(s) that cannot be identified: "
+                                f"{', '.join(sorted(bus.unreadable))}", **evidence)
         if bus_n != nv.count:
             # per-device findings above say which; this one carries the counts
             return self.finding(NODE, Severity.FAIL if bus_n > nv.count else Severity.UNKNOWN,

@@ -402,6 +402,12 @@ class IbCheck(Check):
                                 f"{len(ib)} InfiniBand ports; profile {ctx.profile.name} gives no "
                                 "InfiniBand port count to compare", **evidence)
         missing = expected - len(ib) - len(unreadable)
+        if missing <= 0 and len(ib) < expected:
+            # the shortfall is all ports that could not be read: they may be there, or not
+            return self.finding(NODE, Severity.UNKNOWN,
+                                f"{len(ib)} InfiniBand ports present, {len(unreadable)} unreadable "
+                                f"({', '.join(unreadable)}), profile {ctx.profile.name} expects {expected}",
+                                **evidence)
         if missing <= 0:
             return self.ok(NODE, f"{len(ib)} InfiniBand ports present ({len(active)} active), "
                                  f"profile {ctx.profile.name} expects {expected}", **evidence)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon.check import Check, CheckContext
-from gpumon.errors import HwCondition, NotSupported
+from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvml import CLOCK_EVENT_REASONS, PERF_POLICIES
 from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
@@ -225,12 +225,13 @@ class ThrottleCheck(Check):
             comp = gpu(info.index)
             try:
                 mask = ctx.hw.nvml.clocks_event_reasons(info.index)
+                readings, counters = self._readings(ctx, info.index)
             except HwCondition as cond:
+                # the reasons unreadable, or the GPU lost or hung in a reading: that is its finding
                 out.append(self.from_condition(cond, comp))
                 continue
             now = ctx.clock()
             history = gpus.setdefault(str(info.index), {})
-            readings, counters = self._readings(ctx, info.index)
             _record(history, now, mask, counters, params)
             win = window_shares(history["samples"], history["spans"], now, params.window_s,
                                 params.max_sample_gap_s)
@@ -296,7 +297,9 @@ class ThrottleCheck(Check):
     def _readings(self, ctx: CheckContext, index: int) -> tuple[dict[str, Any], dict[str, int]]:
         """Context for the operator, and the raw violation counters (ns) for the window.
 
-        A reading that is unsupported is left out, not guessed.
+        A reading that is unsupported is left out, not guessed; one that fails is named in the
+        evidence. A lost GPU, or a reading that hangs, is raised: the GPU's finding (a GPU whose
+        NVML calls hang is itself the fault, and asking it more would only be refused).
         """
         readings: dict[str, Any] = {}
         for key, read in (("sm_clock_mhz", ctx.hw.nvml.sm_clock_mhz),
@@ -304,6 +307,8 @@ class ThrottleCheck(Check):
                           ("power_w", ctx.hw.nvml.power_w)):
             try:
                 readings[key] = read(index)
+            except (GpuLost, HwTimeout):
+                raise
             except NotSupported:
                 continue
             except HwCondition as cond:
@@ -312,6 +317,8 @@ class ThrottleCheck(Check):
         for policy in ("thermal", "power", "reliability"):
             try:
                 counters[policy] = ctx.hw.nvml.violation_ns(index, PERF_POLICIES[policy])
+            except (GpuLost, HwTimeout):
+                raise
             except NotSupported:
                 continue
             except HwCondition as cond:

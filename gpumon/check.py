@@ -121,9 +121,22 @@ def condition_finding(check: str, cond: HwCondition, component: str | None = Non
         return Finding(check, comp, Severity.FAIL, f"GPU lost ({cond.call}): {cond}",
                        Action.REBOOT_NODE, {"call": cond.call})
     if isinstance(cond, HwTimeout):
-        # A GPU whose driver calls hang needs a reset before it takes work;
-        # elsewhere (a tool, a file) the hang is reported without a remedy.
-        action = Action.RESET_GPU if comp.startswith("gpu/") else Action.NONE
+        # An NVML call on a GPU that does not return is the driver not answering for that GPU:
+        # the caller sits in the kernel (D state), cannot be killed, and a GPU reset goes through
+        # the same driver, so only a reboot clears it. NVIDIA/NVSentinel
+        # health-monitors/gpu-health-monitor/gpu_health_monitor/platform_connector/platform_connector.py
+        # (dcgm_probe_unresponsive: a node-local probe hang is GpuDriverUnresponsive/DRIVER_PROBE_HANG
+        # with RESTART_BM) and docs/runbooks/gpu-monitor-dcgm-failures.md ("Unresponsive Driver":
+        # "reboot the node ... nothing short of a reboot clears the wedge"); leptonai/gpud
+        # pkg/nvidia-query/nvidia_smi_query.go (RunSMI: a driver issue leaves nvidia-smi stuck in
+        # state D, which no kill ends; leptonai/gpud#117 suggests a reboot for it).
+        # Any other hang on a GPU (a tool, a worker) asks for a reset; elsewhere (a file) no remedy.
+        if comp.startswith("gpu/") and cond.call.startswith("nvml"):
+            action = Action.REBOOT_NODE
+        elif comp.startswith("gpu/"):
+            action = Action.RESET_GPU
+        else:
+            action = Action.NONE
         return Finding(check, comp, Severity.FAIL,
                        f"hung after {cond.seconds:g} s in {cond.call}", action,
                        {"call": cond.call, "timeout_s": cond.seconds})

@@ -111,6 +111,7 @@ class _Slot:
     error: BaseException | None = None
     tb: str = ""
     started: float = 0.0
+    ended: float = 0.0  # monotonic time the check returned (0: still running)
     finished: threading.Event = field(default_factory=threading.Event)
 
 
@@ -216,6 +217,7 @@ class Runner:
             slot.error = exc
             slot.tb = traceback.format_exc(limit=6)
         finally:
+            slot.ended = time.monotonic()
             slot.finished.set()
 
     def _where(self, slot: _Slot) -> str:
@@ -225,8 +227,10 @@ class Runner:
 
     def _collect(self, slot: _Slot) -> CheckRun:
         check = slot.check
-        elapsed = time.monotonic() - slot.started
-        started = self.clock() - elapsed
+        now = time.monotonic()
+        started = self.clock() - (now - slot.started)
+        # the check's own run time: it is judged at the earliest deadline, maybe long after it ended
+        elapsed = (slot.ended if slot.finished.is_set() else now) - slot.started
         if not slot.finished.is_set():
             timeout = self.config.settings(type(check)).timeout_s
             where = self._where(slot)

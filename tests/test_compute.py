@@ -58,6 +58,9 @@ def test_every_worker_answers_with_its_rank_and_device() -> None:
 
 
 def test_a_hung_worker_is_killed_within_the_deadline_and_named() -> None:
+    # the deadline is about a hung worker, not the forkserver's first start (torch import, ~1 s on
+    # an idle 2-core VM, more on a loaded one): start it before the clock runs
+    compute.run_workers(_sleeper, [0.0], kind="cpu", timeout_s=60)
     started = time.monotonic()
     run = compute.run_workers(_sleeper, [0.0, 60.0, 0.0, 0.0], kind="cpu", timeout_s=1.5)
     elapsed = time.monotonic() - started

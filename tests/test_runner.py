@@ -82,6 +82,8 @@ def test_hung_check_reported_within_timeout_plus_one_while_others_finish(tmp_pat
         assert elapsed < 2.0
         by = {r.check: r for r in runs}
         assert by["quick"].outcome == "completed"
+        # its own run time, not when it was collected (after the hung check's earlier deadline)
+        assert by["quick"].seconds < 0.5
         hung = by["sleeper"].findings[0]
         assert by["sleeper"].outcome == "hung" and hung.severity is Severity.FAIL
         assert hung.message == "hung after 1 s in check code (no hardware call in progress)"

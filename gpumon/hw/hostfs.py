@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from gpumon.errors import HwCondition, HwFailure, HwTimeout, NotSupported
-from gpumon.hw.calls import BoundedCaller
+from gpumon.hw.calls import BoundedCaller, LaneHung, Step
 
 MAX_ATTR_BYTES = 1 << 20
 # A sysfs attribute is at most one page (Documentation/filesystems/sysfs.rst).
@@ -44,15 +44,24 @@ def read_attr(path: str) -> bytes:
         os.close(fd)
 
 
+LANE = "hostfs"
+
+
 class HostFs:
-    # (label, file) of the last read_batch that hung, until a batch completes again
-    _hung_batch: tuple[str, str] | None = None
+    """Host files under the root, every read bounded (``timeout`` per file).
+
+    Reads run on the ``hostfs`` lane of the bounded caller: several workers, so a file that
+    never answers (a sysfs attribute behind a dead device; a FIFO in a test) holds one worker
+    and costs only the readings of that file. Until that read returns, reading the same file
+    again answers at once with ``LaneHung`` naming it; other files are read as usual.
+    """
 
     def __init__(self, root: Path, caller: BoundedCaller, timeout: float) -> None:
         self.root = root
         self._root = str(root).rstrip("/")
         self._caller = caller
         self._timeout = timeout
+        self._boot_id: str | None = None
 
     def path(self, rel: str) -> Path:
         return self.root / rel.lstrip("/")
@@ -67,7 +76,7 @@ class HostFs:
     def listdir(self, rel: str) -> list[str]:
         p = self.path(rel)
         try:
-            return sorted(self._caller.call("hostfs", f"listdir({rel})", lambda: os.listdir(p),
+            return sorted(self._caller.call(LANE, f"listdir({rel})", lambda: os.listdir(p),
                                             self._timeout))
         except FileNotFoundError:
             return []
@@ -83,7 +92,7 @@ class HostFs:
             return read_attr(str(p))
 
         try:
-            data = self._caller.call("hostfs", label, read, self._timeout, component)
+            data = self._caller.call(LANE, label, read, self._timeout, component)
         except FileNotFoundError:
             raise NotSupported(f"{p} does not exist", call=label, component=component) from None
         except OSError as exc:
@@ -92,24 +101,14 @@ class HostFs:
         return data.decode("utf-8", errors="replace").strip()
 
     def read_many(self, rels: list[str], component: str = "node") -> dict[str, str | HwCondition]:
-        """Several small files in ONE bounded call: text, or the condition reading it raised.
+        """Several small files in one bounded call: text, or the condition reading it raised.
 
         Each bounded call is a hand-off to a worker thread; a check sampling dozens
-        of sysfs attributes every second should pay for one, not dozens.
+        of sysfs attributes every second should pay for one, not dozens. Each file is
+        bounded on its own, as in :meth:`read_batch`.
         """
         label = f"read({rels[0]} +{len(rels) - 1} more)" if rels else "read()"
-
-        def read_all() -> dict[str, bytes | OSError]:
-            out: dict[str, bytes | OSError] = {}
-            for rel in rels:
-                try:
-                    out[rel] = read_attr(self._abs(rel))
-                except OSError as exc:
-                    out[rel] = exc
-            return out
-
-        raw = self._caller.call("hostfs", label, read_all, self._timeout, component)
-        return {rel: self._text_or_condition(rel, data, component) for rel, data in raw.items()}
+        return self.read_batch(rels, dict.fromkeys(rels, component), label=label)
 
     def _text_or_condition(self, rel: str, data: bytes | OSError, component: str) -> str | HwCondition:
         """A file's stripped text, or the condition its read ended in (absent: NotSupported)."""
@@ -127,78 +126,67 @@ class HostFs:
         allows (see :func:`read_attr`), the condition of each file in its own component
         (``components[rel]``, default "node").
 
-        A read that does not return within the timeout costs only the files from it on:
-        those read before it keep their text, the stuck one is ``HwTimeout`` naming that
-        file, and the ones after it ``HwTimeout`` "not attempted" (the worker stops there
-        once the stuck read returns). A lane still stuck from an earlier call makes every
-        file ``HwTimeout``, as ``read_many`` would raise.
+        Each file is bounded on its own: a read that does not return within the timeout is
+        ``HwTimeout`` naming that file, and the files after it are read on another worker
+        (another timeout only if another file hangs too). A file whose earlier read is still
+        stuck is ``LaneHung`` naming it, at once, without a new attempt. Only when every
+        worker of the lane is stuck are the remaining files ``LaneHung`` ("not attempted").
         """
         comps = components or {}
         label = label or (f"read({rels[0]} +{len(rels) - 1} more)" if rels else "read()")
-        done: dict[str, bytes | OSError] = {}
-        # [started, stop]: plain flags, set by one thread and read by the other (an Event
-        # costs more than reading a file, and nobody waits on these)
-        flags = [False, False]
+        result: dict[str, str | HwCondition] = {}
+        todo = list(rels)
+        while todo:
+            fresh: list[str] = []
+            for rel in todo:
+                refusal = self._caller.known_hung(LANE, f"read({rel})", comps.get(rel, "node"))
+                if refusal is None:
+                    fresh.append(rel)
+                else:
+                    result[rel] = refusal
+            if not fresh:
+                break
+            todo = self._read_files(fresh, comps, label, result)
+        return {rel: result[rel] for rel in rels}
 
-        def read_all() -> None:
-            flags[0] = True
+    def _read_files(self, rels: list[str], comps: Mapping[str, str], label: str,
+                    result: dict[str, str | HwCondition]) -> list[str]:
+        """Read ``rels`` in one bounded call into ``result``; the files still to read (those
+        after one that hung)."""
+        done: dict[str, bytes | OSError] = {}
+
+        def read_all(step: Step) -> None:
             for rel in rels:
-                if flags[1]:
-                    return
+                if not step(f"read({rel})"):
+                    return  # the caller gave up on an earlier file: the rest is read elsewhere
                 try:
                     done[rel] = read_attr(self._abs(rel))
                 except OSError as exc:
                     done[rel] = exc
 
-        got, timeout, started = done, None, True
+        rest: list[str] = []
         try:
-            self._caller.call("hostfs", label, read_all, self._timeout,
-                              comps.get(rels[0], "node") if rels else "node")
+            self._caller.call_steps(LANE, label, read_all, self._timeout, comps.get(rels[0], "node"))
+            got = done
+        except LaneHung as exc:
+            # every worker of the lane is stuck: nothing more can be read now
+            got = {}
+            for rel in rels:
+                result[rel] = LaneHung(f"read({rel}) not attempted: every {LANE} worker is stuck "
+                                       f"(the longest in {exc.call})", call=exc.call,
+                                       component=comps.get(rel, "node"), seconds=exc.seconds)
         except HwTimeout as exc:
-            # started is read before stop is set: a worker that starts after this returns at once
-            started = flags[0]
-            flags[1] = True
-            got, timeout = dict(done), exc  # a copy: the stuck worker may still add to ``done``
-        stuck = self._stuck_file(rels, label, got, timeout, started=started)
-        result: dict[str, str | HwCondition] = {}
-        for rel in rels:
-            comp = comps.get(rel, "node")
-            data = got.get(rel)
-            if data is None:
-                assert timeout is not None  # once read_all has returned, every file is in ``done``
-                result[rel] = self._not_read(rel, comp, timeout, stuck, hung_now=started)
-            else:
-                result[rel] = self._text_or_condition(rel, data, comp)
-        return result
-
-    def _stuck_file(self, rels: Sequence[str], label: str, got: Mapping[str, object],
-                    timeout: HwTimeout | None, *, started: bool) -> str | None:
-        """The file a timed-out batch hangs in: the first one it did not get; for a batch
-        that never started because the lane is still stuck in an earlier batch, the file
-        that one hung in (remembered, since the lane only knows the batch's label)."""
-        if timeout is None:
-            self._hung_batch = None
-            return None
-        if started:
-            stuck = next((rel for rel in rels if rel not in got), None)
-            if stuck is not None:
-                self._hung_batch = (label, stuck)
-            return stuck
-        if self._hung_batch is not None and self._hung_batch[0] == timeout.call:
-            return self._hung_batch[1]
-        return None
-
-    @staticmethod
-    def _not_read(rel: str, comp: str, exc: HwTimeout, stuck: str | None, *, hung_now: bool) -> HwTimeout:
-        """Why ``read_batch`` has no text for ``rel``: it hung in this file, or was not
-        attempted because of the file that hung (now, or in an earlier call)."""
-        if stuck is None:
-            return HwTimeout(str(exc), call=exc.call, component=comp, seconds=exc.seconds)
-        if hung_now and rel == stuck:
-            return HwTimeout(f"read({rel}) did not return within {exc.seconds:g} s", call=f"read({rel})",
-                             component=comp, seconds=exc.seconds)
-        return HwTimeout(f"read({rel}) not attempted: read({stuck}) has not returned ({exc})",
-                         call=f"read({stuck})", component=comp, seconds=exc.seconds)
+            got = dict(done)  # a copy: the stuck worker adds the stuck file when (if) it returns
+            stuck = next((i for i, rel in enumerate(rels) if rel not in got), None)
+            if stuck is not None:  # (None: the last read returned just as its bound passed)
+                rel = rels[stuck]
+                result[rel] = HwTimeout(f"read({rel}) did not return within {exc.seconds:g} s",
+                                        call=f"read({rel})", component=comps.get(rel, "node"),
+                                        seconds=exc.seconds)
+                rest = rels[stuck + 1:]
+        for rel, data in got.items():
+            result[rel] = self._text_or_condition(rel, data, comps.get(rel, "node"))
+        return rest
 
     def read_int(self, rel: str, component: str = "node", base: int = 0) -> int:
         text = self.read_text(rel, component)
@@ -209,16 +197,23 @@ class HostFs:
                             call=f"read({rel})", component=component) from None
 
     def boot_id(self) -> str | None:
+        """This boot's id; None when the host has none. A read that hangs gives the id read last
+        (the boot does not change under a running process): many things key their state on the
+        boot id, and a hung read must not look like a reboot, nor fail them."""
         try:
-            return self.read_text("proc/sys/kernel/random/boot_id") or None
+            boot = self.read_text("proc/sys/kernel/random/boot_id") or None
+        except HwTimeout:
+            return self._boot_id
         except (NotSupported, HwFailure):
             return None
+        self._boot_id = boot
+        return boot
 
     def boot_time(self) -> float | None:
         """Boot time (epoch seconds) from /proc/stat ``btime``; None when unknown."""
         try:
             text = self.read_text("proc/stat")
-        except (NotSupported, HwFailure):
+        except HwCondition:
             return None
         for line in text.splitlines():
             if line.startswith("btime "):

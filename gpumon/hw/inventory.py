@@ -42,6 +42,9 @@ class Inventory:
     cuda_driver_version: int | None = None
     pci_devices: list[PciDevice] = field(default_factory=list)
     ib_devices: list[str] = field(default_factory=list)
+    # host files that could not be read while taking the inventory: what -> why (a hung read
+    # included). The inventory is then partial; the checks read the machine again themselves.
+    read_errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def gpu_names(self) -> list[str]:
@@ -68,25 +71,39 @@ class Inventory:
         return any((g.nvlink_count or 0) > 0 for g in self.gpus)
 
 
-def read_pci_devices(fs: HostFs) -> list[PciDevice]:
-    """Every PCI function under the host root (vendor, device, class), read now."""
+def read_pci_devices(fs: HostFs, errors: dict[str, str] | None = None) -> list[PciDevice]:
+    """Every PCI function under the host root (vendor, device, class), read now. A function
+    that cannot be read is left out, and named in ``errors`` (its bus id -> why)."""
     out: list[PciDevice] = []
-    for bus_id in fs.listdir("sys/bus/pci/devices"):
+    try:
+        listing = fs.listdir("sys/bus/pci/devices")
+    except HwCondition as exc:
+        if errors is not None:
+            errors["sys/bus/pci/devices"] = f"{exc.call}: {exc}"
+        return out
+    for bus_id in listing:
         base = f"sys/bus/pci/devices/{bus_id}"
         try:
             vendor = fs.read_text(f"{base}/vendor").lower()
             device = fs.read_text(f"{base}/device").lower()
             pci_class = fs.read_text(f"{base}/class").lower()
-        except HwCondition:
+        except HwCondition as exc:
+            if errors is not None:
+                errors[base] = f"{exc.call}: {exc}"
             continue
         out.append(PciDevice(bus_id.lower(), vendor, device, pci_class))
     return out
 
 
 def collect(nvml: Nvml | None, fs: HostFs, nvml_error: str | None = None) -> Inventory:
+    """What the node has. Host files that cannot be read (hung, unreadable) leave the inventory
+    partial and are named in ``read_errors``: they never stop gpumon from starting."""
     inv = Inventory(nvml_error=nvml_error)
-    inv.pci_devices = read_pci_devices(fs)
-    inv.ib_devices = fs.listdir("sys/class/infiniband")
+    inv.pci_devices = read_pci_devices(fs, inv.read_errors)
+    try:
+        inv.ib_devices = fs.listdir("sys/class/infiniband")
+    except HwCondition as exc:
+        inv.read_errors["sys/class/infiniband"] = f"{exc.call}: {exc}"
     if nvml is None:
         return inv
     try:

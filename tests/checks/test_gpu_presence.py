@@ -223,7 +223,8 @@ def test_hung_gpu_is_a_finding_and_others_continue(nvml_state: Path, tmp_path: P
     write_state(state, nvml_state)
     by = _by(run_presence(host, PROFILES["h200-sxm"], nvml_timeout=0.2))
     time.sleep(0.4)  # let the hung call return while the state file is still there
-    assert _sev(by["gpu/2"]) == (Severity.FAIL, Action.RESET_GPU)
+    assert _sev(by["gpu/2"]) == (Severity.FAIL, Action.REBOOT_NODE)  # NVML hang: reboot (check.py)
+    assert by["gpu/2"].message == "hung after 0.2 s in nvmlDeviceGetUUID(gpu/2)"
     assert set(by) == {"gpu/2", "node"}  # its bus address is accounted for by the unreadable GPU
 
 

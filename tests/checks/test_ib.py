@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from conftest import SimHarness
 from gpumon.check import CheckContext, KernelLog
 from gpumon.checkstate import CheckStateStore
-from gpumon.errors import HwCondition, HwTimeout
+from gpumon.errors import HwCondition
 from gpumon.hw import Hardware
 from gpumon.hw.infiniband import PHYS_STATE_NAMES, parse_rate, parse_state
 from gpumon.hw.inventory import Inventory
@@ -378,7 +378,7 @@ def test_a_vanished_port_relists_the_devices_after_it_at_once(node: Node) -> Non
     assert "ib/mlx5_4/2" in node.run(10)
 
 
-def test_a_hung_read_fails_its_port_and_the_ports_after_it(node: Node) -> None:
+def test_a_hung_read_fails_its_port_only_and_the_next_run_is_not_held_up(node: Node) -> None:
     node.run(0)
     node.hw = Hardware(node.root, fs_timeout=0.3)
     stuck = node.attr("mlx5_6", "state")
@@ -387,18 +387,16 @@ def test_a_hung_read_fails_its_port_and_the_ports_after_it(node: Node) -> None:
     try:
         found = node.run(1)
         hung_in = "hung after 0.3 s in read(sys/class/infiniband/mlx5_6/ports/1/state)"
-        for dev in ("mlx5_0", "mlx5_1", "mlx5_4", "mlx5_5"):  # read before it: still sampled
+        port = found["ib/mlx5_6/1"]
+        assert (port.severity, port.message) == (Severity.FAIL, hung_in)
+        # the ports read after it are read on another worker: only the stuck file is lost
+        for dev in ("mlx5_0", "mlx5_1", "mlx5_4", "mlx5_5", "mlx5_7", "mlx5_8", "mlx5_9", "mlx5_bond_0"):
             assert found[f"ib/{dev}/1"].severity is Severity.OK, found[f"ib/{dev}/1"].message
-        for dev in ("mlx5_6", "mlx5_7", "mlx5_8", "mlx5_9", "mlx5_bond_0"):
-            port = found[f"ib/{dev}/1"]
-            assert (port.severity, port.message) == (Severity.FAIL, hung_in), dev
-        # while the read stays stuck, the next run waits for nothing: its first read (the
-        # boot id) is refused at once, which the runner reports as the check's hang
+        # while the read stays stuck, the next run waits for nothing: that file is refused at once
         start = time.monotonic()
-        with pytest.raises(HwTimeout) as err:
-            node.run(2)
+        again = node.run(2)
         assert time.monotonic() - start < 0.25
-        assert "not attempted" in str(err.value) and "sys/class/infiniband" in err.value.call
+        assert (again["ib/mlx5_6/1"].severity, again["ib/mlx5_6/1"].message) == (Severity.FAIL, hung_in)
     finally:
         with contextlib.suppress(OSError):  # ENXIO: no reader waits
             os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))  # let the worker go
@@ -414,8 +412,11 @@ def test_garbage_state_and_rate_are_unknown_for_that_port(node: Node) -> None:
     assert found["ib/mlx5_5/1"].severity is Severity.UNKNOWN and "rate" in found["ib/mlx5_5/1"].message
     assert found["ib/mlx5_6/1"].severity is Severity.UNKNOWN
     assert "symbol_error" in found["ib/mlx5_6/1"].message
-    others = {c: s for c, s in _sev(found).items() if c not in ("ib/mlx5_4/1", "ib/mlx5_5/1", "ib/mlx5_6/1")}
+    others = {c: s for c, s in _sev(found).items()
+              if c not in ("ib/mlx5_4/1", "ib/mlx5_5/1", "ib/mlx5_6/1", "node")}
     assert set(others.values()) == {"ok"}
+    # a port whose state cannot be read may or may not be there: the count is not confirmed
+    assert found["node"].severity is Severity.UNKNOWN and "1 unreadable (mlx5_4/1)" in found["node"].message
 
 
 def test_unlistable_device_is_unknown_not_gone(node: Node) -> None:

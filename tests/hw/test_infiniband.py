@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from gpumon.errors import HwCondition, HwFailure, HwTimeout, NotSupported
 from gpumon.hw import Hardware
+from gpumon.hw.calls import LaneHung
 from gpumon.hw.infiniband import (
     PHYS_STATE_NAMES,
     SAMPLE_COUNTERS,
@@ -293,7 +294,8 @@ def test_read_ports_of_nothing_reads_nothing(tmp_path: Path) -> None:
     assert read_ports(Hardware(tmp_path).fs, []) == {}
 
 
-def test_read_ports_hung_port_keeps_the_ports_read_before_it(host: Path) -> None:
+def test_read_ports_hung_port_costs_only_that_port(host: Path) -> None:
+    """Issue 14 #3: the ports before and after the one whose read hangs are read."""
     stuck = _attr(host, "mlx5_5", "counters/link_downed")
     stuck.unlink()
     os.mkfifo(stuck)  # nobody writes: the read blocks, as behind a dead device
@@ -309,10 +311,15 @@ def test_read_ports_hung_port_keeps_the_ports_read_before_it(host: Path) -> None
         # a hang is the port's condition, not one unreadable counter among others
         assert isinstance(cond, HwTimeout) and cond.component == "ib/mlx5_5/1"
         assert cond.call == "read(sys/class/infiniband/mlx5_5/ports/1/counters/link_downed)"
-        for d in after:
-            later = got[(d, 1)]
-            assert isinstance(later, HwTimeout) and later.component == f"ib/{d}/1"
-            assert later.call == cond.call and "not attempted" in str(later)
+        read_after = [got[(d, 1)] for d in after]
+        assert all(isinstance(p, IbPort) and p.up for p in read_after), read_after
+        # sampled again while the read is still stuck: that port refused at once, the rest read
+        start = time.monotonic()
+        again = read_ports(fs, [(dev, 1, False) for dev in IB_NDR])
+        assert time.monotonic() - start < 0.2
+        still = again[(hung, 1)]
+        assert isinstance(still, LaneHung) and still.call == cond.call and still.component == "ib/mlx5_5/1"
+        assert all(isinstance(again[(d, 1)], IbPort) for d in IB_NDR if d != hung)
     finally:
         with contextlib.suppress(OSError):  # ENXIO: no reader waits
             os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))  # let the worker go
