@@ -10,6 +10,7 @@ one is reported by the runner.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from typing import Any
 
 from gpumon import __version__
 from gpumon.agent import Agent, kernel_log_error
+from gpumon.atomic import write_atomic
 from gpumon.check import Check, KernelLog
 from gpumon.config import split_listen
 from gpumon.errors import HwCondition, StartupError
@@ -48,6 +50,11 @@ SIM_TICK_S = 0.25
 SIM_MAX_SLEEP_S = 5.0
 # How long a kernel-log check waits, at daemon start, for the pump's first read of the log.
 _FIRST_READ_WAIT_S = 2.0
+# report.json follows what /metrics exports: rewritten when that changes (or a finding's words,
+# or the health state), at most once per REPORT_MIN_INTERVAL_S, at least once per
+# REPORT_MAX_AGE_S (its "time" says the daemon is alive), and at exit.
+REPORT_MIN_INTERVAL_S = 1.0
+REPORT_MAX_AGE_S = 60.0
 
 
 def sim_wait(scenario: Scenario, t: float) -> float:
@@ -86,6 +93,13 @@ def sd_notify(message: str) -> bool:
     except OSError as exc:
         log.warning("sd_notify failed: %s", exc)
         return False
+
+
+def _os_error(exc: OSError) -> str:
+    """An OSError in words; a full disk said as such."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full ({exc.strerror})"
+    return exc.strerror or str(exc)
 
 
 def _health_map(view: HealthView) -> dict[str, tuple[str, str]]:
@@ -272,6 +286,11 @@ class Daemon:
         self._workers: dict[str, Worker] = {}
         self._saved_at: dict[str, float] = {}
         self._report_at = 0.0
+        self._report_due = threading.Event()
+        self._report_stop = threading.Event()
+        self._report_lock = threading.Lock()
+        self._report_view: HealthView | None = None
+        self._report_error: str | None = None
         self._folded: dict[str, tuple[tuple[Any, ...], float]] = {}
         self.remediation: RemediationLoop | None = None
         self._exposition: CachedExposition | None = None
@@ -357,7 +376,8 @@ class Daemon:
         # a daemon restart must not start a heavy run on GPUs that may be busy
         canaries = self.agent.selected(Phase.CANARY)
         checks = self.agent.selected(Phase.CONTINUOUS) + canaries
-        self.health = Health.open(self.agent.state_dir, boot_id=self.agent.hw.fs.boot_id())
+        # the daemon sets a corrupt health.db aside and starts afresh (gpumon.health.store)
+        self.health = Health.open(self.agent.state_dir, boot_id=self.agent.hw.fs.boot_id(), recover=True)
         self.remediation = RemediationLoop.build(self.agent.config.remediation, self.health,
                                                  self.agent.config.node_name, self.agent.hw.tools)
         self._check_names = {c.name for c in checks if c.phase is Phase.CONTINUOUS}
@@ -365,6 +385,8 @@ class Daemon:
             self.remediation.start()
         self.snapshots = SnapshotHolder(self._snapshot())
         self._start_exporter()
+        reporter = threading.Thread(target=self._report_loop, name="gpumon-report", daemon=True)
+        reporter.start()
         pump = KernelLogPump(self.agent, self.wake,
                              {c.name: c.kernel_log_match for c in checks if c.uses_kernel_log})
         sim_thread = self._start_simulation_clock()
@@ -412,6 +434,9 @@ class Daemon:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+        self._report_stop.set()
+        self._report_due.set()
+        reporter.join(timeout=10.0)
         self._write_report()
         if self.remediation is not None:
             self.remediation.close(timeout=30.0)
@@ -466,6 +491,8 @@ class Daemon:
                 if said != last_said or run.outcome != "completed" or now_m - last_at >= 60.0:
                     self.health.record_run(run)
                     self._folded[run.check] = (said, now_m)
+                if said != last_said or self.health.view() is not self._report_view:
+                    self._report_due.set()
             if self.remediation is not None and self.health is not None:
                 view = self.health.view()
                 node_said = (view.node.level.value, view.node.action.value)
@@ -479,35 +506,60 @@ class Daemon:
                 self.snapshots.set(self._snapshot())
                 if self.snapshots.version != version:
                     self._content_changed.set()
-            # report.json is for people and scripts: rewrite it on a change of
-            # severity, else at most every 10 s (a 1 s check would rewrite it every second)
-            now = time.monotonic()
-            if changed or now - self._report_at >= 10.0:
+                    self._report_due.set()
+            if changed:
+                self._report_due.set()
+
+    def _report_loop(self) -> None:
+        """Writes report.json on its own thread (see REPORT_MIN_INTERVAL_S), so that a slow
+        disk never holds up a check run."""
+        while not self._report_stop.is_set():
+            self._report_due.wait(timeout=REPORT_MAX_AGE_S)
+            wait = self._report_at + REPORT_MIN_INTERVAL_S - time.monotonic()
+            if self._report_stop.is_set() or (wait > 0 and self._report_stop.wait(wait)):
+                return  # the last one is written at exit
+            self._report_due.clear()
+            try:
                 self._write_report()
-                self._report_at = now
+            except Exception:  # the reporter outlives any one failure
+                log.exception("writing report.json failed")
 
     def _write_report(self) -> None:
+        """report.json, atomically (a reader sees the old file or the new one; a failed write
+        leaves no temporary file)."""
+        with self._report_lock:
+            self._report_at = time.monotonic()
+            self._write_report_now()
+
+    def _write_report_now(self) -> None:
         state_dir = self.agent.state_dir
         extra: dict[str, Any] = {}
+        with self._lock:
+            latest = list(self.latest.values())
         if self.health is not None:
             view = self.health.view()
+            self._report_view = view
             if self.remediation is not None and self.remediation.last is not None:
                 extra["remediation"] = self.remediation.last.to_json()
             extra["health"] = {"node": view.node.to_json(),
                                "components": {n: c.to_json() for n, c in view.components.items()
                                               if c.level.value != "healthy"}}
             store = self.health.store_finding()
-            runs = [*self.latest.values(), CheckRun(store.check, [store], time.time(), 0.0, "completed")]
+            runs = [*latest, CheckRun(store.check, [store], time.time(), 0.0, "completed")]
         else:
-            runs = list(self.latest.values())
+            runs = latest
         doc = json_report(runs, node=self.agent.node, profile=self.agent.profile.name, extra=extra)
         try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            tmp = state_dir / "report.json.tmp"
-            tmp.write_text(json.dumps(doc, indent=2))
-            os.replace(tmp, state_dir / "report.json")
+            write_atomic(state_dir / "report.json", json.dumps(doc, indent=2))
         except OSError as exc:
-            log.debug("cannot write report to %s: %s", state_dir, exc)
+            why = f"cannot write {state_dir / 'report.json'}: {_os_error(exc)}"
+            if why != self._report_error:
+                log.warning("%s (tried again at the next change, at least once a minute)", why)
+            self._report_error = why
+            return
+        if self._report_error is not None:
+            log.info("%s written again", state_dir / "report.json")
+        self._report_error = None
 
     def _start_simulation_clock(self) -> threading.Thread | None:
         sim = self.agent.simulation

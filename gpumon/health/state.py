@@ -52,10 +52,14 @@ from gpumon.model import NODE, Action, Finding, Severity
 # (check, component, key): one fault. ``key`` tells apart faults that one check
 # reports on one component (Xid 79 and Xid 13 on gpu/3).
 FaultId = tuple[str, str, str]
-# (severity, action, message) of the finding that last set a fault: a finding
-# with the same signature is a repeat, not news. Evidence is left out on
-# purpose: readings (temperatures, counters) change every run, and storing
-# every change would be the 86,400 rows a day this store exists to avoid.
+# (severity, action, message) of the finding that last set or refreshed a fault. What
+# is news is a change of severity or action: a finding that says the same with other
+# words or numbers ("down now for 3.2 s", "... for 4.2 s") refreshes the fault's
+# message, evidence and last_seen instead of adding an event (an IB outage would
+# otherwise add one a second; readings change every run, and storing every change
+# would be the 86,400 rows a day this store exists to avoid). The message still
+# counts where a finding is compared with one that was *accepted* (set_healthy, a
+# passing retest) or *remedied*: a new Xid burst after those is news.
 Signature = tuple[str, str, str]
 
 # Faults whose condition going away is the cure: the check saying ok clears them.
@@ -64,6 +68,13 @@ _CLEARED_BY_OK = frozenset({Action.NONE, Action.RESTART_APP, Action.CHECK_CABLES
 _NEED_REMEDY = frozenset({Action.RESET_GPU, Action.REBOOT_NODE})
 # Evidence fields that name a fault within one (check, component), in order.
 _KEY_FIELDS = ("fault_key", "code", "kind")
+# Evidence fields that count incidents in a check's window (ib: ``outages``, each a
+# port outage). An ok finding is stored when its count changes: a 3 s IB blip that
+# never reached warn is history too, not only a number in the next reading. After
+# the first change, at most one such event per INCIDENT_INTERVAL_S per component (its
+# evidence has the count), so a port that micro-flaps all day stays a few rows an hour.
+_INCIDENT_FIELDS = ("outages",)
+INCIDENT_INTERVAL_S = 600.0
 
 
 class EventKind(enum.Enum):
@@ -103,8 +114,10 @@ _LEVEL_RANK = {level: i for i, level in enumerate(Level)}
 class Event:
     """One health event. ``id`` is assigned by the store (None until stored).
 
-    ``last_seen`` is the one mutable thing about a stored event: the last time
-    an identical finding was seen again (refreshed in batches, not per repeat).
+    ``last_seen`` and ``latest`` are the mutable things about a stored finding
+    event, refreshed in batches, not per repeat: the last time the check said the
+    same again (same severity and action), and what it said then (``message``,
+    ``evidence``, ``time``). The payload stays what was said at the transition.
     """
 
     time: float
@@ -115,11 +128,13 @@ class Event:
     payload: Mapping[str, Any] = field(default_factory=dict)
     id: int | None = None
     last_seen: float | None = None
+    latest: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "time": self.time, "kind": self.kind.value,
                 "component": self.component, "check": self.check, "boot_id": self.boot_id,
-                "payload": dict(self.payload), "last_seen": self.last_seen}
+                "payload": dict(self.payload), "last_seen": self.last_seen,
+                "latest": None if self.latest is None else dict(self.latest)}
 
 
 @dataclass(frozen=True)
@@ -315,10 +330,12 @@ class HealthView:
 
 @dataclass(frozen=True)
 class Observation:
-    """What a check run means for the state: events to store, and faults merely seen again."""
+    """What a check run means for the state: events to store, and faults merely seen again
+    (``words``: the finding that saw each again, for ``HealthState.touch``)."""
 
     events: list[Event]
     seen: list[FaultId]
+    words: Mapping[FaultId, Finding] = field(default_factory=dict)
 
 
 def covers(scope: str, component: str) -> bool:
@@ -354,6 +371,15 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else 0.0
 
 
+def incidents(evidence: Mapping[str, Any]) -> int | None:
+    """The incident count a finding's evidence gives (see ``_INCIDENT_FIELDS``), if any."""
+    for name in _INCIDENT_FIELDS:
+        value = evidence.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 @dataclass
 class _Mark:
     level: Level
@@ -375,6 +401,9 @@ class HealthState:
         self._acked: dict[FaultId, Signature] = {}
         self._remedies: dict[FaultId, list[float]] = {}  # when each fault was remediated
         self._observed: set[tuple[str, str]] = set()  # (check, component) seen at least once
+        # (check, component) -> (incident count, time) of the last finding folded that gave a
+        # count (see _INCIDENT_FIELDS)
+        self._incidents: dict[tuple[str, str], tuple[int, float]] = {}
         self._quarantine: Quarantine | None = None
         self._marks: dict[str, _Mark] = {}
         self._node = _Mark(Level.HEALTHY, Action.NONE, 0.0)
@@ -424,19 +453,45 @@ class HealthState:
         self.last_event_time = t
         self._view = None
 
-    def touch(self, fault: FaultId, time: float) -> int | None:
-        """An identical finding was seen again: refresh ``last_seen``; returns the stored event id."""
+    def touch(self, fault: FaultId, time: float, finding: Finding | None = None) -> int | None:
+        """The fault was seen again (``observe`` put it in ``seen``): refresh ``last_seen`` and,
+        given the ``finding`` that saw it, its message and evidence (the store keeps them as the
+        ``latest`` of the event behind the fault). Returns that event's id."""
         f = self._faults.get(fault)
         if f is None:
             return None
-        self._faults[fault] = replace(f, last_seen=max(f.last_seen, _finite(time)))
+        changes: dict[str, Any] = {"last_seen": max(f.last_seen, _finite(time))}
+        if finding is not None and (finding.severity.value, finding.action.value) == f.signature[:2] \
+                and (f.remediated is None or finding.message == f.signature[2]):
+            changes.update(message=finding.message, evidence=finding.to_json()["evidence"],
+                           signature=(f.signature[0], f.signature[1], finding.message))
+            count = incidents(finding.evidence)
+            known = self._incidents.get((f.check, f.component))
+            if count is not None and known is not None:
+                self._incidents[(f.check, f.component)] = (count, known[1])
+        self._faults[fault] = replace(f, **changes)
         self._view = None
         return f.event_id
+
+    def fault(self, fault: FaultId) -> Fault | None:
+        return self._faults.get(fault)
 
     def _finding(self, event: Event, t: float) -> None:
         p = event.payload
         severity = _severity(p.get("severity"))
         fid: FaultId = (event.check, event.component, str(p.get("key", "")))
+        message = str(p.get("message", ""))
+        evidence = p.get("evidence")
+        latest = event.latest
+        if isinstance(latest, Mapping) and isinstance(latest.get("message"), str):
+            # what the check said last while the fault stood as this event set it
+            message = latest["message"]
+            if isinstance(latest.get("evidence"), Mapping):
+                evidence = latest["evidence"]
+        evidence = dict(evidence) if isinstance(evidence, Mapping) else {}
+        count = incidents(evidence)
+        if count is not None:
+            self._incidents[(event.check, event.component)] = (count, t)
         if severity is Severity.OK:
             self._ok(event.check, event.component)
             return
@@ -446,10 +501,7 @@ class HealthState:
             return
         self._observed.add((event.check, event.component))
         action = _action(p.get("action"))
-        message = str(p.get("message", ""))
         sig: Signature = (severity.value, action.value, message)
-        evidence = p.get("evidence")
-        evidence = dict(evidence) if isinstance(evidence, Mapping) else {}
         seen = max(t, _finite(event.last_seen)) if event.last_seen is not None else t
         old = self._faults.get(fid)
         if old is None:
@@ -642,11 +694,16 @@ class HealthState:
                 boot_id: str) -> Observation:
         """The events a check run adds, and the faults it only saw again.
 
-        Only changes are stored: a finding identical to the one that set its fault
-        (same severity, action, message; same boot) is a repeat — its ``last_seen``
-        is refreshed instead — and an ok finding is stored only when it clears
-        something, or the first time (check, component) is seen, so the state knows
-        every component that was checked. ``complete`` (the run finished normally,
+        Only changes are stored: a finding with the severity and action of the one
+        that last set its fault (same boot) is a repeat, whatever its message and
+        evidence — its ``last_seen``, message and evidence are refreshed instead
+        (``touch``), so an IB outage that says "down now for N s" every second is
+        two events (warn, then fail past the NCCL timeout), not one a second. A
+        fault awaiting its retest after a remedy is the exception: there any new
+        words are news (a new Xid after the reset). An ok finding is stored only
+        when it clears something, when its incident count changed (a blip that
+        never left ok), or the first time (check, component) is seen, so the state
+        knows every component that was checked. ``complete`` (the run finished normally,
         not hung, not raised): then a fault the run no longer reports is
         ``resolved``, unless the run also says ``unknown`` (a check that could not
         say does not vouch for anything) or ``skipped`` for that component.
@@ -669,13 +726,16 @@ class HealthState:
         nonok_components = {fid[1] for fid in nonok}
         events: list[Event] = []
         seen: list[FaultId] = []
+        words: dict[FaultId, Finding] = {}
         for fid, f in nonok.items():
             if f.check != check:
                 f = replace(f, check=check)
             sig: Signature = (f.severity.value, f.action.value, f.message)
             old = self._faults.get(fid)
-            if old is not None and old.signature == sig and old.reported and old.boot_id == boot_id:
+            if old is not None and old.reported and old.boot_id == boot_id and (
+                    old.signature == sig if old.remediated is not None else old.signature[:2] == sig[:2]):
                 seen.append(fid)
+                words[fid] = f
             elif old is None and self._acked.get(fid) == sig:
                 pass
             else:
@@ -686,7 +746,7 @@ class HealthState:
                 continue  # its other faults are handled below, key by key
             if f.check != check:
                 f = replace(f, check=check)
-            if self._ok_would_change(check, component):
+            if self._ok_would_change(check, component) or self._incident_news(check, component, f, time):
                 events.append(finding_event(f, time=time, boot_id=boot_id))
             ok_clears.add(component)
         if complete and not unknown:
@@ -696,7 +756,20 @@ class HealthState:
                 if fid in nonok or fid[1] in ok_clears or fid[1] in skipped:
                     continue
                 events.append(resolved_event(fid, time=time, boot_id=boot_id))
-        return Observation(events, seen)
+        return Observation(events, seen, words)
+
+    def _incident_news(self, check: str, component: str, finding: Finding, time: float) -> bool:
+        """An ok finding whose incident count changed (a blip): the first change at once, then
+        at most one per INCIDENT_INTERVAL_S."""
+        count = incidents(finding.evidence)
+        if count is None:
+            return False
+        known = self._incidents.get((check, component))
+        if known is None:
+            return count != 0
+        if count == known[0]:
+            return False
+        return not 0 <= _finite(time) - known[1] < INCIDENT_INTERVAL_S or known[0] == 0
 
     def _ok_would_change(self, check: str, component: str) -> bool:
         """Mirror of ``_ok``: whether an ok finding would change anything but ``last_seen``."""
@@ -761,6 +834,7 @@ class HealthState:
             "acked": [[*fid, *sig] for fid, sig in self._acked.items()],
             "remedies": [[*fid, times] for fid, times in self._remedies.items()],
             "observed": sorted([list(o) for o in self._observed]),
+            "incidents": sorted([[*k, n, t] for k, (n, t) in self._incidents.items()]),
             "quarantine": None if self._quarantine is None else self._quarantine.to_json(),
             "marks": {k: [m.level.value, m.action.value, m.since] for k, m in self._marks.items()},
             "node": [self._node.level.value, self._node.action.value, self._node.since],
@@ -782,6 +856,8 @@ class HealthState:
         for r in data["remedies"]:
             s._remedies[(str(r[0]), str(r[1]), str(r[2]))] = [float(x) for x in r[3]]
         s._observed = {(str(o[0]), str(o[1])) for o in data["observed"]}
+        # absent from snapshots written before incidents were counted
+        s._incidents = {(str(i[0]), str(i[1])): (int(i[2]), float(i[3])) for i in data.get("incidents", [])}
         q = data["quarantine"]
         if q is not None:
             s._quarantine = Quarantine(float(q["since"]), str(q["by"]), str(q["reason"]), Action(q["action"]))

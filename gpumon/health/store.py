@@ -19,15 +19,28 @@ exporter) share ``<state_dir>/health.db``:
 - **A store that cannot be written** (read-only or full disk, a path that is not
   a file): ``append`` raises ``StoreError`` and keeps the events in a bounded
   queue, written first by the next append that succeeds. ``Health`` goes on with
-  the in-memory state and reports the fault as a ``health_store`` finding.
+  the in-memory state and reports the fault as a ``health_store`` finding. A full
+  disk is said as such (SQLITE_FULL, ENOSPC, or an I/O error with the file
+  system out of space), not as "disk I/O error".
+- **A corrupt store** (not a database, a truncated file, a malformed page): the
+  daemon (``Health.open(recover=True)``) logs it at once, moves the file and its
+  -wal/-shm aside as ``health.db.corrupt-<UTC time>`` for forensics, starts a
+  fresh store (from the state in memory, if it had one) and reports the
+  replacement as a ``health_store`` warning for a day.
+- **Refreshes, not rows**: a finding that repeats a fault's severity and action
+  refreshes the stored event's ``last_seen`` and ``latest`` (its newest message
+  and evidence) in place, in batches; the ``latest`` column was added after
+  schema version 1 and is added to older files when the daemon opens them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
+import os
 import sqlite3
 import threading
 import time
@@ -71,7 +84,18 @@ DEFAULT_MAX_EVENTS = 200_000
 # Events kept in memory while the store cannot be written; past this the
 # oldest are dropped (and counted): the in-memory state has them anyway.
 DEFAULT_MAX_PENDING = 10_000
+# How long the health_store finding warns after a corrupt store was replaced.
+REPLACED_WARN_S = DAY_S
+# Message refreshes (same severity and action, new words) reach the file within this;
+# last_seen alone within Health.touch_interval_s.
+REFRESH_INTERVAL_S = 10.0
+_SQLITE_CORRUPT = 11
 _SQLITE_FULL = 13
+_SQLITE_IOERR = 10
+_SQLITE_NOTADB = 26
+# An I/O error with less free space than this on the store's file system is a full disk
+# (SQLite says "disk I/O error" when it cannot create or grow the -shm file).
+_LOW_SPACE_BYTES = 1 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -82,7 +106,8 @@ CREATE TABLE IF NOT EXISTS events (
     component TEXT NOT NULL,
     check_name TEXT NOT NULL,
     payload TEXT NOT NULL,
-    last_seen REAL
+    last_seen REAL,
+    latest TEXT  -- JSON {time, message, evidence}: the newest words of a repeated finding
 );
 CREATE INDEX IF NOT EXISTS events_time ON events (time);
 CREATE TABLE IF NOT EXISTS snapshot (
@@ -97,15 +122,18 @@ CREATE TABLE IF NOT EXISTS snapshot (
 class StoreError(GpumonError):
     """The health store cannot be opened, read or written.
 
-    ``full``: the disk (or the ``max_bytes`` cap) is full; ``pending``: events
-    kept in memory to be written later; ``dropped``: events lost from that queue.
+    ``full``: the disk (or the ``max_bytes`` cap) is full; ``corrupt``: the file is
+    not a usable SQLite database (``Health.open(recover=True)`` sets it aside);
+    ``pending``: events kept in memory to be written later; ``dropped``: events
+    lost from that queue.
     """
 
     def __init__(self, message: str, *, path: Path, full: bool = False, pending: int = 0,
-                 dropped: int = 0) -> None:
+                 dropped: int = 0, corrupt: bool = False) -> None:
         self.path = path
         self.reason = message
         self.full = full
+        self.corrupt = corrupt
         self.pending = pending
         self.dropped = dropped
         super().__init__(f"health store {path}: {message}")
@@ -138,6 +166,7 @@ class EventStore:
         self.max_pending = max_pending
         self.dropped = 0
         self._conn: sqlite3.Connection | None = None
+        self._has_latest = True  # the events table has the ``latest`` column
 
     # -- connection -------------------------------------------------------------------------
 
@@ -148,9 +177,17 @@ class EventStore:
             if self.readonly:
                 if not self.path.is_file():
                     raise StoreError("no health store here (has the daemon run?)", path=self.path)
-                conn = sqlite3.connect(f"file:{quote(str(self.path))}?mode=ro", uri=True,
-                                       timeout=self.busy_timeout_s, isolation_level=None,
-                                       check_same_thread=False)
+                try:
+                    conn = self._connect_ro(immutable=False)
+                except (sqlite3.Error, OSError) as exc:
+                    if not (self._error(exc).full and self._wal_empty()):
+                        raise
+                    # A reader of a WAL file needs its -shm, which a full disk cannot hold. With no
+                    # WAL content (the writer is gone and checkpointed all) the main file is the
+                    # whole store: read it as a file that cannot change.
+                    log.warning("health store %s: %s; reading it without its write-ahead log "
+                                "(it has none)", self.path, self._error(exc).reason)
+                    conn = self._connect_ro(immutable=True)
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout_s,
@@ -177,6 +214,15 @@ class EventStore:
             if version != SCHEMA_VERSION:
                 raise StoreError(f"schema version {version}, this gpumon reads {SCHEMA_VERSION}",
                                  path=self.path)
+            self._has_latest = self._columns(conn)
+            if not self._has_latest and not self.readonly:
+                # a file from before the column: added in place (older gpumon versions name
+                # their columns, so they read and write the file as before)
+                conn.execute("BEGIN IMMEDIATE")
+                if not self._columns(conn):
+                    conn.execute("ALTER TABLE events ADD COLUMN latest TEXT")
+                conn.execute("COMMIT")
+                self._has_latest = True
         except StoreError:
             conn.close()
             raise
@@ -186,11 +232,66 @@ class EventStore:
         self._conn = conn
         return conn
 
+    def _connect_ro(self, *, immutable: bool) -> sqlite3.Connection:
+        uri = f"file:{quote(str(self.path))}?mode=ro" + ("&immutable=1" if immutable else "")
+        conn = sqlite3.connect(uri, uri=True, timeout=self.busy_timeout_s, isolation_level=None,
+                               check_same_thread=False)
+        try:
+            # the first read opens the file for real (and its -wal/-shm): fail here, not later
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _wal_empty(self) -> bool:
+        wal = self.path.with_name(self.path.name + "-wal")
+        try:
+            return wal.stat().st_size == 0
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+    @staticmethod
+    def _columns(conn: sqlite3.Connection) -> bool:
+        """Whether the events table has the ``latest`` column."""
+        return any(row[1] == "latest" for row in conn.execute("PRAGMA table_info(events)"))
+
+    def _free_bytes(self) -> int | None:
+        """Space left for this process on the store's file system (root may use the reserve)."""
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return None
+        blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
+        return int(blocks * st.f_frsize)
+
     def _error(self, exc: BaseException) -> StoreError:
+        """A StoreError that says what happened in words: "disk full" (SQLITE_FULL, ENOSPC/EDQUOT,
+        or an I/O error on a file system with no space left), "store full" (the ``max_bytes``
+        cap), "corrupt" (not a database, malformed)."""
         code = getattr(exc, "sqlite_errorcode", None)
-        full = code == _SQLITE_FULL or "full" in str(exc).lower()
-        return StoreError(str(exc) or type(exc).__name__, path=self.path, full=full,
-                          pending=len(self._pending), dropped=self.dropped)
+        primary = code & 0xFF if isinstance(code, int) else None
+        text = str(exc) or type(exc).__name__
+        os_errno = exc.errno if isinstance(exc, OSError) else None
+        corrupt = primary in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+        full = primary == _SQLITE_FULL or os_errno in (errno.ENOSPC, errno.EDQUOT)
+        free = self._free_bytes() if full or primary == _SQLITE_IOERR or os_errno == errno.EIO else None
+        if not full and free is not None and free < _LOW_SPACE_BYTES:
+            full = True  # SQLite's "disk I/O error" when the -shm or -wal cannot grow
+        if full:
+            if free is not None and free >= _LOW_SPACE_BYTES and self.max_bytes is not None:
+                message = f"store full: the max_bytes cap of {self.max_bytes} bytes is reached ({text})"
+            else:
+                left = "" if free is None else f", {free} bytes free"
+                message = f"disk full: no space left on the file system of {self.path.parent}{left} ({text})"
+        elif corrupt:
+            message = f"corrupt: {text}"
+        else:
+            message = text
+        return StoreError(message, path=self.path, full=full, corrupt=corrupt, pending=len(self._pending),
+                          dropped=self.dropped)
 
     def _reset(self) -> None:
         """Forget the connection: the next call opens afresh (the directory may be back)."""
@@ -248,8 +349,8 @@ class EventStore:
             raise self._error(exc) from exc
         except StoreError as exc:
             self._queue(events)
-            raise StoreError(exc.reason, path=self.path, full=exc.full, pending=len(self._pending),
-                             dropped=self.dropped) from exc
+            raise StoreError(exc.reason, path=self.path, full=exc.full, corrupt=exc.corrupt,
+                             pending=len(self._pending), dropped=self.dropped) from exc
         n_old = len(self._pending)
         self._pending.clear()
         return Appended(foreign, written[:n_old], written[n_old:])
@@ -268,25 +369,36 @@ class EventStore:
         """Write the queued events, if any."""
         return self.append_many([], after_id=after_id)
 
-    def touch(self, last_seen: Mapping[int, float]) -> None:
-        """Refresh ``last_seen`` of stored events (a finding seen again), in one transaction."""
-        if not last_seen or self.readonly:
+    def drop_pending(self) -> None:
+        """Forget the queued events (they are in a snapshot written instead)."""
+        self._pending.clear()
+
+    def touch(self, last_seen: Mapping[int, float], latest: Mapping[int, Mapping[str, Any]] | None = None
+              ) -> None:
+        """Refresh ``last_seen`` of stored events (a finding seen again) and, for those in ``latest``,
+        what the finding said then (``{"time", "message", "evidence"}``), in one transaction."""
+        latest = latest or {}
+        if (not last_seen and not latest) or self.readonly:
             return
         try:
             conn = self._connect()
             conn.execute("BEGIN IMMEDIATE")
             conn.executemany("UPDATE events SET last_seen = max(coalesce(last_seen, time), ?) WHERE id = ?",
                              [(_real(t), i) for i, t in last_seen.items()])
+            conn.executemany("UPDATE events SET latest = ? WHERE id = ?",
+                             [(json.dumps(dict(words), separators=(",", ":"), default=str,
+                                          allow_nan=False), i) for i, words in latest.items()])
             conn.execute("COMMIT")
-        except (sqlite3.Error, OSError) as exc:
+        except (sqlite3.Error, OSError, ValueError) as exc:
             self._reset()
             raise self._error(exc) from exc
 
     # -- reading ----------------------------------------------------------------------------
 
     def _read(self, conn: sqlite3.Connection, after_id: int, upto_id: int | None = None) -> list[Event]:
-        sql = ("SELECT id, time, boot_id, kind, component, check_name, payload, last_seen FROM events"
-               " WHERE id > ?")
+        latest = "latest" if self._has_latest else "NULL"
+        sql = (f"SELECT id, time, boot_id, kind, component, check_name, payload, last_seen, {latest}"
+               " FROM events WHERE id > ?")
         args: tuple[int, ...] = (after_id,)
         if upto_id is not None:
             sql += " AND id <= ?"
@@ -345,6 +457,39 @@ class EventStore:
                 total += p.stat().st_size
         return total
 
+    def quick_check(self) -> None:
+        """Raise ``StoreError`` (``corrupt``) unless SQLite's quick_check passes: a truncated
+        file may read fine until a lost page is needed."""
+        try:
+            rows = self._connect().execute("PRAGMA quick_check").fetchall()
+        except (sqlite3.Error, OSError) as exc:
+            self._reset()
+            raise self._error(exc) from exc
+        if [str(r[0]) for r in rows] != ["ok"]:
+            self._reset()
+            raise StoreError("corrupt: integrity check failed (" + "; ".join(str(r[0]) for r in rows[:3])
+                             + ")", path=self.path, corrupt=True, pending=len(self._pending),
+                             dropped=self.dropped)
+
+    def set_aside(self, stamp: str) -> Path:
+        """Close the store and rename its file, -wal and -shm to ``<name>.corrupt-<stamp>``
+        (for forensics): the next write starts a fresh file. Returns the new name. Raises
+        ``StoreError``."""
+        self._reset()
+        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}.{n}")
+        try:
+            for suffix in ("-wal", "-shm", ""):  # the main file last: a reader never sees it alone
+                p = self.path.with_name(self.path.name + suffix)
+                if p.exists():
+                    os.replace(p, target.with_name(target.name + suffix))
+        except OSError as exc:
+            raise StoreError(f"cannot set the corrupt store aside: {exc}", path=self.path) from exc
+        return target
+
     # -- compaction -------------------------------------------------------------------------
 
     def compaction_point(self, before: float, max_events: int | None) -> int | None:
@@ -394,7 +539,7 @@ def _real(value: float) -> float:
 
 
 def _decode(row: tuple[Any, ...]) -> Event | None:
-    ident, t, boot_id, kind, component, check, payload, last_seen = row
+    ident, t, boot_id, kind, component, check, payload, last_seen, latest = row
     try:
         data = json.loads(payload)
         event_kind = EventKind(kind)
@@ -402,9 +547,17 @@ def _decode(row: tuple[Any, ...]) -> Event | None:
         # a row from a newer gpumon, or damaged: skip it and say so, do not stop reading
         log.warning("health event %s skipped: %s", ident, exc)
         return None
+    words: Any = None
+    if latest is not None:
+        try:
+            words = json.loads(latest)
+        except ValueError as exc:
+            # damaged: the event stands as it was stored
+            log.warning("health event %s: refresh skipped: %s", ident, exc)
     return Event(float(t), event_kind, str(component), str(check), str(boot_id),
                  data if isinstance(data, dict) else {}, int(ident),
-                 None if last_seen is None else float(last_seen))
+                 None if last_seen is None else float(last_seen),
+                 words if isinstance(words, dict) else None)
 
 
 def _state_from(loaded: Loaded, policy: HealthPolicy | None, path: Path) -> HealthState:
@@ -429,7 +582,8 @@ class Health:
     def __init__(self, store: EventStore, *, boot_id: str | None, clock: Callable[[], float] = time.time,
                  policy: HealthPolicy | None = None, retention_days: float = DEFAULT_RETENTION_DAYS,
                  max_events: int | None = DEFAULT_MAX_EVENTS, touch_interval_s: float = 60.0,
-                 compact_interval_s: float = 3600.0) -> None:
+                 compact_interval_s: float = 3600.0, refresh_interval_s: float = REFRESH_INTERVAL_S,
+                 recover: bool = False) -> None:
         self.store = store
         self.boot_id = boot_id or ""
         self.clock = clock
@@ -438,6 +592,10 @@ class Health:
         self.max_events = max_events
         self.touch_interval_s = touch_interval_s
         self.compact_interval_s = compact_interval_s
+        self.refresh_interval_s = refresh_interval_s
+        # set a corrupt store aside and start afresh (the daemon; not the CLI, which must not
+        # swap the file under a running daemon)
+        self.recover = recover
         self.state = HealthState(self.policy)
         # what readers get: replaced (one reference assignment) after every change, so a
         # scrape never waits for the lock while a check's events are being fsync'd
@@ -447,6 +605,13 @@ class Health:
         self._last_id = 0
         self._error: StoreError | None = None
         self._touches: dict[int, float] = {}
+        # event id -> the newest words of the finding behind it ({time, message, evidence})
+        self._latest: dict[int, dict[str, Any]] = {}
+        self._words_changed = False  # a message in _latest changed: written within refresh_interval_s
+        # a corrupt store set aside: {moved_to, reason, at}; the health_store finding warns a day
+        self._replaced: dict[str, Any] | None = None
+        self._replacing = False
+        self._room_at: float | None = None  # last compaction to make room in a full store
         now = clock()
         self._touched_at = now
         self._compacted_at = now
@@ -455,26 +620,44 @@ class Health:
     def open(cls, state_dir: Path | str, *, boot_id: str | None, clock: Callable[[], float] = time.time,
              policy: HealthPolicy | None = None, retention_days: float = DEFAULT_RETENTION_DAYS,
              max_events: int | None = DEFAULT_MAX_EVENTS, max_bytes: int | None = None,
-             max_pending: int = DEFAULT_MAX_PENDING) -> Health:
+             max_pending: int = DEFAULT_MAX_PENDING, recover: bool = False) -> Health:
         """Load the state from ``<state_dir>/health.db`` and record the boot if it is new.
 
         Never raises for a store it cannot use: the state then starts empty in
-        memory, ``error`` says why, and the store is retried on every write.
+        memory, ``error`` says why (logged at once), and the store is retried on
+        every write. With ``recover`` (the daemon), the file is first checked
+        (SQLite quick_check), and a corrupt one is set aside as
+        ``health.db.corrupt-<UTC time>`` with its -wal/-shm and a fresh store
+        started: logged at once, and a ``health_store`` warning for a day.
         """
         store = EventStore(Path(state_dir) / DB_NAME, max_bytes=max_bytes, max_pending=max_pending)
         health = cls(store, boot_id=boot_id, clock=clock, policy=policy, retention_days=retention_days,
-                     max_events=max_events)
+                     max_events=max_events, recover=recover)
         with health._lock:
-            health._reload()
+            if not health._reload(check=recover):
+                error = health._error
+                if error is not None and not (recover and error.corrupt and health._replace(error)):
+                    log.error("%s: keeping the health state in memory until the store can be read "
+                              "(gpumon status cannot show it meanwhile)", error)
+            if health._replaced is None:
+                # replaced by an earlier run less than a day ago: its warning goes on
+                fault = health.state.fault((STORE_CHECK, NODE, ""))
+                replaced = fault.evidence.get("replaced") if fault is not None else None
+                if isinstance(replaced, Mapping) and isinstance(replaced.get("at"), (int, float)):
+                    health._replaced = dict(replaced)
             if health.boot_id and health.boot_id != health.state.boot_id:
                 health._write([_boot_event(health.boot_id, time=clock(), previous=health.state.boot_id)])
+            if health._replaced is not None:
+                health._record(STORE_CHECK, [health.store_finding()], complete=True, now=clock())
             health._publish()
         return health
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _reload(self) -> bool:
+    def _reload(self, *, check: bool = False) -> bool:
         try:
+            if check:
+                self.store.quick_check()
             loaded = self.store.load()
             state = _state_from(loaded, self.policy, self.store.path)
         except StoreError as exc:
@@ -504,7 +687,8 @@ class Health:
             self._last_id = max(self._last_id, event.id or 0)
 
     def _append(self, events: Sequence[Event]) -> tuple[Appended, list[Event]]:
-        """Append; when the store is full, fold old events away once and write the queue."""
+        """Append; when the store is full, fold old events away (at most once a minute: on a
+        full disk each try fails and costs a fold of the whole store) and write the queue."""
         try:
             # before the state is loaded there is nothing to catch up with: it is reloaded whole
             result = self.store.append_many(events, after_id=self._last_id if self._loaded else None)
@@ -512,11 +696,17 @@ class Health:
         except StoreError as exc:
             if not exc.full:
                 raise
+            full = exc
         # ``events`` are queued now: make room, then write the queue (ours are its tail)
+        now = self.clock()
+        if self._room_at is not None and 0 <= now - self._room_at < 60.0:
+            raise full
+        self._room_at = now
         try:
-            self._compact(self.clock())
+            self._compact(now)
         except StoreError as exc:
-            log.warning("compaction to make room failed: %s", exc)
+            if self._error is None:
+                log.warning("compaction to make room failed: %s", exc)
         result = self.store.flush(after_id=self._last_id if self._loaded else None)
         return result, result.flushed[len(result.flushed) - len(events):] if events else []
 
@@ -524,17 +714,20 @@ class Health:
         try:
             result, fresh = self._append(events)
         except StoreError as exc:
+            for event in events:
+                self.state.apply(event)
+            if exc.corrupt and self.recover and self._replace(exc):
+                return self._error
             if self._error is None or self._error.reason != exc.reason:
                 log.error("%s: keeping the health state in memory (%d events queued)", exc,
                           len(self.store.pending))
             self._error = exc
-            for event in events:
-                self.state.apply(event)
             return exc
         if self._error is not None:
             log.warning("health store %s writable again: %d queued events written", self.store.path,
                         len(result.flushed))
         self._error = None
+        self._room_at = None
         if not self._loaded:
             self._reload()  # the store was unreadable at start: it has everything now
             return None
@@ -543,6 +736,49 @@ class Health:
         self._last_id = max([self._last_id, *(e.id or 0 for e in (*result.foreign, *result.flushed,
                                                                    *result.stored))])
         return None
+
+    def _replace(self, exc: StoreError) -> bool:
+        """The store is corrupt: set it aside (forensics) and start a fresh one from the state in
+        memory. False when that failed too (the caller reports ``exc`` as usual)."""
+        if self._replacing:
+            return False
+        self._replacing = True
+        try:
+            now = self.clock()
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(_real(now)))
+            try:
+                moved = self.store.set_aside(stamp)
+            except StoreError as err:
+                log.error("%s (%s)", err, exc.reason)
+                return False
+            self._replaced = {"moved_to": str(moved), "reason": exc.reason, "at": now}
+            log.error("health store %s is corrupt (%s): moved aside to %s (with its -wal/-shm, for "
+                      "forensics); a fresh store starts now%s", self.store.path, exc.reason, moved,
+                      " from the state in memory" if self._loaded
+                      else ": the health state stored before is lost")
+            self._touches.clear()
+            self._latest.clear()
+            self._error = None
+            if self._loaded:
+                # the state in memory has every event, the queued ones too: it is the fresh
+                # store's snapshot (fault event ids named rows of the old file)
+                snap = self.state.to_snapshot()
+                for fault in snap["faults"]:
+                    fault["event_id"] = None
+                snap["last_event_id"] = None
+                self.store.drop_pending()
+                try:
+                    self.store.compact(0, snap, time=now)
+                except StoreError as err:
+                    self._error = err
+                    log.error("%s: keeping the health state in memory", err)
+                    return True
+                self._last_id = 0
+            self._reload()
+            self._write([])  # what was queued for the old file (a failure is reported as usual)
+            return True
+        finally:
+            self._replacing = False
 
     def _emit(self, event: Event) -> Event:
         with self._lock:
@@ -566,13 +802,22 @@ class Health:
         return deleted
 
     def _flush_touches(self, now: float, *, force: bool = False) -> None:
-        if not self._touches or (not force and now - self._touched_at < self.touch_interval_s):
+        """Write ``last_seen`` refreshes every ``touch_interval_s``, new words of a standing fault
+        within ``refresh_interval_s`` (so ``gpumon status`` says what the exporter says), all
+        at ``force``."""
+        if not self._touches and not self._latest:
+            return
+        waited = now - self._touched_at
+        if not force and waited < self.touch_interval_s and not (
+                self._words_changed and waited >= self.refresh_interval_s):
             return
         try:
-            self.store.touch(self._touches)
+            self.store.touch(self._touches, self._latest)
         except StoreError:
             return  # kept for the next try
         self._touches.clear()
+        self._latest.clear()
+        self._words_changed = False
         self._touched_at = now
 
     def _record(self, check: str, findings: Sequence[Finding], *, complete: bool, now: float) -> list[Event]:
@@ -580,9 +825,16 @@ class Health:
         if obs.events:
             self._write(obs.events)
         for fid in obs.seen:
-            ident = self.state.touch(fid, now)
-            if ident is not None:
-                self._touches[ident] = now
+            before = self.state.fault(fid)
+            ident = self.state.touch(fid, now, obs.words.get(fid))
+            after = self.state.fault(fid)
+            if ident is None or before is None or after is None:
+                continue
+            self._touches[ident] = now
+            if after.message != before.message or after.evidence != before.evidence:
+                self._latest[ident] = {"time": now, "message": after.message,
+                                       "evidence": dict(after.evidence)}
+                self._words_changed = self._words_changed or after.message != before.message
         return obs.events
 
     # -- the daemon's calls -----------------------------------------------------------------
@@ -688,18 +940,33 @@ class Health:
         return self._error
 
     def store_finding(self) -> Finding:
-        """The store's own health, as a finding (warn while events are only in memory)."""
+        """The store's own health, as a finding: warn while events are only in memory, and for
+        ``REPLACED_WARN_S`` after a corrupt store was set aside (the state stored before it may
+        have held open faults that are now forgotten)."""
         error = self._error
         path = str(self.store.path)
+        replaced = self._replaced
+        if replaced is not None and not 0 <= self.clock() - float(replaced["at"]) < REPLACED_WARN_S:
+            replaced = None
+        evidence: dict[str, Any] = {"path": path}
+        if replaced is not None:
+            evidence["replaced"] = dict(replaced)
         if error is None and not self.store.pending:
-            return Finding(STORE_CHECK, NODE, Severity.OK, f"health store {path} writable", Action.NONE,
-                           {"path": path})
+            if replaced is None:
+                return Finding(STORE_CHECK, NODE, Severity.OK, f"health store {path} writable", Action.NONE,
+                               evidence)
+            at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(_real(float(replaced["at"]))))
+            return Finding(STORE_CHECK, NODE, Severity.WARN,
+                           f"health store {path} was corrupt ({replaced['reason']}) and was moved aside "
+                           f"to {replaced['moved_to']} at {at}; a fresh store started then, so faults "
+                           "recorded before it are forgotten (re-run the bootstrap suite to re-test the "
+                           "node)", Action.NONE, evidence)
         # the message stays the same while the fault does (counts go in the evidence),
         # so a failing store adds one event, not one per run
         reason = error.reason if error is not None else "events queued"
         return Finding(STORE_CHECK, NODE, Severity.WARN,
                        f"cannot write the health store {path} ({reason}); health state kept in memory",
-                       Action.NONE, {"path": path, "pending": len(self.store.pending),
+                       Action.NONE, {**evidence, "pending": len(self.store.pending),
                                      "dropped": self.store.dropped})
 
 
@@ -707,6 +974,9 @@ def load_view(state_dir: Path | str, *, policy: HealthPolicy | None = None) -> H
     """The state as the daemon stored it, for ``gpumon status`` (read-only; raises ``StoreError``)."""
     store = EventStore(Path(state_dir) / DB_NAME, readonly=True)
     try:
+        # a truncated file can read "fine" up to its first lost page: a partial state (perhaps a
+        # healthy-looking one) must not pass for the state
+        store.quick_check()
         return _state_from(store.load(), policy, store.path).view()
     finally:
         store.close()

@@ -68,7 +68,7 @@ class Node:
         for e in obs.events:
             self.apply(e)
         for fid in obs.seen:
-            self.state.touch(fid, self.t)
+            self.state.touch(fid, self.t, obs.words.get(fid))
         return obs.events
 
     def reboot(self, boot: str) -> None:
@@ -428,7 +428,8 @@ def test_identical_repeats_are_not_stored() -> None:
 def test_history_is_bounded_per_component() -> None:
     n = Node(HealthPolicy(history_per_component=5))
     for i in range(20):
-        n.run("throttle", Finding("throttle", "gpu/0", Severity.WARN, f"w{i}"))
+        # each run a transition (severity flips): new words alone are a refresh, not history
+        n.run("throttle", Finding("throttle", "gpu/0", Severity.WARN if i % 2 else Severity.FAIL, f"w{i}"))
     assert len(n.state.history("gpu/0")) == 5
     assert n.state.history("gpu/0", 2)[-1].payload["message"] == "w19"
 
@@ -551,6 +552,8 @@ def test_observing_stores_only_changes(seq: list[Event], check: str, run: Sequen
         state.apply(e)
         if e.kind is EventKind.RESOLVED:
             everything.apply(e)
+    for fid in obs.seen:  # the same severity and action in other words: refreshed, not stored
+        state.touch(fid, t, obs.words[fid])
     # (a run that says two things about one fault, or ok and not ok about one component,
     # is summarised by observe: storing it all would keep whichever came last)
     fids = [(f.component, fault_key(f)) for f in run if f.severity not in (Severity.OK, Severity.SKIPPED)]
@@ -559,3 +562,61 @@ def test_observing_stores_only_changes(seq: list[Event], check: str, run: Sequen
         assert _essence(state) == _essence(everything)
     # and the same run again adds nothing
     assert state.observe(check, run, complete=complete, time=t + 1, boot_id=boot).events == []
+
+
+# -- issue 14: transitions, not every new number ----------------------------------------------
+
+
+def ib_port(severity: Severity, message: str, outages: int, action: Action = Action.CHECK_CABLES) -> Finding:
+    if severity is Severity.OK:
+        action = Action.NONE
+    return Finding("ib", "ib/mlx5_2/1", severity, message, action, {"outages": outages})
+
+
+def test_new_words_with_the_same_severity_and_action_refresh_the_fault_without_an_event() -> None:
+    n = Node()
+    n.run("ib", ib_port(Severity.OK, "up", 0))
+    assert len(n.run("ib", ib_port(Severity.WARN, "down now for 0.0 s", 1))) == 1
+    for i in range(1, 7):
+        assert n.run("ib", ib_port(Severity.WARN, f"down now for {i}.0 s", 1)) == []
+    (fault,) = n.state.component("ib/mlx5_2/1").why
+    assert fault.message == "down now for 6.0 s" and fault.last_seen == n.t
+    assert len(n.run("ib", ib_port(Severity.FAIL, "down for 7.1 s now", 1))) == 1  # a transition
+    assert n.run("ib", ib_port(Severity.FAIL, "an outage of 10.0 s in the last 24 h", 1)) == []
+    assert n.state.component("ib/mlx5_2/1").why[0].message == "an outage of 10.0 s in the last 24 h"
+    assert [e.payload["message"] for e in n.state.history("ib/mlx5_2/1")] == [
+        "up", "down now for 0.0 s", "down for 7.1 s now"]
+
+
+def test_new_words_after_a_remedy_are_news() -> None:
+    """A GPU reset, then the same Xid code again in the same boot (xid says "(2 events)"): the
+    fault is back, not refreshed."""
+    n = Node()
+    dbe = Finding("xid", "gpu/1", Severity.FAIL, "Xid 48 on gpu/1", Action.RESET_GPU, {"code": 48})
+    n.run("xid", dbe)
+    n.reset("gpu/1")
+    assert n.run("xid", dbe) == []  # xid repeating what it said before the reset
+    assert n.state.component("gpu/1").why[0].remediated is not None
+    again = Finding("xid", "gpu/1", Severity.FAIL, "Xid 48 on gpu/1 (2 events)", Action.RESET_GPU,
+                    {"code": 48})
+    assert len(n.run("xid", again)) == 1
+    assert n.state.component("gpu/1").why[0].remediated is None
+
+
+def test_a_blip_that_stays_ok_is_stored_then_at_most_every_ten_minutes() -> None:
+    n = Node()
+    assert len(n.run("ib", ib_port(Severity.OK, "up", 0))) == 1  # first seen
+    assert n.run("ib", ib_port(Severity.OK, "up", 0)) == []
+    blip = n.run("ib", ib_port(Severity.OK, "up; 1 outage(s) in the window", 1))
+    assert len(blip) == 1 and blip[0].payload["evidence"]["outages"] == 1
+    assert n.run("ib", ib_port(Severity.OK, "up; 1 outage(s) in the window", 1)) == []
+    # a port that micro-flaps: one row per 10 minutes, the count in its evidence
+    assert n.run("ib", ib_port(Severity.OK, "up; 2 outage(s) in the window", 2)) == []
+    n.tick(600)
+    later = n.run("ib", ib_port(Severity.OK, "up; 5 outage(s) in the window", 5))
+    assert len(later) == 1 and later[0].payload["evidence"]["outages"] == 5
+    assert n.level("ib/mlx5_2/1") is Level.HEALTHY
+    # the count survives a snapshot: the same count again is no news
+    restored = HealthState.from_snapshot(n.state.to_snapshot())
+    assert restored.observe("ib", [ib_port(Severity.OK, "up; 5 outage(s) in the window", 5)], complete=True,
+                            time=n.tick(), boot_id=B1).events == []

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -161,7 +163,9 @@ _WRITER = textwrap.dedent("""
     print("ready", flush=True)
     i = 0
     while True:
-        f = Finding("burst", f"gpu/{i % 8}", Severity.FAIL, f"m{i}", Action.RESET_GPU, {"i": i})
+        # the severity flips at each finding of a GPU: every one is a transition, stored at once
+        sev = Severity.FAIL if (i // 8) % 2 else Severity.WARN
+        f = Finding("burst", f"gpu/{i % 8}", sev, f"m{i}", Action.RESET_GPU, {"i": i})
         health.record_findings("burst", [f], complete=False)
         if health.error is None:
             print(i, flush=True)  # returned: committed
@@ -454,3 +458,96 @@ def test_what_is_stored_folds_to_what_is_in_memory(tmp_path_factory: pytest.Temp
     memory = essence(h)
     h.close()
     assert essence(Health.open(path, boot_id=None, clock=clock)) == memory
+
+
+# -- issue 14: refreshes in place, old files, a store corrupted under a running daemon -----------
+
+
+def ib_down(seconds: float, severity: Severity = Severity.WARN) -> Finding:
+    return Finding("ib", "ib/mlx5_2/1", severity, f"down now for {seconds:.1f} s", Action.CHECK_CABLES,
+                   {"ongoing_outage_s": seconds, "outages": 1})
+
+
+def test_new_words_for_the_same_severity_refresh_the_stored_event_not_add_rows(tmp_path: Path) -> None:
+    clock = Clock()
+    h = Health.open(tmp_path, boot_id=B1, clock=clock)
+    for i in range(25):
+        clock.advance(1)
+        h.record_run(run("ib", ib_down(float(i))))
+    finds = [e for e in h.store.events() if e.check == "ib"]
+    assert len(finds) == 1 and finds[0].payload["message"] == "down now for 0.0 s"
+    # in memory at once; on disk within REFRESH_INTERVAL_S (10 s), not every second
+    assert h.view().node.why[0].message == "down now for 24.0 s"
+    stored = next(e for e in h.store.events() if e.check == "ib").latest
+    assert stored is not None and 14.0 <= stored["evidence"]["ongoing_outage_s"] < 24.0, stored
+    h.close()
+    # what a reader (gpumon status, a restart) folds: the newest words, the transition in the history
+    view = load_view(tmp_path)
+    (fault,) = view.node.why
+    assert fault.message == "down now for 24.0 s" and fault.evidence["ongoing_outage_s"] == 24.0
+    assert [e.payload["message"] for e in view.history["ib/mlx5_2/1"]] == ["down now for 0.0 s"]
+    # a change of severity is a transition again
+    again = Health.open(tmp_path, boot_id=B1, clock=clock)
+    clock.advance(1)
+    assert len(again.record_run(run("ib", ib_down(25.0, Severity.FAIL)))) == 1
+    again.close()
+
+
+def test_a_file_from_before_the_latest_column_is_read_and_upgraded(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.executescript("""
+        PRAGMA journal_mode=WAL;
+        CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, boot_id TEXT NOT NULL,
+            kind TEXT NOT NULL, component TEXT NOT NULL, check_name TEXT NOT NULL, payload TEXT NOT NULL,
+            last_seen REAL);
+        CREATE INDEX events_time ON events (time);
+        CREATE TABLE snapshot (id INTEGER PRIMARY KEY CHECK (id = 1), upto_id INTEGER NOT NULL,
+            time REAL NOT NULL, payload TEXT NOT NULL);
+        PRAGMA user_version=1;
+    """)
+    event = finding_event(xid79(), time=NOW, boot_id=B1)
+    db.execute("INSERT INTO events (time, boot_id, kind, component, check_name, payload)"
+               " VALUES (?,?,?,?,?,?)",
+               (event.time, B1, "finding", "gpu/3", "xid", json.dumps(dict(event.payload))))
+    db.commit()
+    db.close()
+    assert load_view(tmp_path).node.action is Action.REBOOT_NODE  # read-only: as it is
+    h = Health.open(tmp_path, boot_id=B1, clock=Clock())
+    assert h.error is None and h.view().node.action is Action.REBOOT_NODE
+    h.close()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    assert "latest" in [row[1] for row in db.execute("PRAGMA table_info(events)")]
+    db.close()
+
+
+def test_a_store_corrupted_under_a_running_daemon_starts_afresh_from_memory(tmp_path: Path) -> None:
+    """The file is overwritten between two writes (the store reconnects after any failure): the
+    daemon's Health sets it aside and seeds a fresh store with the state it holds in memory."""
+    clock = Clock()
+    h = Health.open(tmp_path, boot_id=B1, clock=clock, recover=True)
+    h.record_run(run("xid", xid79()))
+    h.record_run(run("throttle", warn(2, "SW thermal")))
+    memory = essence(h)
+    h.store.close()
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"{DB_NAME}{suffix}").unlink(missing_ok=True)
+    garbage = os.urandom(8192)
+    (tmp_path / DB_NAME).write_bytes(garbage)
+    clock.advance(5)
+    h.record_run(run("throttle", warn(4, "SW thermal")))
+    assert h.error is None
+    (aside,) = tmp_path.glob(f"{DB_NAME}.corrupt-*")
+    assert aside.read_bytes() == garbage
+    f = h.store_finding()
+    assert f.severity is Severity.WARN and "was corrupt" in f.message and str(aside) in f.message
+    view = h.view()
+    assert view.components["gpu/3"].action is Action.REBOOT_NODE  # from memory, not lost
+    assert view.components["gpu/4"].level is Level.DEGRADED
+    h.close()
+    again = Health.open(tmp_path, boot_id=B1, clock=clock, recover=True)
+    assert essence(again)[:2] == memory[:2]
+    assert again.view().components["gpu/4"].level is Level.DEGRADED
+    assert again.store_finding().severity is Severity.WARN  # a day long, across restarts
+    clock.advance(DAY_S)
+    assert again.store_finding().severity is Severity.OK
+    again.close()
