@@ -34,8 +34,19 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o644) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    sync_dir(path.parent)
+
+
+def sync_dir(directory: Path) -> None:
+    """fsync a directory, so that a rename in it survives a power loss (not every file system lets a
+    directory be opened for that: then the rename is as durable as that system makes it)."""
     try:
-        os.fsync(dir_fd)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
-        os.close(dir_fd)
+        os.close(fd)

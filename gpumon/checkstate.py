@@ -24,6 +24,8 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
+from gpumon.atomic import write_atomic
+
 log = logging.getLogger("gpumon.checkstate")
 
 
@@ -90,14 +92,8 @@ class CheckStateStore:
             text = json.dumps(self._states[name], separators=(",", ":"), default=str)
             if self._saved.get(name) == text:
                 return True  # unchanged: a 1 s check must not fsync every second for nothing
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            _sync_dir(path.parent)
+            # a full disk leaves no temp file behind (write_atomic removes it)
+            write_atomic(path, text)
             self._saved[name] = text
             self.last_error = None
             return True
@@ -106,18 +102,3 @@ class CheckStateStore:
             self.last_error = f"cannot save state of {name} to {path}: {exc}"
             log.warning("%s", self.last_error)
             return False
-
-
-def _sync_dir(directory: Path) -> None:
-    """fsync a directory, so that a rename in it survives a power loss (not every file system
-    lets a directory be opened for that: then the rename is as durable as that system makes it)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
