@@ -356,7 +356,7 @@ def judge(run: compute.WorkerRun, place: compute.Placement, params: BurninConfig
                       f"reference beyond the rounding bound (worst {g.reference_worst:.3g}x the bound)")
             evidence[r].setdefault("gemm", {})[dtype] = entry
             evidence[r].setdefault("readings", []).append(
-                reading("burnin_tflops", g.tflops, dtype=dtype))
+                reading("burnin_gemm_flop_per_second", g.tflops * 1e12, dtype=dtype))
     _judge_copies(reports, verdicts, evidence, params, cuda, ctx)
     out: list[Finding] = []
     for o in run.outcomes:
@@ -422,7 +422,8 @@ def _judge_copies(reports: Mapping[int, compute.BurnReport], verdicts: Mapping[i
             verdicts[r].add(Severity.FAIL, Action.INSPECT_HARDWARE,
                             "device memory copy is not equal to its source")
         evidence[r]["memory_copy"] = entry
-        evidence[r].setdefault("readings", []).append(reading("burnin_memory_copy_gbps", c.gbps))
+        evidence[r].setdefault("readings", []).append(
+            reading("burnin_memory_copy_bytes_per_second", c.gbps * 1e9))
 
 
 def _untested(ctx: CheckContext, run: compute.WorkerRun, as_gpu: bool,

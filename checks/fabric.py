@@ -6,13 +6,16 @@ This check reports that result in every run of the node's own checks, so the dae
 (``gpumon_finding_severity{check="fabric"}``, the busbw and p95 readings, the last probe's time) and
 a ``gpumon check`` run as a Slurm health check sees it too. The finding stands until the next probe
 replaces it (a passing probe clears it); its age is in the evidence. No probe yet: ``skipped``; a
-result file that cannot be read: ``unknown`` with the reason.
+result file that cannot be read: ``unknown`` with the reason. A result file written before the busbw
+reading took its base unit (``fabric_busbw_gbps``, GB/s) is reported under today's name in bytes per
+second, so one upgrade does not leave the old series on ``/metrics`` until the next probe.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from gpumon.check import Check, CheckContext
 from gpumon.fabric.settings import FabricConfig
@@ -20,6 +23,8 @@ from gpumon.model import NODE, Finding, Severity
 
 LATEST = Path("fabric") / "latest.json"
 MAX_BYTES = 1 << 20  # a result file is a few KiB; anything larger is not ours
+# (old name, its unit in bytes per second) -> today's name, for result files written before the rename
+RENAMED = {"fabric_busbw_gbps": ("fabric_busbw_bytes_per_second", 1e9)}
 
 
 class FabricCheck(Check):
@@ -58,4 +63,15 @@ class FabricCheck(Check):
                                  path=str(path))]
         evidence = {**finding.evidence, "probe_time": when, "age_s": round(max(0.0, ctx.clock() - when), 1),
                     "path": str(path)}
+        if isinstance(evidence.get("readings"), list):
+            evidence["readings"] = [_current(item) for item in evidence["readings"]]
         return [Finding(self.name, NODE, finding.severity, finding.message, finding.action, evidence)]
+
+
+def _current(item: Any) -> Any:
+    """A reading as this version names it (``RENAMED``); anything else, even malformed, as it is."""
+    if (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and item[0] in RENAMED
+            and isinstance(item[1], int | float) and not isinstance(item[1], bool)):
+        name, scale = RENAMED[item[0]]
+        return [name, float(item[1]) * scale, item[2]]
+    return item

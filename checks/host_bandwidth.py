@@ -174,8 +174,8 @@ def judge(ctx: CheckContext, results: Mapping[int, Measured], unmapped: Sequence
             "bytes": params.nbytes, "iterations": params.iterations, "pinned": m.pinned,
             "cpus": _ranges(m.cpus) or "unbound", "min_gbps": params.min_gbps, "source": source,
             "retryable": True,
-            "readings": [reading("host_bandwidth_gbps", m.h2d, direction="h2d"),
-                         reading("host_bandwidth_gbps", m.d2h, direction="d2h")],
+            "readings": [reading("host_bandwidth_bytes_per_second", m.h2d * 1e9, direction="h2d"),
+                         reading("host_bandwidth_bytes_per_second", m.d2h * 1e9, direction="d2h")],
         }
         if index in low:
             out.append(Finding(name, gpu(index), Severity.FAIL,

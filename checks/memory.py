@@ -175,10 +175,12 @@ class MemoryCheck(Check):
                              "aggregate_corrected": c.aggregate_corrected,
                              "aggregate_uncorrected": c.aggregate_uncorrected}
         g.evidence.setdefault("readings", []).extend([
-            reading("ecc_errors", c.volatile_corrected, kind="corrected", counter="volatile"),
-            reading("ecc_errors", c.volatile_uncorrected, kind="uncorrected", counter="volatile"),
-            reading("ecc_errors", c.aggregate_corrected, kind="corrected", counter="aggregate"),
-            reading("ecc_errors", c.aggregate_uncorrected, kind="uncorrected", counter="aggregate")])
+            # two counter families, not one with a volatile/aggregate label: the two overlap, so a
+            # sum over such a label would count each error twice
+            reading("ecc_volatile_errors_total", c.volatile_corrected, kind="corrected"),
+            reading("ecc_volatile_errors_total", c.volatile_uncorrected, kind="uncorrected"),
+            reading("ecc_aggregate_errors_total", c.aggregate_corrected, kind="corrected"),
+            reading("ecc_aggregate_errors_total", c.aggregate_uncorrected, kind="uncorrected")])
         if c.volatile_uncorrected > 0:
             g.add(Severity.FAIL, Action.RESET_GPU,
                   f"{c.volatile_uncorrected} uncorrectable ECC error(s) since the last reset "

@@ -189,7 +189,8 @@ def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str
                   for r in rows],
         "table": table(rows), "wall_s": round(sweep.wall_s, 2),
         "waited_for_devices_s": round(sweep.waited_for_devices_s, 2),
-        "readings": [reading("nccl_allreduce_busbw_gbps", rows[-1].busbw, bytes=rows[-1].nbytes)],
+        "readings": [reading("nccl_allreduce_busbw_bytes_per_second", rows[-1].busbw * 1e9,
+                             message_bytes=rows[-1].nbytes)],
     }
     if sweep.retry is not None:
         evidence["retry_table"] = table(sweep.retry)

@@ -376,8 +376,8 @@ def judge(ctx: CheckContext, indices: Sequence[int], paths: Mapping[tuple[int, i
         mine = {p: faults[p] for p in faults if i in p}
         ev: dict[str, Any] = {}
         if copies is not None:
-            ev["readings"] = [reading("p2p_copy_gbps", c.gbps, peer=b) for (a, b), c in sorted(copies.items())
-                              if a == i]
+            ev["readings"] = [reading("p2p_copy_bytes_per_second", c.gbps * 1e9, peer=b)
+                              for (a, b), c in sorted(copies.items()) if a == i]
         if i in culprits:
             sample = "; ".join(f"GPU {a} -> GPU {b}: {', '.join(w)}"
                                for (a, b), w in sorted(mine.items())[:4])

@@ -378,7 +378,9 @@ def _aer(params: PcieConfig, ds: dict[str, Any], aer: pcihw.AerStats, now: float
     totals = {kind: aer.of(kind).total for kind in pcihw.AER_FILES}
     evidence["aer_since_boot"] = dict(totals)
     # AER counters count since boot in the kernel: counters in Prometheus terms
-    evidence["readings"] = [reading("pcie_aer_errors_total", n, severity=kind) for kind, n in totals.items()]
+    # label aer_severity, not severity: that is the alert-routing label of alerting rules
+    evidence["readings"] = [reading("pcie_aer_errors_total", n, aer_severity=kind)
+                            for kind, n in totals.items()]
     if "totals" not in ds:
         ds["totals"] = dict(totals)
         ds["names"] = {kind: dict(aer.of(kind).errors) for kind in _UNCORRECTABLE}

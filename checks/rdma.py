@@ -46,6 +46,8 @@ from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
 
 from .pcie_topology import GpuNicPair, gpu_nic_pairs
 
+GBIT_BYTES = 1e9 / 8  # bytes per second in 1 Gbit/s
+
 
 @dataclass(frozen=True)
 class RdmaConfig:
@@ -275,7 +277,11 @@ class RdmaCheck(Check):
                    "expected_gbps": t.expected_gbps, "efficiency": t.efficiency,
                    "threshold_from": t.expected_from,
                    "message_size": row.size, "link_type": run.report.link_type,
-                   "readings": [reading("rdma_loopback_gbps", measured, kind=t.probe_id.split(":")[0])]})
+                   # perftest's Gbit/s in bytes per second; device and port tell apart the NICs that
+                   # share one GPU's switch (their gdr readings are all on that GPU's component)
+                   "readings": [reading("rdma_loopback_bytes_per_second", measured * GBIT_BYTES,
+                                        kind=t.probe_id.split(":")[0], device=t.spec.device,
+                                        port=t.spec.ib_port)]})
         if row.size != t.spec.size:
             ev["size_note"] = (f"no {t.spec.size}-byte row in the output; judged the largest "
                                f"({row.size} bytes)")

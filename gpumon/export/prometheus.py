@@ -87,9 +87,9 @@ FAMILIES: Mapping[str, str] = {
         f"{_ACTIONS}; the worst open fault's wins); only component=\"node\" also gets 0 for the "
         "others. Source: gpumon's health store, from the checks' findings and NVIDIA's Xid catalog.",
     "gpumon_remediation_info":
-        "Always 1: the remediation backend (label backend) and mode (label mode: observe = only "
-        "report, enforce = act) of the daemon's remediation loop. Source: gpumon configuration "
-        "(remediation.*).",
+        "Always 1: the remediation backend (label backend: kubernetes, slurm) and mode (label mode: "
+        "observe = only report, enforce = act) of the daemon's remediation loop. Source: gpumon "
+        "configuration (remediation.*).",
     "gpumon_remediation_breaker_open":
         "1 while the remediation circuit breaker stops gpumon from taking this node out (too large "
         "a share of the fleet is already out), else 0. Source: gpumon's remediation loop, from the "

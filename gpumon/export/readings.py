@@ -33,16 +33,26 @@ class ReadingDoc:
     checks: tuple[str, ...]  # the built-in checks that publish it
 
 
-_GBPS = "GB/s (10^9 bytes per second)"
+# base unit on /metrics; the checks' evidence and messages keep GB/s (Grafana unit "Bps" shows it)
+_BPS = "bytes per second (the check's evidence and messages say GB/s: 1 GB/s = 1e9 bytes per second)"
 
 READINGS: Mapping[str, ReadingDoc] = MappingProxyType({
     # -- continuous checks ---------------------------------------------------------------------
-    "ecc_errors": ReadingDoc(
-        "gauge",
-        "ECC errors counted by this GPU's memory (label kind: corrected, uncorrected; label counter: "
-        "volatile = since the last GPU reset or driver load, aggregate = over the GPU's life, kept in "
-        "its InfoROM; the two overlap, do not sum over counter). Unit: errors. Source: NVML "
-        "nvmlDeviceGetTotalEccErrors. A volatile uncorrected error fails the GPU (reset_gpu).",
+    "ecc_volatile_errors_total": ReadingDoc(
+        "counter",
+        "ECC errors counted by this GPU's memory since the last GPU reset or driver load (label kind: "
+        "corrected, uncorrected); the reset or driver load sets it back to 0, an ordinary counter reset "
+        "for rate() and increase(). Unit: errors. Source: NVML nvmlDeviceGetTotalEccErrors "
+        "(NVML_VOLATILE_ECC). A volatile uncorrected error fails the GPU (reset_gpu). Published by the "
+        "memory check (and the bootstrap's memory_headroom).",
+        ("memory",)),
+    "ecc_aggregate_errors_total": ReadingDoc(
+        "counter",
+        "ECC errors counted by this GPU's memory over its life, kept in its InfoROM across resets and "
+        "reboots (label kind: corrected, uncorrected); includes the volatile count's errors, so never "
+        "add the two. Unit: errors. Source: NVML nvmlDeviceGetTotalEccErrors (NVML_AGGREGATE_ECC). "
+        "Evidence only in the memory check; the bootstrap's memory_headroom fails a GPU above its "
+        "aggregate_errors_fail.",
         ("memory",)),
     "remapped_rows": ReadingDoc(
         "gauge",
@@ -93,7 +103,7 @@ READINGS: Mapping[str, ReadingDoc] = MappingProxyType({
     "pcie_aer_errors_total": ReadingDoc(
         "counter",
         "PCIe AER errors reported by this PCI function (a GPU, RDMA NIC, NVSwitch, or a bridge or switch "
-        "port above them) since boot (label severity: correctable, nonfatal, fatal). Unit: errors. "
+        "port above them) since boot (label aer_severity: correctable, nonfatal, fatal). Unit: errors. "
         "Source: sysfs /sys/bus/pci/devices/<bdf>/aer_dev_correctable, aer_dev_nonfatal, aer_dev_fatal "
         "(TOTAL_ERR_*), which the kernel resets only at boot.",
         ("pcie",)),
@@ -118,20 +128,20 @@ READINGS: Mapping[str, ReadingDoc] = MappingProxyType({
         "(check_cables). Unit: seconds. Source: gpumon's timing of sysfs "
         "/sys/class/infiniband/<dev>/ports/<port>/state and phys_state samples.",
         ("ib",)),
-    "fabric_busbw_gbps": ReadingDoc(
+    "fabric_busbw_bytes_per_second": ReadingDoc(
         "gauge",
         "Bus bandwidth in the last multi-node fabric probe (gpumon probe-fabric) that judged this node: "
         "per collective (label op: all_reduce, all_gather, reduce_scatter, alltoall; sendrecv = the "
         "median of this node's pair exchanges) and size class (label size_class: small, mid, large), "
-        "the best over the class's sizes. Unit: " + _GBPS + ". Source: gpumon's own timing of the "
+        "the best over the class's sizes. Unit: " + _BPS + ". Source: gpumon's own timing of the "
         "collectives (the slowest rank's median), busbw as nccl-tests defines it.",
         ("fabric",)),
     "fabric_latency_p95_seconds": ReadingDoc(
         "gauge",
         "95th-percentile time of one operation in the last fabric probe that judged this node, the "
-        "worst over the size class's sizes and ranks (labels op and size_class as fabric_busbw_gbps; "
-        "sendrecv: the median of this node's pair exchanges, small messages). Unit: seconds. Source: "
-        "gpumon's own timing of the probe's operations.",
+        "worst over the size class's sizes and ranks (labels op and size_class as "
+        "fabric_busbw_bytes_per_second; sendrecv: the median of this node's pair exchanges, small "
+        "messages). Unit: seconds. Source: gpumon's own timing of the probe's operations.",
         ("fabric",)),
     "fabric_last_probe_timestamp_seconds": ReadingDoc(
         "gauge",
@@ -144,45 +154,47 @@ READINGS: Mapping[str, ReadingDoc] = MappingProxyType({
         "Source: gpumon's judgement of the probe (gpumon probe-fabric, rank 0).",
         ("fabric",)),
     # -- bootstrap checks ----------------------------------------------------------------------
-    "burnin_tflops": ReadingDoc(
+    "burnin_gemm_flop_per_second": ReadingDoc(
         "gauge",
         "GEMM throughput this device sustained in the last burn-in, per data type (label dtype): 2n^3 "
-        "floating-point operations per n x n GEMM over the GEMMs' device time. Unit: TFLOP/s (10^12 "
-        "floating-point operations per second). Source: gpumon's burn-in workers (torch GEMMs on each "
-        "GPU; CPU stand-ins on a simulated node).",
+        "floating-point operations per n x n GEMM over the GEMMs' device time. Unit: floating-point "
+        "operations per second (FLOP/s; 1e12 = 1 TFLOP/s). Source: gpumon's burn-in workers (torch "
+        "GEMMs on each GPU; CPU stand-ins on a simulated node).",
         ("burnin",)),
-    "burnin_memory_copy_gbps": ReadingDoc(
+    "burnin_memory_copy_bytes_per_second": ReadingDoc(
         "gauge",
         "Device-to-device memory copy bandwidth of this GPU in the last burn-in, bytes read plus "
-        "written (as CUDA's bandwidthTest counts), the better of two measurements. Unit: " + _GBPS
+        "written (as CUDA's bandwidthTest counts), the better of two measurements. Unit: " + _BPS
         + ". Source: gpumon's burn-in workers (a torch copy within the GPU's memory).",
         ("burnin",)),
-    "host_bandwidth_gbps": ReadingDoc(
+    "host_bandwidth_bytes_per_second": ReadingDoc(
         "gauge",
         "Pinned host memory <-> this GPU copy bandwidth in the last host_bandwidth run (label "
         "direction: h2d, d2h), one direction's bytes, the best of the attempts, from CPUs local to "
-        "the GPU. Unit: " + _GBPS + ". Source: gpumon's CUDA copy worker (torch), as nvbandwidth's "
+        "the GPU. Unit: " + _BPS + ". Source: gpumon's CUDA copy worker (torch), as nvbandwidth's "
         "memcpy_ce tests measure.",
         ("host_bandwidth",)),
-    "p2p_copy_gbps": ReadingDoc(
+    "p2p_copy_bytes_per_second": ReadingDoc(
         "gauge",
         "Copy bandwidth from this GPU to GPU <peer> (label peer: the peer's NVML index) in the last p2p "
-        "run, one direction's bytes. Unit: " + _GBPS + ". Source: gpumon's CUDA peer-copy worker "
+        "run, one direction's bytes. Unit: " + _BPS + ". Source: gpumon's CUDA peer-copy worker "
         "(torch), one ordered pair at a time.",
         ("p2p",)),
-    "nccl_allreduce_busbw_gbps": ReadingDoc(
+    "nccl_allreduce_busbw_bytes_per_second": ReadingDoc(
         "gauge",
         "All-reduce bus bandwidth over every local GPU at the largest size of the last nccl run (label "
-        "bytes: that message size in bytes); busbw = algbw x 2(n-1)/n as nccl-tests defines it. Unit: "
-        + _GBPS + ". Source: gpumon's torch.distributed all-reduce sweep, or nccl-tests' "
+        "message_bytes: that message size in bytes); busbw = algbw x 2(n-1)/n as nccl-tests defines it. "
+        "Unit: " + _BPS + ". Source: gpumon's torch.distributed all-reduce sweep, or nccl-tests' "
         "all_reduce_perf where it is used.",
         ("nccl",)),
-    "rdma_loopback_gbps": ReadingDoc(
+    "rdma_loopback_bytes_per_second": ReadingDoc(
         "gauge",
         "RDMA write bandwidth of a loopback through one NIC port in the last rdma run, perftest's "
         "average at message_size (default 8 MiB) (label kind: host = host memory to host memory, on "
         "component ib/<dev>/<port>; gdr = GPUDirect RDMA to and from this GPU's memory through a NIC "
-        "below its PCIe switch, on component gpu/<i>). Unit: Gbit/s (10^9 bits per second, not bytes). "
+        "below its PCIe switch, on component gpu/<i>; labels device and port: the NIC's RDMA device "
+        "and port, which tell apart the NICs that share a GPU's switch). Unit: bytes per second (the "
+        "check's evidence and messages say Gbit/s, as perftest: 1 Gbit/s = 1.25e8 bytes per second). "
         "Source: perftest ib_write_bw --report_gbits.",
         ("rdma",)),
 })

@@ -313,12 +313,12 @@ def _readings(node: str, rows: Sequence[Row], pair_bw: Mapping[str, tuple[float 
             bws = [r.busbw_gbps for r in sel if math.isfinite(r.busbw_gbps)]
             lats = [r.p95_us for r in sel if math.isfinite(r.p95_us)]
             if bws:
-                out.append(reading("fabric_busbw_gbps", max(bws), op=op, size_class=cls))
+                out.append(reading("fabric_busbw_bytes_per_second", max(bws) * GB, op=op, size_class=cls))
             if lats:
                 out.append(reading("fabric_latency_p95_seconds", max(lats) / 1e6, op=op, size_class=cls))
     bw, lat = pair_bw.get(node, (None, None))
     if bw is not None:
-        out.append(reading("fabric_busbw_gbps", bw, op="sendrecv", size_class="large"))
+        out.append(reading("fabric_busbw_bytes_per_second", bw * GB, op="sendrecv", size_class="large"))
     if lat is not None:
         out.append(reading("fabric_latency_p95_seconds", lat / 1e6, op="sendrecv", size_class="small"))
     out.append(reading("fabric_last_probe_timestamp_seconds", when))

@@ -95,7 +95,8 @@ class RemediationLoop:
 
     def snapshot(self) -> dict[str, Any]:
         last = self.last
-        return {"mode": self.policy.mode.value, "backend": type(self.policy).__name__,
+        # the scheduler backend's own name (kubernetes, slurm), as remediation.backend configures it
+        return {"mode": self.policy.mode.value, "backend": self.policy.backend.name,
                 "breaker_open": bool(last and last.breaker_open), "errors_total": self.errors,
                 "decision": last.decision.value if last else None,
                 "error": bool(last and last.error), "time": last.time if last else None,

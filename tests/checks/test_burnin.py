@@ -246,7 +246,7 @@ def test_gpu_runs_are_judged_per_gpu_by_uuid(sim: Any) -> None:
     idle = ctx.hw.nvml.clocks_event_reasons(7) & 0x1
     assert nvml["clock_event_reasons_seen"] == ({"gpu_idle": 1} if idle else {})
     assert ("[clock event reasons during the burn: gpu_idle]" in msg["gpu/3"]) == bool(idle)
-    assert ev["readings"][0][:2] == ["burnin_tflops", 786.0]
+    assert ev["readings"][0][:2] == ["burnin_gemm_flop_per_second", 786e12]  # 786 TFLOP/s
 
 
 def test_hung_or_crashed_workers_fail_the_gpu_and_name_where(sim: Any) -> None:

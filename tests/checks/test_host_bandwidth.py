@@ -90,7 +90,9 @@ def test_judged_per_gpu_in_both_directions(nvml_state: Path, tmp_path: Path) -> 
     for i in range(3, 8):
         assert by[f"gpu/{i}"].severity is Severity.UNKNOWN and "not tested" in by[f"gpu/{i}"].message
     assert by[NODE].severity is Severity.UNKNOWN and "cuda:9" in by[NODE].evidence["measured"]
-    assert ["host_bandwidth_gbps", 20.4, {"direction": "h2d"}] in by["gpu/1"].evidence["readings"]
+    # base units on /metrics: bytes per second (the evidence and the message say GB/s)
+    [h2d] = [r for r in by["gpu/1"].evidence["readings"] if r[2] == {"direction": "h2d"}]
+    assert h2d[0] == "host_bandwidth_bytes_per_second" and h2d[1] == pytest.approx(20.4e9)
 
 
 def test_below_and_no_profile_minimum() -> None:

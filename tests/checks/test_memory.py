@@ -243,6 +243,18 @@ def test_ecc_disabled(nvml_state: Path, tmp_path: Path, fields: dict[str, Any], 
     assert words in f.message and "ecc" not in f.evidence  # no counters while ECC is off
 
 
+def test_ecc_counts_are_two_counter_families_one_per_nvml_counter(nvml_state: Path, tmp_path: Path) -> None:
+    # volatile and aggregate overlap (the aggregate count includes the volatile one): one family
+    # each, so that a sum over every label of either family counts each error once
+    [f] = _one(nvml_state, tmp_path, ecc_volatile_corrected=3, ecc_aggregate_corrected=40,
+               ecc_aggregate_uncorrected=2)
+    ecc = [r for r in f.evidence["readings"] if r[0].startswith("ecc_")]
+    assert ecc == [["ecc_volatile_errors_total", 3.0, {"kind": "corrected"}],
+                   ["ecc_volatile_errors_total", 0.0, {"kind": "uncorrected"}],
+                   ["ecc_aggregate_errors_total", 40.0, {"kind": "corrected"}],
+                   ["ecc_aggregate_errors_total", 2.0, {"kind": "uncorrected"}]]
+
+
 def test_volta_reads_retired_pages_not_remapped_rows(nvml_state: Path, tmp_path: Path) -> None:
     [f] = _one(nvml_state, tmp_path, architecture=5, name="Tesla V100-SXM2-32GB", retired_pages_sbe=3,
                retired_pages_dbe=1, retired_pages_pending=True, remapped_rows_pending=True)

@@ -195,6 +195,10 @@ def test_busbw_below_the_profile_fails_only_when_the_retry_is_low_too() -> None:
     (ok,) = verdict(Sweep(_rows(480.0), True, labels), params, 460.0, "Azure ND H100 v5")
     assert ok.severity is Severity.OK and ok.evidence["attempts"] == 1 and ok.evidence["retryable"] is True
     assert ok.evidence["source"] == "Azure ND H100 v5"
+    # on /metrics in bytes per second (GB/s x 1e9), the message size in label message_bytes
+    [(name, value, labels)] = ok.evidence["readings"]
+    assert (name, labels) == ("nccl_allreduce_busbw_bytes_per_second", {"message_bytes": str(16 << 30)})
+    assert value == pytest.approx(480e9)
     (passed,) = verdict(Sweep(_rows(420.0), True, labels, retry=_rows(470.0)[1:]), params, 460.0, None)
     assert passed.severity is Severity.OK and passed.evidence["attempts"] == 2
     assert passed.evidence["judged_busbw_gbps"] == pytest.approx(470.0)

@@ -216,7 +216,7 @@ def test_copies_below_the_profile_name_both_gpus_and_a_slow_gpu_is_blamed(nvml_s
                             "GPU 2 -> GPU 5: copy 120 GB/s below 335 (twice)")
     assert node.evidence["copy_gbps"][3].split()[6] == "120"
     readings = by["gpu/2"][0].evidence["readings"]
-    assert ["p2p_copy_gbps", 120.0, {"peer": "5"}] in readings
+    assert ["p2p_copy_bytes_per_second", 120e9, {"peer": "5"}] in readings  # GB/s in base units
 
 
 def test_blame_and_matrix() -> None:

@@ -95,6 +95,11 @@ def test_first_reading_since_boot_fatal_fails_nonfatal_warns(sim: Any) -> None:
     assert fatal.severity is Severity.FAIL and "before gpumon watched" in fatal.message
     assert nonfatal.severity is Severity.WARN and "3 non-fatal" in nonfatal.message
     assert nonfatal.evidence["aer_since_boot"] == {"correctable": 0, "nonfatal": 3, "fatal": 0}
+    # label aer_severity: "severity" is what alerting rules route on, and would overwrite it
+    assert {r[2]["aer_severity"]: (r[0], r[1]) for r in nonfatal.evidence["readings"]} == {
+        "correctable": ("pcie_aer_errors_total", 0.0), "nonfatal": ("pcie_aer_errors_total", 3.0),
+        "fatal": ("pcie_aer_errors_total", 0.0)}
+    assert all(set(r[2]) == {"aer_severity"} for r in nonfatal.evidence["readings"])
 
 
 def test_correctable_ramp_warns_and_a_slow_trickle_does_not(sim: Any) -> None:

@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from fake_tools import POST_LIST, fake_perftest, replay_with_row
+from prometheus_client import generate_latest
 
 from gpumon.bootstrap import RETRY_KEY
-from gpumon.hw.perftest import LoopbackSpec
+from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
+from gpumon.hw.perftest import LoopbackRun, LoopbackSpec, parse_bw
 from gpumon.hw.tools import ToolRunner
 from gpumon.model import Action, Finding, Severity
+from gpumon.runner import CheckRun
 from gpumon_checks.rdma import RdmaCheck, RdmaConfig, _Target, waves
 
 
@@ -61,6 +64,11 @@ def test_healthy_node_host_and_gpudirect_loopback(sim: Callable[..., Any], tmp_p
     assert gdr.message == "GPUDirect RDMA gpu/3 <-> mlx5_3 port 1: 392.1 Gb/s (threshold 380)"
     assert (gdr.evidence["probe_id"], gdr.evidence["device"], gdr.evidence["switch"]) == (
         "gdr:mlx5_3", "mlx5_3", "0000:5a:00.0")
+    # on /metrics in bytes per second (perftest's Gbit/s x 1.25e8), naming the NIC and its port
+    assert host.evidence["readings"] == [["rdma_loopback_bytes_per_second", 392.11 * 1.25e8,
+                                          {"kind": "host", "device": "mlx5_3", "port": "1"}]]
+    assert gdr.evidence["readings"] == [["rdma_loopback_bytes_per_second", 392.11 * 1.25e8,
+                                         {"kind": "gdr", "device": "mlx5_3", "port": "1"}]]
     lines = log.read_text().splitlines()
     # server and client of each of 16 runs, the CUDA index in NVML's (PCI bus) order
     assert len([ln for ln in lines if ln.endswith("localhost")]) == 16
@@ -125,6 +133,24 @@ def test_gpudirect_waves_never_share_a_nic_or_a_gpu() -> None:
     # two GPUs and two NICs per switch: each NIC pairs with both GPUs
     t = [target("mlx5_0", 0), target("mlx5_1", 0), target("mlx5_0", 1), target("mlx5_1", 1)]
     assert waves(t) == [[t[0], t[3]], [t[1], t[2]]]
+
+
+def test_two_nics_on_one_gpus_switch_are_two_series_on_metrics() -> None:
+    # a GPU that pairs with two NICs (two GPUs and two NICs per switch): both gdr findings are on the
+    # GPU's component, so only the device and port labels keep the exporter from dropping one
+    findings = []
+    for device, gbits in (("mlx5_0", 392.0), ("mlx5_1", 301.5)):
+        spec = LoopbackSpec(device, cuda=0)
+        target = _Target("gpu/0", f"gdr:{device}", spec, 400.0, "", 0.95, f"gpu/0 <-> {device}", {})
+        findings.append(RdmaCheck()._judge(target, LoopbackRun(spec, parse_bw(replay_with_row(gbits)))))
+    snap = Snapshot("n", "p", "v", {"rdma": CheckRun("rdma", findings, 0.0, 1.0, "completed")})
+    text = generate_latest(make_registry(SnapshotHolder(snap))).decode()
+    series = sorted(line for line in text.splitlines() if line.startswith("gpumon_rdma_loopback"))
+    assert series == [
+        'gpumon_rdma_loopback_bytes_per_second{check="rdma",component="gpu/0",device="mlx5_0",kind="gdr",'
+        'port="1"} 4.9e+10',
+        'gpumon_rdma_loopback_bytes_per_second{check="rdma",component="gpu/0",device="mlx5_1",kind="gdr",'
+        'port="1"} 3.76875e+10']
 
 
 def test_client_is_retried_until_the_server_listens(sim: Callable[..., Any], tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ def node_snapshot(scenario: str, state_dir: Path) -> Snapshot:
     runs[store.check] = CheckRun(store.check, [store], doc["time"], 0.0, "completed")
     states = {name: (c.level.value, c.action.value) for name, c in view.components.items()}
     states["node"] = (view.node.level.value, view.node.action.value)
-    remediation = {"backend": "SlurmPolicy", "mode": "observe", "breaker_open": False, "errors_total": 1,
+    remediation = {"backend": "slurm", "mode": "observe", "breaker_open": False, "errors_total": 1,
                    "decision": "take_out", "error": False}
     return Snapshot(doc["node"], doc["profile"], "0.1.0", runs, states, remediation)
 

@@ -158,8 +158,14 @@ def test_a_node_fault_from_the_pair_rounds_fails_that_node_only_and_carries_read
     v = judge(p)
     assert (v.findings["n2"].severity, v.findings["n2"].action) == (Severity.FAIL, Action.CHECK_CABLES)
     assert all(v.findings[n].severity is Severity.OK for n in ("n0", "n1", "n3"))
-    names = {(r[0], r[2].get("op"), r[2].get("size_class")) for r in v.findings["n0"].evidence["readings"]}
-    assert ("fabric_busbw_gbps", "sendrecv", "large") in names
+    readings = v.findings["n0"].evidence["readings"]
+    names = {(r[0], r[2].get("op"), r[2].get("size_class")) for r in readings}
+    assert ("fabric_busbw_bytes_per_second", "sendrecv", "large") in names
+    # base units on /metrics: the rows' GB/s times 1e9 (2 GiB all_reduce on 4 ranks: 270 GB/s)
+    [large] = [r[1] for r in readings if r[0] == "fabric_busbw_bytes_per_second"
+               and (r[2]["op"], r[2]["size_class"]) == ("all_reduce", "large")]
+    assert large == pytest.approx(270e9, rel=1e-6)
+    assert large == pytest.approx(max(r.busbw_gbps for r in v.rows if r.size_class == "large") * 1e9)
     assert ("fabric_latency_p95_seconds", "all_reduce", "small") in names
 
 
@@ -202,6 +208,20 @@ def test_fabric_check_reports_the_last_probe_or_says_why_not(tmp_path: Path) -> 
     latest.write_bytes(b" " * (2 << 20))
     [big] = check.run(_ctx(tmp_path))
     assert big.severity is Severity.UNKNOWN
+
+
+def test_a_result_file_from_before_the_rename_reports_busbw_in_bytes_per_second(tmp_path: Path) -> None:
+    latest = tmp_path / "fabric" / "latest.json"
+    latest.parent.mkdir()
+    old = {"op": "sendrecv", "size_class": "large"}
+    latest.write_text(json.dumps({"time": time.time() - 30, "node": "n", "finding": {
+        "check": "fabric", "component": "node", "severity": "ok", "action": "none", "message": "ok",
+        "evidence": {"readings": [["fabric_busbw_gbps", 46.5, old], ["fabric_last_probe_passed", 1.0, {}],
+                                  ["fabric_busbw_gbps", "x", old], "not a reading"]}}}))
+    [got] = FabricCheck().run(_ctx(tmp_path))
+    assert got.evidence["readings"] == [["fabric_busbw_bytes_per_second", 46.5e9, old],
+                                        ["fabric_last_probe_passed", 1.0, {}],
+                                        ["fabric_busbw_gbps", "x", old], "not a reading"]  # malformed: as is
 
 
 # ------------------------------------------------------------------ settings and profiles
