@@ -8,13 +8,14 @@ failure, 3 could not run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gpumon import __version__
 from gpumon.agent import Agent, Simulation
@@ -237,10 +238,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
             simulation = _start_simulation(args, scenario)
         if args.command == "probe-fabric":
             try:
-                return fabric_cli.main(args, config, checks, simulation)
+                code = fabric_cli.main(args, config, checks, simulation)
             finally:
                 if simulation is not None:
                     simulation.close()
+            # not through the interpreter's teardown: torch's communication threads are still
+            # alive (gpumon/fabric/probe.py, "Exit")
+            _flush_and_exit(code)
         agent = Agent(config, checks, simulation, persist_state=args.command == "daemon")
         try:
             agent.start()
@@ -269,6 +273,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 # the phases the daemon runs on a schedule; the others run when asked (run-bootstrap, probe-fabric)
 _SCHEDULED = (Phase.CONTINUOUS, Phase.CANARY)
+
+
+def _flush_and_exit(code: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _list_checks(checks: dict[str, type[Check]], config: Config) -> int:

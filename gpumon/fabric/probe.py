@@ -12,6 +12,11 @@ and writes the report; every other rank waits a short grace for the verdict, rec
 finding and exits. A collective that raises (a peer died) takes the same path at once. Nothing
 tears down a process group after a failure (that can hang); the process exits.
 
+**Exit.** A rank never returns through the interpreter's teardown: the process group is not destroyed
+(that can hang after a failure) and torch's C++ communication threads abort a process whose Python
+objects are torn down under them (seen as SIGABRT at exit), so ``gpumon probe-fabric`` flushes its
+output and leaves with ``os._exit``.
+
 **Exit codes**: rank 0 exits with the group's status (0 ok, 1 warn/unknown, 2 fail; srun and
 torchrun pass it on); other ranks exit 0 once their node's finding is recorded, 3 when they could
 not run at all, 2 when they lost the group.
@@ -118,6 +123,7 @@ class RankRun:
         self._abort_lock = threading.Lock()
         self._aborting = False
         self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []  # heartbeat, watch: joined before a normal exit
         self._heard: dict[int, tuple[str, float]] = {}  # rank 0: rank -> (last beat, when it changed)
         self.store: _Store | None = None
         self.iso: Isolator | None = None  # rank 0, once the pair rounds start
@@ -208,6 +214,8 @@ class RankRun:
             self.abort(f"{type(exc).__name__} in {self.phase}: {first}")
             return EXIT_FAIL  # not reached: abort exits
         self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2 * self.s.settings.heartbeat_s + 1.0)
         return code
 
     def _run(self) -> int:
@@ -218,9 +226,11 @@ class RankRun:
         s, launch = self.s.settings, self.launch
         host = self.rank == 0 and not launch.agent_store
         self.store = store = _Store(launch, self.remaining(), master=host)
-        threading.Thread(target=self._heartbeat, name="fabric-heartbeat", daemon=True).start()
+        self._threads.append(threading.Thread(target=self._heartbeat, name="fabric-heartbeat", daemon=True))
         if self.rank == 0:
-            threading.Thread(target=self._watch, name="fabric-watch", daemon=True).start()
+            self._threads.append(threading.Thread(target=self._watch, name="fabric-watch", daemon=True))
+        for t in self._threads:
+            t.start()
         device = self._device(torch)
         gate = self.s.gate(self._gpu_index())
         store.set(f"rank/{self.rank}", {"node": self.s.node, "local_rank": launch.local_rank,
