@@ -157,8 +157,9 @@ class NvswitchCheck(Check):
     timeout = 20.0
     Config = NvswitchConfig
     uses_kernel_log = True
-    # every SXid line carries the word; other kernel noise must not re-read NVML and the FM log
-    kernel_log_match = ("SXid",)
+    # SXid lines only: other kernel noise must not re-read NVML and the FM log
+    kernel_log_events = (SXidEvent,)
+    kernel_log_records = False
 
     def supported(self, inventory: Inventory) -> str | None:
         if any(d.is_nvswitch for d in inventory.pci_devices):

@@ -131,7 +131,13 @@ class PcieCheck(Check):
     timeout = 30.0
     Config = PcieConfig
     uses_kernel_log = True
-    kernel_log_match = ("PCIe Bus Error", "AER:")
+    # AER lines are folded as they arrive (AerFold); only an uncorrectable report runs the check
+    # at once, corrected ones are counted and reach it at its regular run
+    kernel_log_events = ()
+    kernel_log_records = False
+
+    def kernel_log_fold(self) -> AerFold:
+        return AerFold()
 
     def supported(self, inventory: Inventory) -> str | None:
         if not inventory.pci_devices:
@@ -326,19 +332,151 @@ class PcieCheck(Check):
             return [self.finding(NODE, Severity.UNKNOWN,
                                  f"kernel log unreadable ({log.error or 'unknown reason'}): AER messages not "
                                  "checked; the sysfs AER counters still are", source=log.source)]
-        kmsg: dict[str, Any] = state.setdefault("kmsg", {})
-        last_header: dict[str, str] = state.setdefault("kmsg_source", {})
-        for rec in log.records:
-            text = getattr(rec, "text", "")
-            if not isinstance(text, str):
-                continue
-            for line in text.splitlines():
-                msg = pcihw.parse_aer_message(line)
-                if msg is not None:
-                    _ingest(kmsg, last_header, msg, line, log.time_of(rec, now))
-                elif "AER:" in line:
-                    _ingest_summary(kmsg, line, log.time_of(rec, now))
+        if isinstance(log.folded, AerDelta):  # the daemon's pump folded the lines as they came
+            log.folded.merge_into(state)
+        if log.records:
+            fold = AerFold(state.get("kmsg_source"))
+            for rec in log.records:
+                fold.add(rec, log.time_of(rec, now))
+            delta = fold.take()
+            if delta is not None:
+                delta.merge_into(state)
         return []
+
+
+class AerDelta:
+    """AER lines folded since the pcie check's last run (:class:`AerFold`): what they add to the
+    check's ``state["kmsg"]``, which :meth:`merge_into` adds. Merging deltas one after another
+    gives the state that ingesting their lines one by one gives (tests/checks/test_pcie_fold.py)."""
+
+    __slots__ = ("kmsg", "orphans", "sources")
+
+    def __init__(self) -> None:
+        # bus id -> entry, as in state["kmsg"], for the reports whose header is in this delta
+        # (and the summary / not-recovered lines)
+        self.kmsg: dict[str, dict[str, Any]] = {}
+        # reporter -> the function its latest header named ("": a header of no known severity)
+        self.sources: dict[str, str] = {}
+        # detail lines (status, error bits) of reports whose header came in an earlier delta, in
+        # order, a run of lines for one function as one item: (("bdf", function), what they say)
+        # for that function's current report, or (("reporter", prefix), ...) for the function
+        # that the state's kmsg_source names (a reporter whose header this fold never saw)
+        self.orphans: list[tuple[tuple[str, str], dict[str, Any]]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.kmsg or self.sources or self.orphans)
+
+    def merge_into(self, state: MutableMapping[str, Any]) -> None:
+        kmsg: dict[str, Any] = state.setdefault("kmsg", {})
+        sources: dict[str, str] = state.setdefault("kmsg_source", {})
+        for (by, key), said in self.orphans:  # they came before anything of this delta's
+            entry = kmsg.get(sources.get(key, key) if by == "reporter" else key)
+            if entry is not None and "current" in entry:
+                _details(entry[entry["current"]], said)
+        for bdf, new in self.kmsg.items():
+            entry = kmsg.get(bdf)
+            if entry is None:
+                if len(kmsg) < _MAX_LOG_DEVICES:
+                    kmsg[bdf] = new
+                continue
+            for key, value in new.items():
+                if key in _WORDS:  # a report group: count, first, last, errors, status
+                    group = entry.get(key)
+                    if group is None:
+                        entry[key] = value
+                        continue
+                    group["count"] += value["count"]
+                    group["first"] = min(group["first"], value["first"])
+                    group["last"] = max(group["last"], value["last"])
+                    _details(group, value)
+                elif key in ("summary", "not_recovered"):
+                    groups = entry.setdefault(key, {})
+                    for kind, counted in value.items():
+                        have = groups.get(kind)
+                        if have is None:
+                            groups[kind] = counted
+                        else:
+                            have["count"] += counted["count"]
+                            have["first"] = min(have["first"], counted["first"])
+                            have["last"] = max(have["last"], counted["last"])
+                elif key == "samples":
+                    samples: list[str] = entry.setdefault("samples", [])
+                    samples.extend(value[: max(0, _MAX_SAMPLES - len(samples))])
+                else:  # current, reported_by: the latest says
+                    entry[key] = value
+        sources.update(self.sources)
+
+
+class AerFold:
+    """pcie's kernel-log lines folded into an :class:`AerDelta` as they arrive (the daemon's
+    kernel-log pump calls :meth:`add` per record, see gpumon.check.KernelLogFold; the check's own
+    run does the same with the records it is handed). A storm of corrected-error reports then
+    costs a dictionary update per line, and runs the check only at its interval: ``add`` returns
+    a key, which runs it at once, only for an uncorrectable report (header or summary line) and a
+    device that was not recovered.
+
+    ``sources``: the state's kmsg_source (reporter -> the function of its latest header), so that
+    a detail line whose header was folded before is attributed as the state would. The daemon's
+    fold starts without it and learns it from the headers it folds; after a daemon restart, a
+    detail line whose header was handed over before the restart is attributed at the merge, to
+    that function's report as it stood before the delta (the same, unless another header for the
+    same function came between them)."""
+
+    def __init__(self, sources: Mapping[str, str] | None = None) -> None:
+        self._delta = AerDelta()
+        self._source: dict[str, str] = dict(sources) if isinstance(sources, Mapping) else {}
+
+    def take(self) -> AerDelta | None:
+        delta, self._delta = self._delta, AerDelta()
+        return delta if delta else None
+
+    def add(self, record: Any, when: float) -> list[tuple[str, str]]:
+        text = getattr(record, "text", "")
+        if not isinstance(text, str) or not (
+                "[" in text or "AER:" in text or "PCIe Bus Error" in text or "error status/mask=" in text):
+            return []  # what parse_aer_message and the summary line need (most lines of a storm)
+        keys: list[tuple[str, str]] = []
+        for line in text.splitlines():
+            msg = pcihw.parse_aer_message(line)
+            if msg is not None:
+                if self._line(msg, line, when):
+                    keys.append((msg.bdf, str(msg.severity)))
+            elif "AER:" in line:
+                said = _ingest_summary(self._delta.kmsg, line, when)
+                if said is not None and said[1] != "correctable":
+                    keys.append(said)
+        return keys
+
+    def _line(self, msg: pcihw.AerLogLine, line: str, when: float) -> bool:
+        """Fold one line of a report; True for the header of an uncorrectable one."""
+        delta = self._delta
+        if msg.kind == "header":
+            _ingest(delta.kmsg, delta.sources, msg, line, when)
+            if len(self._source) >= 4 * _MAX_LOG_DEVICES and msg.reporter not in self._source:
+                del self._source[next(iter(self._source))]
+            self._source[msg.reporter] = delta.sources[msg.reporter]
+            return msg.severity in _UNCORRECTABLE
+        if msg.reporter in delta.sources:  # its header is in this delta
+            _ingest(delta.kmsg, delta.sources, msg, line, when)
+            return False
+        target = self._source.get(msg.reporter)
+        if target == "":
+            return False  # its header had no severity: a report not counted
+        # no header from this reporter yet: the function it prints (as _ingest does)
+        entry = delta.kmsg.get(msg.reporter if target is None else target)
+        if entry is not None and "current" in entry:  # a header in this delta named it
+            _detail(entry[entry["current"]], msg)
+            return False
+        key = ("reporter", msg.reporter) if target is None else ("bdf", target)
+        if delta.orphans and delta.orphans[-1][0] == key:
+            said = delta.orphans[-1][1]
+        elif len(delta.orphans) < _MAX_LOG_DEVICES:
+            said = {"errors": []}
+            delta.orphans.append((key, said))
+        else:
+            return False  # the tails of 256 reports split from their headers in one delta
+        _detail(said, msg)
+        return False
 
 
 # --------------------------------------------------------------------------- helpers
@@ -497,7 +635,11 @@ def _ingest(kmsg: dict[str, Any], last_header: dict[str, str], msg: pcihw.AerLog
     entry = kmsg.get(last_header.get(msg.reporter, msg.reporter))
     if entry is None or "current" not in entry:
         return
-    group = entry[entry["current"]]
+    _detail(entry[entry["current"]], msg)
+
+
+def _detail(group: dict[str, Any], msg: pcihw.AerLogLine) -> None:
+    """A detail line (status, error bit) of the report counted in ``group``."""
     if msg.kind == "status":
         group["device_ids"] = msg.ids
         group["status_mask"] = f"{msg.status}/{msg.mask}"
@@ -505,8 +647,24 @@ def _ingest(kmsg: dict[str, Any], last_header: dict[str, str], msg: pcihw.AerLog
         group["errors"].append(msg.name)
 
 
-def _ingest_summary(kmsg: dict[str, Any], line: str, when: float) -> None:
-    """An AER summary or "not recovered" line, counted on the function it names."""
+def _details(group: dict[str, Any], said: Mapping[str, Any]) -> None:
+    """Detail lines folded apart (``_detail`` on another group) added to ``group``, as if they
+    had come one by one: the status is the latest one, names are added in order, unseen ones
+    only, up to _MAX_NAMES."""
+    if "device_ids" in said:
+        group["device_ids"] = said["device_ids"]
+        group["status_mask"] = said["status_mask"]
+    names: list[str] = group["errors"]
+    for name in said["errors"]:
+        if len(names) >= _MAX_NAMES:
+            break
+        if name not in names:
+            names.append(name)
+
+
+def _ingest_summary(kmsg: dict[str, Any], line: str, when: float) -> tuple[str, str] | None:
+    """An AER summary or "not recovered" line, counted on the function it names; returns
+    (that function, the kind of report), None for another line."""
     m = _AER_SUMMARY_RE.search(line)
     lost = None if m is not None else _AER_LOST_RE.search(line)
     if m is not None:
@@ -524,11 +682,11 @@ def _ingest_summary(kmsg: dict[str, Any], line: str, when: float) -> None:
         kind = lost.group("what").lower()
         key = "not_recovered"
     else:
-        return
+        return None
     entry = kmsg.get(bdf)
     if entry is None:
         if len(kmsg) >= _MAX_LOG_DEVICES:
-            return
+            return bdf, kind
         entry = kmsg[bdf] = {"samples": []}
     group = entry.setdefault(key, {}).setdefault(kind, {"count": 0, "first": when, "last": when})
     group["count"] += 1
@@ -536,6 +694,7 @@ def _ingest_summary(kmsg: dict[str, Any], line: str, when: float) -> None:
     group["last"] = max(group["last"], when)
     if kind != "correctable" and len(entry["samples"]) < _MAX_SAMPLES:
         entry["samples"].append(line.strip()[:300])
+    return bdf, kind
 
 
 def _logged(entry: Mapping[str, Any], evidence: dict[str, Any]) -> list[_Problem]:

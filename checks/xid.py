@@ -135,6 +135,8 @@ class XidCheck(Check):
     timeout = 10.0
     Config = XidConfig
     uses_kernel_log = True
+    kernel_log_events = (XidEvent, FallenOffBus, GpuIdentity)
+    kernel_log_records = False
 
     def supported(self, inventory: Inventory) -> str | None:
         if not inventory.gpus and not inventory.nvidia_pci_gpus and not inventory.unreadable_gpus:

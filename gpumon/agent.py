@@ -173,10 +173,11 @@ class Agent:
             return Path(self.config.kmsg_path)
         return self.hw.host_root / "dev" / "kmsg"
 
-    def open_kernel_log(self) -> KernelLogFollower:
+    def open_kernel_log(self, *, bounded: bool = False) -> KernelLogFollower:
         """A follower of the kernel log. Records that carry only kernel time are dated from
         /proc/stat btime, else from /proc/uptime, else from the newest record
-        (``KernelLogFollower.boot_anchor``)."""
+        (``KernelLogFollower.boot_anchor``). ``bounded``: see ``KernelLogFollower`` (the
+        daemon's pump reads a backlog in bounded turns)."""
         boot_time = self.hw.fs.boot_time()
         uptime: float | None = None
         if boot_time is None:
@@ -185,7 +186,7 @@ class Agent:
             except (HwCondition, IndexError, ValueError):
                 uptime = None
         return KernelLogFollower(self.kmsg_path, boot_time=boot_time, uptime_s=uptime,
-                                 poll_interval=self.config.daemon.kernel_log_poll_s)
+                                 poll_interval=self.config.daemon.kernel_log_poll_s, bounded=bounded)
 
     def kernel_log_snapshot(self, saved: Path | None = None, *, all_boots: bool = False) -> KernelLog:
         """Everything the kernel log holds for the current boot, parsed; ``available`` False,

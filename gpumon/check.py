@@ -8,10 +8,10 @@ component it examined (``ok`` included).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported, ToolMissing
 from gpumon.model import Action, Finding, Phase, Severity
@@ -40,6 +40,9 @@ class KernelLog:
     lost_records: int = 0
     # epoch seconds of this boot, to date records that carry only kernel uptime
     boot_time: float | None = None
+    # what the check's kernel_log_fold gathered from the records since its last run, when the
+    # daemon's pump folded them as they came (those records are then not in ``records``)
+    folded: Any = None
 
     def time_of(self, record: Any, now: float) -> float:
         """When a record was logged: its wall clock, else boot time + kernel uptime, else ``now``.
@@ -56,6 +59,26 @@ class KernelLog:
         if usec is not None and self.boot_time is not None:
             return float(self.boot_time + usec / 1e6)
         return now
+
+
+class KernelLogFold(Protocol):
+    """A check's own summary of its kernel-log lines, kept up to date by the daemon's kernel-log
+    pump as records arrive (``Check.kernel_log_fold``), so that a storm of lines the check only
+    counts costs a dictionary update per line, not a run of the check per batch.
+
+    The pump calls ``add`` for every record of the current boot not yet seen by the check (in
+    order, on its own thread) and ``take`` when the check runs; the check gets what ``take``
+    returned in ``KernelLog.folded``. Both are called under the pump's lock, never at once."""
+
+    def add(self, record: Any, when: float) -> Iterable[Hashable]:
+        """Fold one record (logged at ``when``, epoch seconds); return the keys of what in it
+        should run the check at once (e.g. an uncorrectable error on a device): none for a
+        record the check only counts, which waits for its regular run."""
+        ...
+
+    def take(self) -> Any:
+        """What was folded since the last take (None: nothing), and start afresh."""
+        ...
 
 
 @dataclass
@@ -87,11 +110,24 @@ class Check:
     timeout: ClassVar[float] = 30.0
     # A dataclass of the check's own options (its YAML section), or None.
     Config: ClassVar[type[Any] | None] = None
-    # Checks fed by kernel-log events run as soon as a new record arrives...
+    # Checks fed by the kernel log run as soon as something they read arrives (in the daemon,
+    # at most every 0.5 s unless it is new: gpumon.daemon.KernelLogPump). What they read,
+    # which is all that the daemon keeps for them between runs:
     uses_kernel_log: ClassVar[bool] = False
-    # ...that contains one of these strings (empty: any record). Kernel noise
-    # (network, USB) must not re-run a check that reads sysfs on every turn.
+    # - these NVRM event types (gpumon.hw.nvrm) in KernelLog.events (None: every event);
+    kernel_log_events: ClassVar[tuple[type, ...] | None] = None
+    # - the raw records (gpumon.hw.kmsg.KernelRecord) in KernelLog.records; the check then
+    #   runs for a record that contains one of kernel_log_match (empty: any record). Kernel
+    #   noise (network, USB) must not re-run a check that reads sysfs on every turn;
+    kernel_log_records: ClassVar[bool] = True
     kernel_log_match: ClassVar[tuple[str, ...]] = ()
+    # - a fold of the records (kernel_log_fold), handed over in KernelLog.folded.
+    # Outside the daemon (gpumon check, a saved log) a check gets every event and record.
+
+    def kernel_log_fold(self) -> KernelLogFold | None:
+        """A fold of this check's kernel-log records for the daemon's pump to keep (see
+        KernelLogFold); None: the pump queues events and records as declared above."""
+        return None
 
     def supported(self, inventory: Inventory) -> str | None:
         """None if the check applies to this node, else the reason it does not."""

@@ -13,13 +13,15 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import random
 import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -55,6 +57,22 @@ _FIRST_READ_WAIT_S = 2.0
 # REPORT_MAX_AGE_S (its "time" says the daemon is alive), and at exit.
 REPORT_MIN_INTERVAL_S = 1.0
 REPORT_MAX_AGE_S = 60.0
+# A check that reads the kernel log runs for what the log brings at most once per
+# KERNEL_LOG_GAP_S (a storm would otherwise run it at every turn of the pump, ~5 times a
+# second), unless a batch holds a key it has not seen for KERNEL_LOG_NEW_KEY_S (an Xid code on a
+# GPU, an uncorrectable error on a device): that runs it at once, so a new fault is still seen
+# within one poll of the log.
+KERNEL_LOG_GAP_S = 0.5
+KERNEL_LOG_NEW_KEY_S = 60.0
+# What the pump keeps for one check between two of its runs, at most (events, records): beyond
+# that the oldest go, counted in the check's lost_records (a check stuck until its timeout in a
+# storm). 20,000 Xid events with their records are ~12 MB.
+KERNEL_LOG_QUEUE_MAX = 20_000
+# /metrics: the content part is re-rendered off the scrape path at once (after a second) when the
+# health state or a finding's severity changed, and at most every PRERENDER_COUNTS_S when only
+# counts and readings did (a storm changes an Xid count at every run). A scrape of content that
+# changed since the last render renders it itself: it never sees stale figures.
+PRERENDER_COUNTS_S = 10.0
 
 
 def sim_wait(scenario: Scenario, t: float) -> float:
@@ -111,23 +129,121 @@ def _health_map(view: HealthView) -> dict[str, tuple[str, str]]:
     return health
 
 
-class KernelLogPump:
-    """Follows the kernel log on its own thread and hands parsed events to each subscribed check.
+def _last_stamps(records: Sequence[Any]) -> tuple[int | None, int | None]:
+    """The sequence number and the kernel time of the last records that have one."""
+    seq = next((r.seq for r in reversed(records) if r.seq is not None), None)
+    us = next((r.monotonic_us for r in reversed(records) if r.monotonic_us is not None), None)
+    return seq, us
 
-    Every subscriber gets every event once: two checks reading the kernel log
-    (xid, nvswitch) do not steal each other's lines. A log that cannot be read (missing,
-    a directory, permission denied, vanished) is handed over as unavailable with the
-    reason, so those checks say ``unknown``, never ``ok``; the pump keeps trying, and a
-    failure of its own thread is reported the same way instead of ending the daemon.
+
+def _event_key(event: Any) -> Hashable:
+    """What makes an NVRM event new to a check: its kind, device and code (an Xid 79 on a GPU)."""
+    return (type(event).__name__, getattr(event, "pci", None), getattr(event, "code", None))
+
+
+class _Feed:
+    """What the pump keeps for one check between its runs: only what the check reads
+    (``Check.kernel_log_events`` / ``kernel_log_records`` / ``kernel_log_fold``)."""
+
+    def __init__(self, check: Check, mark: Mapping[str, Any] | None, cap: int) -> None:
+        self.types = check.kernel_log_events
+        self.want_records = check.kernel_log_records
+        self.words = check.kernel_log_match
+        self.fold = check.kernel_log_fold()
+        self.events: deque[Any] = deque(maxlen=cap)
+        self.records: deque[Any] = deque(maxlen=cap)
+        self.dropped = 0
+        seq = mark.get("seq") if mark else None
+        us = mark.get("us") if mark else None
+        # the last record handled for this check (queued, folded, or of no interest to it), by
+        # kernel sequence number, else kernel time; at the start, the last one that a completed
+        # run counted before the daemon restarted
+        self.seq: int | None = seq if isinstance(seq, int) else None
+        self.us: int | None = us if isinstance(us, int) else None
+        # when the log is (re)opened it is read from its start again (the ring after a restart,
+        # a new follower after a failure of the pump, a replaced file that repeats the old lines):
+        # what is at or before this floor is not handed over again; set from the mark at each
+        # opening, gone once a record beyond it arrives
+        self.floor_seq: int | None = None
+        self.floor_us: int | None = None
+        self.due_at: float | None = None  # monotonic time from which it is to run
+        self.last_take = -math.inf
+        self.keys: dict[Hashable, float] = {}  # key -> when it was last seen (monotonic)
+
+    def seen(self, rec: Any) -> bool:
+        """Handed over already, before the log was (re)opened: at or before the floor."""
+        seq = rec.seq
+        if seq is not None and self.floor_seq is not None:
+            if seq <= self.floor_seq:
+                return True
+        else:
+            us = rec.monotonic_us
+            if us is None or self.floor_us is None:
+                return False  # nothing to compare it with
+            if us <= self.floor_us:
+                return True
+        # beyond it: the log is read in order, so what follows is new too
+        self.floor_seq = self.floor_us = None
+        return False
+
+    def push(self, queue: deque[Any], items: Sequence[Any], *, counts: bool = True) -> None:
+        over = len(queue) + len(items) - (queue.maxlen or 0)
+        if over > 0 and counts:
+            self.dropped += over
+        queue.extend(items)
+
+    def schedule(self, keys: Sequence[Hashable], now: float) -> bool:
+        """Something this check reads arrived: when is it to run? True if that is sooner than
+        it was going to."""
+        fresh = False
+        for key in keys:
+            last = self.keys.get(key)
+            self.keys[key] = now
+            if last is None or now - last > KERNEL_LOG_NEW_KEY_S:
+                fresh = True
+        if len(self.keys) > 4096:  # keys come from the log: bounded
+            self.keys = {k: t for k, t in self.keys.items() if now - t <= KERNEL_LOG_NEW_KEY_S}
+        at = now if fresh else max(now, self.last_take + KERNEL_LOG_GAP_S)
+        if self.due_at is None or at < self.due_at:
+            self.due_at = at
+            return True
+        return False
+
+
+class KernelLogPump:
+    """Follows the kernel log on its own thread and hands each subscribed check what it reads.
+
+    Every subscriber gets what it declared (``Check.kernel_log_events``, ``kernel_log_records``,
+    ``kernel_log_fold``; see gpumon.check), once: two checks reading the kernel log (xid,
+    nvswitch) do not steal each other's lines, and a check keeps nothing it does not read until
+    its next run (nvswitch, run every 60 s, kept every record of a storm). A check runs for what
+    it reads at most every KERNEL_LOG_GAP_S, at once for a key it has not seen lately.
+
+    A log that cannot be read (missing, a directory, permission denied, vanished) is handed
+    over as unavailable with the reason, so those checks say ``unknown``, never ``ok``; the pump
+    keeps trying, and a failure of its own thread is reported the same way instead of ending
+    the daemon.
+
+    Watermarks: ``take`` also returns the mark of the last record handled for the check (what it
+    hands over includes everything of interest up to it). The daemon stores it beside the
+    check's state once a run that used it has completed and that state is saved, never before,
+    so a daemon that dies mid-run reads those lines again rather than skipping them; a new pump
+    drops what is at or before the stored mark.
     """
 
-    def __init__(self, agent: Agent, wake: threading.Event, subscribers: dict[str, tuple[str, ...]]) -> None:
+    def __init__(self, agent: Agent, wake: threading.Event, subscribers: Sequence[Check], *,
+                 queue_max: int = KERNEL_LOG_QUEUE_MAX) -> None:
         self.agent = agent
         self.wake = wake
         self.lock = threading.Lock()
-        self.pending: dict[str, tuple[list[Any], list[Any]]] = {n: ([], []) for n in subscribers}
-        self.match = subscribers
-        self.due: set[str] = set()
+        self.boot = agent.hw.fs.boot_id()
+        marks = agent.check_state.get(WATERMARK_STATE)
+        self.feeds: dict[str, _Feed] = {}
+        for check in subscribers:
+            mark = marks.get(check.name)
+            if not isinstance(mark, dict) or mark.get("boot") != self.boot:
+                mark = None
+            self.feeds[check.name] = _Feed(check, mark, queue_max)
         self.records = 0
         self.error: str | None = None
         self.follower: KernelLogFollower | None = None
@@ -137,6 +253,7 @@ class KernelLogPump:
         # check must not be handed an empty log as if it had been read
         self.first_read = threading.Event()
         self._waited = False
+        self._opens = 0  # openings of the log by the follower, as last seen
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="gpumon-kmsg", daemon=True)
 
@@ -162,7 +279,8 @@ class KernelLogPump:
         path = self.agent.kmsg_path
         if self.follower is None:
             try:
-                self.follower = self.agent.open_kernel_log()
+                self.follower = self.agent.open_kernel_log(bounded=True)
+                self._opens = 0
             except (OSError, HwCondition) as exc:
                 self.error = f"cannot open {path}: {exc}"
                 self.first_read.set()
@@ -170,6 +288,12 @@ class KernelLogPump:
                 return
         follower = self.follower
         records = follower.wait(1.0) if self.first_read.is_set() else follower.read_available()
+        if follower.opens != self._opens:
+            # (re)opened: read from its start again, what each check was handed is dropped
+            self._opens = follower.opens
+            with self.lock:
+                for feed in self.feeds.values():
+                    feed.floor_seq, feed.floor_us = feed.seq, feed.us
         failed = follower.last_error
         if failed is not None:
             if self.error is None:
@@ -188,82 +312,103 @@ class KernelLogPump:
             events.extend(parser.feed(rec))
         events.extend(parser.flush())
         woken = False
-        with self.lock:
-            self.records += len(records)
-            for name, (queued_events, queued_records) in self.pending.items():
-                queued_events.extend(events)
-                queued_records.extend(records)
-                words = self.match[name]
-                if records and (not words or any(w in r.text for r in records for w in words)):
-                    self.due.add(name)
-                    woken = True
+        if records or events:
+            dating = KernelLog(boot_time=self.boot_anchor)
+            wall, now = time.time(), time.monotonic()
+            last_seq, last_us = _last_stamps(records)
+            with self.lock:
+                self.records += len(records)
+                for feed in self.feeds.values():
+                    woken = self._hand(feed, records, events, dating, wall, now, last_seq, last_us) or woken
         self.first_read.set()
         if woken:
             self.wake.set()
 
-    def take(self, name: str) -> KernelLog:
+    def _hand(self, feed: _Feed, records: list[Any], events: list[Any], dating: KernelLog, wall: float,
+              now: float, last_seq: int | None, last_us: int | None) -> bool:
+        """One turn's records and events for one check (under the lock); True: it is due sooner."""
+        if feed.floor_seq is not None or feed.floor_us is not None:
+            fresh = [r for r in records if not feed.seen(r)]
+            if len(fresh) != len(records):
+                kept = {id(r) for r in fresh}
+                events = [e for e in events if getattr(e, "record", None) is None or id(e.record) in kept]
+                records = fresh
+                last_seq, last_us = _last_stamps(records)
+        keys: list[Hashable] = []
+        relevant = False
+        if feed.types is None:
+            mine = events
+        else:
+            mine = [e for e in events if isinstance(e, feed.types)] if feed.types else []
+        if mine:
+            keys.extend(_event_key(e) for e in mine)
+            feed.push(feed.events, mine, counts=not feed.want_records)
+            # a check that reads every record runs for the records it matches (below)
+            relevant = feed.types is not None or not feed.want_records
+        if feed.want_records and records:
+            feed.push(feed.records, records)
+            words = feed.words
+            if not words or any(w in r.text for r in records for w in words):
+                relevant = True
+        if feed.fold is not None:
+            for rec in records:
+                said = feed.fold.add(rec, dating.time_of(rec, wall))
+                if said:
+                    keys.extend(said)
+                    relevant = True
+        if last_seq is not None:
+            feed.seq = last_seq
+        if last_us is not None:
+            feed.us = last_us
+        return relevant and feed.schedule(keys, now)
+
+    def take(self, name: str) -> tuple[KernelLog, dict[str, Any] | None]:
+        """What the check ``name`` reads of the log since its last take, and the watermark to
+        store once a run that used it has completed (None: nothing to store)."""
         # the first read is one non-blocking pass over what the log holds: normally milliseconds;
         # waited for once (this runs on the daemon's main loop), not at every take
         waited, self._waited = self._waited, True
+        source = str(self.agent.kmsg_path)
         if not self.first_read.wait(0.0 if waited else _FIRST_READ_WAIT_S):
-            return KernelLog(available=False, source=str(self.agent.kmsg_path),
+            return KernelLog(available=False, source=source,
                              error=f"{self.agent.kmsg_path} not read yet (still reading it after "
-                                   f"{_FIRST_READ_WAIT_S:g} s)")
+                                   f"{_FIRST_READ_WAIT_S:g} s)"), None
+        feed = self.feeds.get(name)
+        if feed is None:
+            return KernelLog(available=False, source=source, error="not subscribed to the kernel log"), None
         with self.lock:
-            events, records = self.pending.get(name, ([], []))
-            self.pending[name] = ([], [])
-            self.due.discard(name)
+            events, records = list(feed.events), list(feed.records)
+            feed.events.clear()
+            feed.records.clear()
+            folded = feed.fold.take() if feed.fold is not None else None
+            mark = {"boot": self.boot, "seq": feed.seq, "us": feed.us}
+            feed.due_at = None
+            feed.last_take = time.monotonic()
+            dropped = feed.dropped
             total = self.records
-        lost = self.follower.lost_records if self.follower is not None else 0
+        lost = (self.follower.lost_records if self.follower is not None else 0) + dropped
         error = self.error
         if error is None and self.thread.ident is not None and not self.thread.is_alive() \
                 and not self.stop.is_set():
             error = "the kernel-log reader thread has stopped"
-        if error is not None and not records:
-            return KernelLog(available=False, error=error, source=str(self.agent.kmsg_path))
-        events, records = self._after_watermark(name, events, records)
-        return KernelLog(events=events, records=records, available=True,
-                         source=str(self.agent.kmsg_path), records_read=total, lost_records=lost,
-                         boot_time=self.boot_anchor)
-
-    def _after_watermark(self, name: str, events: list[Any],
-                         records: list[Any]) -> tuple[list[Any], list[Any]]:
-        """Drop what this check already saw before a daemon restart.
-
-        A restarted daemon reads the kernel ring from its start again, while the
-        check's persisted state already counts those lines. The watermark (kernel
-        sequence number, else kernel time) of the last record handed to each check
-        is kept in that check's state, boot by boot.
-        """
-        marks = self.agent.check_state.get(WATERMARK_STATE)
-        boot = self.agent.hw.fs.boot_id()
-        mark = marks.get(name)
-        if not isinstance(mark, dict) or mark.get("boot") != boot:
-            mark = {"boot": boot, "seq": None, "us": None}
-
-        def seen(rec: Any) -> bool:
-            if rec.seq is not None and mark["seq"] is not None:
-                return bool(rec.seq <= mark["seq"])
-            if rec.monotonic_us is not None and mark["us"] is not None:
-                return bool(rec.monotonic_us <= mark["us"])
-            return False
-
-        fresh = [r for r in records if not seen(r)]
-        if len(fresh) != len(records):
-            kept = {id(r) for r in fresh}
-            events = [e for e in events if getattr(e, "record", None) is None or id(e.record) in kept]
-        for r in fresh:
-            if r.seq is not None:
-                mark["seq"] = r.seq
-            if r.monotonic_us is not None:
-                mark["us"] = r.monotonic_us
-        marks[name] = mark
-        return events, fresh
+        if error is not None and not (events or records or folded is not None):
+            return KernelLog(available=False, error=error, source=source), mark
+        return KernelLog(events=events, records=records, available=True, source=source,
+                         records_read=total, lost_records=lost, boot_time=self.boot_anchor,
+                         folded=folded), mark
 
     def has_pending(self, name: str) -> bool:
-        """A record this check cares about has arrived since its last run."""
+        """Something this check reads has arrived since its last run, and it is time to run it."""
         with self.lock:
-            return name in self.due
+            feed = self.feeds.get(name)
+            return feed is not None and feed.due_at is not None and feed.due_at <= time.monotonic()
+
+    def next_due(self) -> float | None:
+        """The soonest monotonic time at which a check that waits out KERNEL_LOG_GAP_S is due."""
+        now = time.monotonic()
+        with self.lock:
+            return min((f.due_at for f in self.feeds.values() if f.due_at is not None and f.due_at > now),
+                       default=None)
 
     def close(self) -> None:
         self.stop.set()
@@ -292,6 +437,12 @@ class Daemon:
         self._report_view: HealthView | None = None
         self._report_error: str | None = None
         self._folded: dict[str, tuple[tuple[Any, ...], float]] = {}
+        # per kernel-log check, the watermark of its last completed run (see _store_watermark)
+        self._marks: dict[str, dict[str, Any]] = {}
+        self._marks_lock = threading.Lock()
+        # per check, the severities of its findings (what makes /metrics re-render at once)
+        self._severities: dict[str, tuple[tuple[str, Severity], ...]] = {}
+        self._render_now = threading.Event()
         self.remediation: RemediationLoop | None = None
         self._exposition: CachedExposition | None = None
         self._content_changed = threading.Event()
@@ -341,16 +492,25 @@ class Daemon:
 
     def _prerender(self) -> None:
         # Scrapes must stay fast even right after the node's state changed: render the new
-        # content here, at most once a second, instead of in the scrape that first sees it.
-        rendered = -1
+        # content here instead of in the scrape that first sees it: at most once a second, and
+        # at most every PRERENDER_COUNTS_S while only counts change (an Xid storm changes a count
+        # at every run of xid; rendering each was a fifth of the daemon's CPU in bench/storm.py).
+        # A scrape in between renders what changed itself (CachedExposition renders on a new
+        # snapshot version).
+        rendered, at = -1, -math.inf
         while not self.stop.is_set():
             self._content_changed.wait(5.0)
-            self._content_changed.clear()
             if self.stop.wait(1.0) or self._exposition is None or self.snapshots is None:
                 continue
-            if self.snapshots.version != rendered:
-                rendered = self.snapshots.version
-                self._exposition.prerender()
+            self._content_changed.clear()
+            if self.snapshots.version == rendered:
+                continue
+            wait = at + PRERENDER_COUNTS_S - time.monotonic()
+            if wait > 0 and not self._render_now.wait(wait) and self.stop.is_set():
+                return
+            self._render_now.clear()
+            rendered, at = self.snapshots.version, time.monotonic()
+            self._exposition.prerender()
 
     def _snapshot(self) -> Snapshot:
         health: Mapping[str, tuple[str, str]] = {}
@@ -387,8 +547,7 @@ class Daemon:
         self._start_exporter()
         reporter = threading.Thread(target=self._report_loop, name="gpumon-report", daemon=True)
         reporter.start()
-        pump = KernelLogPump(self.agent, self.wake,
-                             {c.name: c.kernel_log_match for c in checks if c.uses_kernel_log})
+        pump = KernelLogPump(self.agent, self.wake, [c for c in checks if c.uses_kernel_log])
         sim_thread = self._start_simulation_clock()
         start = time.monotonic()
         due = {c.name: start for c in checks}
@@ -415,9 +574,10 @@ class Daemon:
                     if (now >= due[check.name] or event_driven) and self._idle(check.name):
                         interval = self.agent.config.settings(type(check)).interval_s
                         due[check.name] = now + self.next_delay(interval)
-                        klog = pump.take(check.name) if check.uses_kernel_log else None
-                        self._launch(check, klog)
-                wait = min(due.values(), default=now + 1.0) - time.monotonic()
+                        klog, mark = pump.take(check.name) if check.uses_kernel_log else (None, None)
+                        self._launch(check, klog, mark)
+                soonest = min(min(due.values(), default=now + 1.0), pump.next_due() or math.inf)
+                wait = soonest - time.monotonic()
                 self.wake.wait(timeout=max(0.01, min(wait, 1.0)))
                 self.wake.clear()
             sd_notify("STOPPING=1")
@@ -425,8 +585,10 @@ class Daemon:
             deadline = time.monotonic() + grace
             for worker in list(self._workers.values()):
                 worker.idle.wait(timeout=max(0.0, deadline - time.monotonic()))
-            for name in (*self._saved_at, WATERMARK_STATE):
-                self.agent.check_state.save(name)
+            for name in list(self._saved_at):
+                if self.agent.check_state.save(name):
+                    self._store_watermark(name, save=False)
+            self._store_watermark(None)
             pump.close()
             if sim_thread is not None:
                 self.stop.set()
@@ -449,16 +611,17 @@ class Daemon:
         worker = self._workers.get(name)
         return worker is None or not worker.busy
 
-    def _launch(self, check: Check, klog: KernelLog | None) -> None:
+    def _launch(self, check: Check, klog: KernelLog | None, mark: dict[str, Any] | None = None) -> None:
         def work() -> None:
             for run in self.agent.runner.run([check], klog):
                 now = time.monotonic()
+                if run.outcome == "completed" and mark is not None:
+                    self._marks[run.check] = mark  # what this run was handed is counted in its state
                 # A 1 s check (ib) changes its state every second; fsyncing that every
                 # second is most of the daemon's I/O. At most every 10 s, and at exit.
                 if run.outcome == "completed" and now - self._saved_at.get(run.check, 0.0) >= 10.0:
-                    self.agent.check_state.save(run.check)
-                    if check.uses_kernel_log:
-                        self.agent.check_state.save(WATERMARK_STATE)
+                    if self.agent.check_state.save(run.check) and check.uses_kernel_log:
+                        self._store_watermark(run.check)
                     self._saved_at[run.check] = now
                 self._record(run)
 
@@ -467,6 +630,19 @@ class Daemon:
             # none yet, or it ended (idle for a while, or the last run raised): a new one
             worker = self._workers[check.name] = Worker(f"gpumon-run-{check.name}")
             worker.submit(work)
+
+    def _store_watermark(self, name: str | None, *, save: bool = True) -> None:
+        """Store the kernel-log watermark of check ``name`` (None: none, just save): the mark of
+        the last record handed to its last completed run, called once that run's state is on
+        disk. The stored marks then never run ahead of the stored states: a daemon that dies
+        before reads those lines again (the ring is read from its start) rather than skip them
+        (the pump used to move a mark when it handed the records out, and any check's save
+        stored every check's mark)."""
+        with self._marks_lock:
+            if name is not None and name in self._marks:
+                self.agent.check_state.get(WATERMARK_STATE)[name] = dict(self._marks[name])
+            if save:
+                self.agent.check_state.save(WATERMARK_STATE)
 
     def _record(self, run: CheckRun) -> None:
         with self._lock:
@@ -503,8 +679,16 @@ class Daemon:
                     self.remediation.wake.set()
             if self.snapshots is not None:
                 version = self.snapshots.version
+                health = self._health_of[1] if self._health_of is not None else None
                 self.snapshots.set(self._snapshot())
                 if self.snapshots.version != version:
+                    severities = tuple((f.component, f.severity) for f in run.findings)
+                    # (a new health view need not be a new health state: a standing fault's
+                    # newest words are refreshed in place, a new view each time)
+                    if (severities != self._severities.get(run.check)
+                            or (self._health_of[1] if self._health_of is not None else None) != health):
+                        self._render_now.set()  # not only counts: render at once
+                    self._severities[run.check] = severities
                     self._content_changed.set()
                     self._report_due.set()
             if changed:

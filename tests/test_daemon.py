@@ -436,3 +436,97 @@ def _load_scenario_text(tmp_path: Path, text: str) -> Scenario:
     path = tmp_path / "scenario.yaml"
     path.write_text(text)
     return load_scenario(str(path))
+
+
+def test_metrics_re_render_at_once_for_a_severity_and_only_every_10_s_for_counts() -> None:
+    """Issue 14 (storms): an Xid storm changes a count at every run of xid; /metrics is then
+    re-rendered off the scrape path at most every PRERENDER_COUNTS_S, while a new finding or a
+    severity change is rendered at once. A scrape in between renders the change itself."""
+    import threading
+
+    from gpumon.daemon import PRERENDER_COUNTS_S, Daemon
+    from gpumon.export.prometheus import CachedExposition, SnapshotHolder
+    from gpumon.model import Action, Finding, Severity, reading
+    from gpumon.runner import CheckRun
+
+    class _Profile:
+        name = "generic"
+
+    class _Agent:  # what the daemon's snapshot takes from its agent
+        node = "node-1"
+        profile = _Profile()
+
+    d = Daemon(_Agent())  # type: ignore[arg-type]
+    d.snapshots = SnapshotHolder(d._snapshot())
+    exposition = d._exposition = CachedExposition(d.snapshots)
+    threading.Thread(target=d._prerender, daemon=True).start()
+
+    def record(count: int, severity: Severity) -> None:
+        finding = Finding("xid", "gpu/1", severity, f"{count} Xid 13", Action.NONE,
+                          {"readings": [reading("xid_events_total", count, code=13)]})
+        d._record(CheckRun("xid", [finding], time.time(), 0.01, "completed"))
+
+    def rendered() -> bool:  # the current content is in the cache, rendered by the render thread
+        version = d.snapshots.version  # type: ignore[union-attr]
+        return any(key[0] == version for key in exposition._cache)
+
+    def within(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if rendered():
+                return True
+            time.sleep(0.05)
+        return rendered()
+
+    try:
+        record(1, Severity.FAIL)  # a new finding: at once (a second to let a burst settle)
+        assert within(2.5)
+        start = time.monotonic()
+        record(2, Severity.FAIL)  # only a count changed
+        assert not within(2.0)
+        assert within(PRERENDER_COUNTS_S + 2.5) and time.monotonic() - start >= PRERENDER_COUNTS_S - 1.5
+        record(3, Severity.FAIL)
+        body, _ = exposition.render("text/plain", False)  # a scrape meanwhile: never stale
+        assert 'gpumon_xid_events_total{check="xid",code="13",component="gpu/1"} 3.0' in body.decode()
+        record(4, Severity.WARN)  # a severity changed: at once
+        assert within(2.5)
+    finally:
+        d.stop.set()
+
+
+def test_daemon_folds_corrected_aer_reports_and_fails_an_uncorrectable_one_at_once(tmp_path: Path) -> None:
+    """Issue 14 in the daemon: corrected AER reports are folded by the kernel-log pump and reach the
+    pcie check at its run (they never run it); an uncorrectable report on the same port runs it at
+    once, with everything folded before it as evidence. Lines as in tests/checks/test_pcie.py, on
+    the simulated root port above gpu/5 (0000:b7:01.0)."""
+    port = "0000:b7:01.0"
+    corrected = [f"pcieport {port}: AER: Corrected error received: {port}",
+                 f"pcieport {port}: PCIe Bus Error: severity=Corrected, type=Physical Layer, (Receiver ID)",
+                 f"pcieport {port}:   device [8086:6f08] error status/mask=00000001/00002000",
+                 f"pcieport {port}:    [ 0] RxErr                  (First)"]
+    fatal = [f"pcieport {port}: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction Layer, "
+             "(Requester ID)",
+             f"pcieport {port}:   device [8086:6f08] error status/mask=00004020/00000000",
+             f"pcieport {port}:    [14] CmpltTO                (First)"]
+    faults = "".join(f"  - {{at_s: {1 + i * 0.05:.2f}, kind: kernel_line, text: {line!r}}}\n"
+                     for i, line in enumerate(corrected * 5))
+    faults += "".join(f"  - {{at_s: 3, kind: kernel_line, text: {line!r}}}\n" for line in fatal)
+    scenario = tmp_path / "aer.yaml"
+    scenario.write_text(f"name: aer\nsku: h100-sxm\nfaults:\n{faults}")
+    simdir = tmp_path / "sim"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpumon", "daemon", "--simulate", str(scenario), "--sim-dir", str(simdir),
+         "--duration", "6", "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((simdir / "state" / "report.json").read_text())
+    bad = {(f["check"], f["component"]): f for f in report["findings"]}[("pcie", f"pci/{port}")]
+    assert (bad["severity"], bad["action"]) == ("fail", "inspect_hardware"), bad
+    log = bad["evidence"]["kernel_log"]
+    assert log["correctable"]["count"] == 5 and log["correctable"]["errors"] == ["RxErr (First)"]
+    assert log["summary"]["correctable"]["count"] == 5
+    assert log["fatal"]["count"] == 1 and log["fatal"]["errors"] == ["CmpltTO (First)"]
+    assert log["fatal"]["status_mask"] == "00004020/00000000"
+    # pcie's interval is 60 s (its first run was at the start, before the lines): the uncorrectable
+    # report ran it again within the 6 s, and the corrected ones folded before reached that run
+    assert f"pcie pci/{port}: ok -> fail" in proc.stderr or f"pcie pci/{port}: new -> fail" in proc.stderr

@@ -464,6 +464,9 @@ _STATUS_RE = re.compile(
     rf"(?P<bdf>{_BDF}):\s+(?:AER:\s+)?device \[(?P<ids>[0-9a-fA-F]{{4}}:[0-9a-fA-F]{{4}})\] "
     r"error status/mask=(?P<status>[0-9a-fA-F]{8})/(?P<mask>[0-9a-fA-F]{8})")
 _BIT_RE = re.compile(rf"(?P<bdf>{_BDF}):\s+(?:AER:\s+)?\[\s*(?P<bit>[0-9]{{1,2}})\s*\]\s+(?P<name>.*?)\s*$")
+# _BIT_RE from its "[" on, and its bus id alone: see _bit_line
+_BIT_TAIL_RE = re.compile(r"\[\s*(?P<bit>[0-9]{1,2})\s*\]\s+(?P<name>.*?)\s*$")
+_BDF_RE = re.compile(_BDF)
 _SEVERITIES: dict[str, AerKind] = {
     "corrected": "correctable", "correctable": "correctable",
     "uncorrected (non-fatal)": "nonfatal", "uncorrectable (non-fatal)": "nonfatal",
@@ -513,14 +516,34 @@ def parse_aer_message(text: str) -> AerLogLine | None:
         reporter = s.group("bdf").lower()
         return AerLogLine("status", reporter, reporter, ids=s.group("ids").lower(),
                           status=s.group("status").lower(), mask=s.group("mask").lower())
-    if "[" not in text:
-        return None
-    b = _BIT_RE.search(text)
+    b = _bit_line(text)
     if b is None:
         return None
-    reporter = b.group("bdf").lower()
-    name = b.group("name")
+    reporter, bit, name = b
     first = name.endswith("(First)")
     name = name.removesuffix("(First)").strip()
-    return AerLogLine("bit", reporter, reporter, bit=int(b.group("bit")),
-                      name=f"{name} (First)" if first else name)
+    return AerLogLine("bit", reporter, reporter, bit=bit, name=f"{name} (First)" if first else name)
+
+
+def _bit_line(text: str) -> tuple[str, int, str] | None:
+    """What ``_BIT_RE.search(text)`` finds, as (bus id lower-case, bit, name), found from each "["
+    instead: the search tried its bus-id pattern at every offset of every line that holds a "["
+    (most of a kernel-log storm's cost in this module). The "[" of a match is preceded by
+    exactly ``<bdf>:\\s+`` or ``<bdf>:\\s+AER:\\s+`` (no "[" in either), so the first "[" that
+    has both that before it and ``_BIT_TAIL_RE`` from it gives the leftmost match. (``\\s`` and
+    ``str.rstrip()`` agree on what whitespace is.)"""
+    at = text.find("[")
+    while at >= 0:
+        tail = _BIT_TAIL_RE.match(text, at)
+        if tail is not None:
+            head = text[:at]
+            end = len(head.rstrip())
+            if 0 < end < at and head.endswith("AER:", 0, end):
+                head = head[: end - 4]
+                end = len(head.rstrip()) if head[-1:].isspace() else -1
+            if end >= 13 and head[end - 1] == ":" and end < at:
+                bdf = head[end - 13 : end - 1]
+                if _BDF_RE.fullmatch(bdf) is not None:
+                    return bdf.lower(), int(tail.group("bit")), tail.group("name")
+        at = text.find("[", at + 1)
+    return None

@@ -807,3 +807,69 @@ def test_adversarial_lines_parse_quickly(line: str) -> None:
     parse_line(line)
     records_from_bytes(line.encode() + b"\n" + line.encode())
     assert time.perf_counter() - t0 < 0.5
+
+
+# --------------------------------------------------------------------------- issue 14: storms
+
+
+# what a /dev/kmsg record can hold, and what only looks like one (a digit first: ISO time, talos)
+_KMSG_PIECES = st.lists(st.sampled_from([
+    "6", "4", "12", "0", "99999999999", "٣", "-", ",", ";", "\n", " SUBSYSTEM=pci", "\\x0a", "\\x5c", "\x00",
+    "c", "-,caller=T1", "NVRM: Xid (PCI:0000:19:00): 13, x", " ", "\t", "\u2028", "2025-01-21T02:21:01+00:00",
+    "1843.308145", "é", "[", "]"]), max_size=14).map("".join)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.one_of(
+    _KMSG_PIECES,
+    st.builds(lambda p, s, u, flags, msg: f"{p},{s},{u},{flags};{msg}", st.integers(0, 10**11),
+              st.integers(0, 10**21), st.integers(-(10**21), 10**21), st.sampled_from(["-", "c", "-,x", ""]),
+              _KMSG_PIECES)))
+def test_the_dev_kmsg_fast_path_parses_as_the_general_path(line: str) -> None:
+    """parse_line takes a /dev/kmsg record apart with find/split (the daemon's line after line);
+    whatever it accepts is what the wrapper regexes give."""
+    from gpumon.hw.kmsg import _kmsg_record, _parse_wrapped
+
+    raw = line.rstrip("\r\n")
+    fast = _kmsg_record(raw) if "0" <= raw[:1] <= "9" else None
+    assert parse_line(line) == (fast if fast is not None else _parse_wrapped(raw, None))
+    if fast is not None:
+        assert fast == _parse_wrapped(raw, None)
+
+
+def test_every_real_kmsg_record_takes_the_fast_path_to_the_same_record() -> None:
+    from gpumon.hw.kmsg import _kmsg_record, _parse_wrapped
+
+    raw = [line for line in REAL_LINES if "0" <= line[:1] <= "9"]
+    fast = [(line, _kmsg_record(line)) for line in raw]
+    assert sum(rec is not None for _, rec in fast) >= 20
+    for line, rec in fast:
+        if rec is not None:
+            assert rec == _parse_wrapped(line, None)
+
+
+def test_a_bounded_follower_reads_a_backlog_in_turns_of_about_a_mib(tmp_path: Path) -> None:
+    """The daemon's follower: the first read is whole (its boot filter needs every line), then a
+    backlog comes at most ~1 MiB / 5,000 records per call, every record once, in order."""
+    log = tmp_path / "kmsg"
+    log.write_text("".join(f"6,{i},{i * 10},-;first boot line {i}\n" for i in range(1, 12_001)))
+    with KernelLogFollower(log, bounded=True) as f:
+        assert len(f.read_available()) == 12_000
+        body = "x" * 150
+        _append(log, "".join(f"4,{i},{i * 10},-;{body}\n" for i in range(12_001, 32_001)))
+        sizes = []
+        seqs: list[int | None] = []
+        while batch := f.read_available():
+            sizes.append(len(batch))
+            seqs.extend(r.seq for r in batch)
+        assert seqs == list(range(12_001, 32_001))
+        assert len(sizes) >= 3 and max(sizes) <= 8_000
+        # wait() returns the next slice at once, without sleeping between slices
+        _append(log, "".join(f"4,{i},{i * 10},-;{body}\n" for i in range(32_001, 52_001)))
+        start = time.monotonic()
+        got = 0
+        while got < 20_000:
+            got += len(f.wait(5.0))
+        assert got == 20_000 and time.monotonic() - start < 5.0
+    with KernelLogFollower(log) as whole:  # not bounded: everything at once, as before
+        assert len(whole.read_available()) == 52_000

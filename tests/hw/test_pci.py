@@ -13,7 +13,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpumon.errors import HwFailure, NotSupported
@@ -382,3 +382,32 @@ def test_aer_message_parser_never_raises(text: str) -> None:
     parse_aer_message(text)
     parse_aer_message("pcieport 0000:00:01.0: PCIe Bus Error: severity=" + text)
     parse_aer_message("nvidia 0000:19:00.0:    [" + text)
+
+
+# --------------------------------------------------------------------------- issue 14: storms
+
+_BIT_PIECES = st.lists(st.sampled_from([
+    "pcieport ", "nvidia ", "0000:17:00.0", "0000:17:00.8", "10000:3b:00.1", "0000:3B:00.7", ":", ": ",
+    "AER:", " AER: ", "AER: ", "  ", "\t", "\u00a0", "[", "]", "[ 0]", "[12]", "[ 7 ]", "[123]", " RxErr",
+    " (First)", "Timeout ", "x", "\n", "   ", "device [10de:2330]"]), max_size=12).map("".join)
+_WS = st.sampled_from(["", " ", "   ", "\t", "\u00a0", "\n"])
+# near misses and hits: <prefix><bdf>:<ws>[AER:<ws>][<ws><bit><ws>]<ws><name>, every piece varied
+_BIT_LINES = st.builds(
+    lambda pre, bdf, w1, aer, w2, w3, bit, w4, w5, name, post:
+        f"{pre}{bdf}:{w1}{aer}{w2}[{w3}{bit}{w4}]{w5}{name}{post}",
+    _BIT_PIECES,
+    st.sampled_from(["0000:17:00.0", "0000:3B:00.7", "10000:3b:00.1", "0000:17:00.8", "17:00.0"]),
+    _WS, st.sampled_from(["", "AER:", "AER: ", "aer:"]), _WS, _WS, st.sampled_from(["0", "12", "123", "x"]),
+    _WS, _WS, st.sampled_from(["RxErr", "Timeout (First)", "", "BadTLP  (First)  "]), _BIT_PIECES)
+
+
+@settings(max_examples=5000, deadline=None)
+@given(st.one_of(_BIT_PIECES, _BIT_LINES))
+def test_aer_bit_lines_are_found_as_the_regex_search_found_them(text: str) -> None:
+    """parse_aer_message finds an error-bit line from each "[" instead of trying the bus-id
+    pattern at every offset (most of its cost in a kernel-log storm): the same match."""
+    from gpumon.hw.pci import _BIT_RE, _bit_line
+
+    b = _BIT_RE.search(text)
+    want = None if b is None else (b.group("bdf").lower(), int(b.group("bit")), b.group("name"))
+    assert _bit_line(text) == want
