@@ -72,10 +72,6 @@ class RankSetup:
     max_bytes: int | None = None
 
 
-class Aborted(Exception):
-    pass
-
-
 class _Store:
     """A client of the rendezvous store (one per thread: TCPStore clients are not shared)."""
 
@@ -206,8 +202,6 @@ class RankRun:
         threading.Thread(target=self._watchdog, name="fabric-watchdog", daemon=True).start()
         try:
             code = self._run()
-        except Aborted:
-            raise
         except Exception as exc:
             log.debug("rank %d failed", self.rank, exc_info=True)
             first = str(exc).splitlines()[0] if str(exc) else ""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -166,7 +165,3 @@ def start_torchrun(net: TestNet, base: Path, port: int, args: Sequence[str] = ()
                 *args]
         run.procs[h.index] = run.popen(h.index, argv, rank_env())
     return run
-
-
-def which(tool: str) -> str | None:
-    return shutil.which(tool)
