@@ -23,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _machine import describe
 
-from gpumon.agent import Agent, Simulation
+from gpumon.agent import Agent
 from gpumon.config import load_config
 from gpumon.daemon import Daemon
 from gpumon.registry import load_checks
 from gpumon.sim.scenario import load_scenario
+from gpumon.sim.simulation import Simulation
 
 
 def _count(daemon: Daemon) -> int:

@@ -45,8 +45,7 @@ from gpumon import __version__
 from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder, make_registry
 from gpumon.export.webserver import serve_metrics
 from gpumon.health import Health
-from gpumon.model import Finding
-from gpumon.runner import CheckRun
+from gpumon.model import CheckRun, Finding
 
 # What Prometheus 2.42 sends with every scrape (scrape/scrape.go: scrapeAcceptHeader).
 PROMETHEUS_HEADERS = {

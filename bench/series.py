@@ -32,8 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpumon import __version__
 from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
 from gpumon.health import Health
-from gpumon.model import Finding
-from gpumon.runner import CheckRun
+from gpumon.model import CheckRun, Finding
 
 
 def node_snapshot(scenario: str, state_dir: Path) -> Snapshot:

@@ -81,7 +81,6 @@ class DcgmDiagCheck(Check):
     name = "dcgm_diag"
     phase = Phase.BOOTSTRAP
     description = "NVIDIA DCGM diagnostic (dcgmi diag -r 2 or DCGM's Python bindings), per test and GPU"
-    interval = 86400.0
     timeout = 300.0
     # what a healthy run costs (seconds): the suite orders by it and shows it as the ETA. DCGM's
     # dcgmi-diag reference: level 2 is "medium validation, normally lasting approximately two minutes"
@@ -92,7 +91,7 @@ class DcgmDiagCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: DcgmDiagConfig = ctx.params or DcgmDiagConfig()
+        params = ctx.params_as(DcgmDiagConfig)
         tools = ctx.hw.tools
         gpus = [g.index for g in ctx.inventory.gpus]
         notes: list[str] = []

@@ -27,6 +27,9 @@ boot) an outage left open is timed from its saved start to the first reading tha
 sees the port up again, so one that ended while gpumon was not running is counted
 up to the restart (the safe side: gpumon cannot know it was shorter). A reboot
 closes it at the last saved reading that saw the port down.
+The state is typed (``_IbState``) and read back through ``gpumon.bootstate``: saved state of
+another shape (an older release, a hand edit) is refused, with its reason logged, and the check
+starts afresh.
 
 InfiniBand ports are also compared with the profile (rate, port count);
 Ethernet (RoCE) ports are checked for state and downtime only, since the
@@ -47,6 +50,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumon.bootstate import dump_state, restore
 from gpumon.check import Check, CheckContext
 from gpumon.checkstate import save_now
 from gpumon.errors import HwCondition, NotSupported
@@ -152,34 +156,58 @@ class IbCheck(Check):
     timeout = 10.0
     Config = IbConfig
 
+    def __init__(self) -> None:
+        # The typed state and the mapping it was read from (see _typed_state)
+        self._state = _IbState()
+        self._state_of: MutableMapping[str, Any] | None = None
+        self._save_now = False
+        # port component -> (what its steady finding depends on, params, profile, the finding):
+        # see _verdict
+        self._steady: dict[str, tuple[tuple[Any, ...], IbConfig, Any, Finding]] = {}
+
     def supported(self, inventory: Inventory) -> str | None:
         if not inventory.ib_devices:
             return "no InfiniBand/RDMA devices in /sys/class/infiniband"
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: IbConfig = ctx.params or IbConfig()
+        params = ctx.params_as(IbConfig)
         now = ctx.clock()
-        # The state is checked once per object: after a load from disk it may be anything,
-        # but the dict this check wrote itself a second ago needs no second look (the
-        # check runs every second, and the check cost more than the sampling).
-        if ctx.extras.get("ib.checked_state") is ctx.state:
-            state = ctx.state
-        else:
-            state = _load_state(ctx.state)
-            ctx.extras["ib.checked_state"] = ctx.state
+        state = self._typed_state(ctx.state)
+        try:
+            return self._take_sample(ctx, params, state, now)
+        finally:
+            # the persisted mapping follows the typed state after every sample, so that the
+            # daemon's timed save (and a test) sees what this run left
+            ctx.state.clear()
+            ctx.state.update(dump_state(state))
+            if self._save_now:
+                save_now(ctx.state)
+
+    def _typed_state(self, raw: MutableMapping[str, Any]) -> _IbState:
+        """The state read from ``raw`` once per mapping: a mapping loaded from disk may hold
+        anything, but the one this check wrote itself a second ago needs no second look (the
+        check runs every second, and a full check costs more than the sampling)."""
+        if raw is not self._state_of:
+            self._state = restore(_IbState, raw, check=self.name)
+            self._state_of = raw
+        return self._state
+
+    def _take_sample(self, ctx: CheckContext, params: IbConfig, state: _IbState, now: float) -> list[Finding]:
         boot = ctx.hw.fs.boot_id()
-        # an outage opened or closed must be on disk at once (save_now below): a crash before
+        # an outage opened or closed must be on disk at once (save_now in run): a crash before
         # the daemon's next timed save would otherwise lose its start, and shorten it
+        self._save_now = False
         changed = False
-        if state["boot_id"] != boot:
+        if state.boot_id != boot:
             changed = _new_boot(state)
-            state["boot_id"] = boot
+            state.boot_id = boot
         try:
             devices = [d for d in list_devices(ctx.hw.fs) if d not in params.ignore_devices]
         except HwCondition as cond:
+            self._save_now = changed
             return [self.from_condition(cond, NODE)]
-        ports: dict[str, Any] = state["ports"]
+        ports = state.ports
         readings, unlisted, problems = self._read_all(ctx, devices, state, now)
         out: list[Finding] = []
         for key in params.ignore_ports:
@@ -197,26 +225,24 @@ class IbCheck(Check):
         tracked = {k: p for k, p in ports.items()
                    if k.split("/", 1)[0] not in params.ignore_devices and k not in params.ignore_ports}
         out.append(self._node_finding(ctx, readings, tracked, problems))
-        if changed:
-            save_now(ctx.state)
+        self._save_now = changed
         return out
 
     # -- reading -----------------------------------------------------------
 
-    def _read_all(self, ctx: CheckContext, devices: list[str], state: MutableMapping[str, Any],
-                  now: float
+    def _read_all(self, ctx: CheckContext, devices: list[str], state: _IbState, now: float
                   ) -> tuple[dict[str, IbPort | HwCondition | None], dict[str, HwCondition], list[str]]:
         """key "dev/port" -> reading, the condition that stopped it, or None when it is gone;
         devices whose ports could not be listed; what went wrong at device level (said in
         the node finding)."""
         unlisted: dict[str, HwCondition] = {}
         problems: list[str] = []
-        layout: dict[str, Any] = state["layout"]
-        stale = layout["t"] is None or now - layout["t"] >= _DETAIL_S or set(layout["ports"]) != set(devices)
+        layout = state.layout
+        stale = layout.t is None or now - layout.t >= _DETAIL_S or set(layout.ports) != set(devices)
         if stale:
-            layout["ports"], layout["t"] = {}, now
+            layout.ports, layout.t = {}, now
         wanted, marks = self._wanted(ctx, devices, layout, stale, unlisted, problems)
-        readings = _read(ctx, wanted, state["ports"], now)
+        readings = _read(ctx, wanted, state.ports, now)
         gone = None if stale else next((k.split("/", 1)[0] for k, r in readings.items() if r is None), None)
         if gone is not None:
             # A port folder went away: list its device again now, so the node finding says
@@ -228,10 +254,10 @@ class IbCheck(Check):
                 del readings[key]
             self._list(ctx, gone, layout, unlisted, problems)
             again, _ = self._wanted(ctx, later, layout, True, unlisted, problems)
-            readings.update(_read(ctx, again, state["ports"], now))
+            readings.update(_read(ctx, again, state.ports, now))
         return readings, unlisted, problems
 
-    def _wanted(self, ctx: CheckContext, devices: list[str], layout: dict[str, Any], relist: bool,
+    def _wanted(self, ctx: CheckContext, devices: list[str], layout: _Layout, relist: bool,
                 unlisted: dict[str, HwCondition], problems: list[str]
                 ) -> tuple[list[tuple[str, int]], dict[str, int]]:
         """The ports to read (listing each device first when ``relist``), and how many
@@ -240,7 +266,7 @@ class IbCheck(Check):
         marks: dict[str, int] = {}
         for dev in devices:
             if not relist or self._list(ctx, dev, layout, unlisted, problems):
-                for port in layout["ports"][dev]:
+                for port in layout.ports[dev]:
                     if component_for(dev, port) is None:
                         problems.append(f"device name {dev!r} cannot name a component")
                         break
@@ -248,24 +274,24 @@ class IbCheck(Check):
             marks[dev] = len(problems)
         return wanted, marks
 
-    def _list(self, ctx: CheckContext, dev: str, layout: dict[str, Any], unlisted: dict[str, HwCondition],
+    def _list(self, ctx: CheckContext, dev: str, layout: _Layout, unlisted: dict[str, HwCondition],
               problems: list[str]) -> bool:
         try:
             ports = list_ports(ctx.hw.fs, dev)
         except HwCondition as cond:
-            layout["ports"].pop(dev, None)
-            layout["t"] = None  # list again next time
+            layout.ports.pop(dev, None)
+            layout.t = None  # list again next time
             unlisted[dev] = cond
             problems.append(f"{dev}: cannot list ports: {cond}")
             return False
         if not ports:
             problems.append(f"{dev} is in /sys/class/infiniband but shows no ports")
-        layout["ports"][dev] = ports
+        layout.ports[dev] = ports
         return True
 
     # -- one port ----------------------------------------------------------
 
-    def _port(self, ctx: CheckContext, params: IbConfig, key: str, ports: dict[str, Any],
+    def _port(self, ctx: CheckContext, params: IbConfig, key: str, ports: dict[str, _Port],
               reading: IbPort | HwCondition | None, now: float
               ) -> tuple[Finding | None, IbPort | HwCondition | None, bool]:
         """The port's finding, its reading completed from the last full one, and whether an
@@ -281,45 +307,45 @@ class IbCheck(Check):
                 return (self.from_condition(reading, comp) if isinstance(reading, HwCondition)
                         else self.finding(comp, Severity.UNKNOWN, "port folder vanished while read")
                         ), reading, False
-            pst = ports[key] = _fresh_port()
+            pst = ports[key] = _Port()
         changed = False
         if isinstance(reading, IbPort):
             reading = _with_details(pst, reading, now)
             changed = _sample(pst, reading.up, now, reading)
-            pst["missing_since"] = None
+            pst.missing_since = None
         elif reading is None:
-            if pst["missing_since"] is None:
-                pst["missing_since"] = now
+            if pst.missing_since is None:
+                pst.missing_since = now
                 changed = True
             changed = _sample(pst, False, now, None) or changed
         _prune(pst, now, params)
         return self._verdict(ctx, params, comp, pst, reading, now), reading, changed
 
-    def _verdict(self, ctx: CheckContext, params: IbConfig, comp: str, pst: dict[str, Any],
+    def _verdict(self, ctx: CheckContext, params: IbConfig, comp: str, pst: _Port,
                  reading: IbPort | HwCondition | None, now: float) -> Finding:
         """The port's finding. A port that is up with nothing in its windows gets, sample
         after sample, the same finding but for ``details_age_s``: that one is kept (in
-        memory, per runner) and given the new age, instead of being worded again every
+        memory, by this check instance) and given the new age, instead of being worded again every
         second for every port."""
         steady = _steady(pst, reading)
         if steady is None:
             return self._judge(ctx, params, comp, pst, reading, now)
-        kept: dict[tuple[str, str], tuple[Any, ...]] = ctx.extras.setdefault("ib.steady_findings", {})
-        last = kept.get((self.name, comp))
-        age = round(now - pst["detail"]["t"], 1)
+        last = self._steady.get(comp)
+        assert pst.detail is not None  # a steady port has been read in full
+        age = round(now - pst.detail.t, 1)
         if last is not None and last[0] == steady and last[1] is params and last[2] is ctx.profile:
             return _aged(last[3], age)
         found = self._judge(ctx, params, comp, pst, reading, now)
-        kept[(self.name, comp)] = (steady, params, ctx.profile, found)
+        self._steady[comp] = (steady, params, ctx.profile, found)
         return found
 
-    def _judge(self, ctx: CheckContext, params: IbConfig, comp: str, pst: dict[str, Any],
+    def _judge(self, ctx: CheckContext, params: IbConfig, comp: str, pst: _Port,
                reading: IbPort | HwCondition | None, now: float) -> Finding:
         issues: list[_Issue] = []
         evidence = _downtime_evidence(pst, now, params)
         issues += _downtime_issues(evidence, params)
         if reading is None:
-            gone = now - pst["missing_since"]
+            gone = now - (pst.missing_since if pst.missing_since is not None else now)
             sev = Severity.FAIL if gone > params.outage_fail_s else Severity.WARN
             issues.append(_Issue(sev, Action.REBOOT_NODE,
                                  f"port disappeared from /sys/class/infiniband {gone:.0f} s ago "
@@ -330,16 +356,16 @@ class IbCheck(Check):
             evidence.update(cond.evidence)
         else:
             evidence.update(_reading_evidence(reading))
-            evidence["details_age_s"] = round(now - pst["detail"]["t"], 1)
+            evidence["details_age_s"] = round(now - (pst.detail.t if pst.detail is not None else now), 1)
             issues += self._reading_issues(ctx, params, reading, pst, evidence, now)
         return _finding(self, comp, issues, evidence)
 
-    def _reading_issues(self, ctx: CheckContext, params: IbConfig, port: IbPort, pst: dict[str, Any],
+    def _reading_issues(self, ctx: CheckContext, params: IbConfig, port: IbPort, pst: _Port,
                         evidence: dict[str, Any], now: float) -> list[_Issue]:
         issues: list[_Issue] = []
         if not port.up:
-            since = pst["down_since"] if pst["down_since"] is not None else now
-            first = "" if pst["seen_up"] else (", since gpumon first read it (never seen ACTIVE/LinkUp: "
+            since = pst.down_since if pst.down_since is not None else now
+            first = "" if pst.seen_up else (", since gpumon first read it (never seen ACTIVE/LinkUp: "
                                                "down at least that long)")
             issues.append(_Issue(Severity.WARN, Action.CHECK_CABLES,
                                  f"down now ({port.state}, {port.phys_state}) for "
@@ -364,7 +390,7 @@ class IbCheck(Check):
     # -- node --------------------------------------------------------------
 
     def _node_finding(self, ctx: CheckContext, readings: dict[str, IbPort | HwCondition | None],
-                      ports: dict[str, Any], problems: list[str]) -> Finding:
+                      ports: dict[str, _Port], problems: list[str]) -> Finding:
         found = self._count_finding(ctx, readings, ports)
         if not problems:
             return found
@@ -375,7 +401,7 @@ class IbCheck(Check):
         return self.finding(NODE, found.severity, f"{found.message}; {text}", found.action, **evidence)
 
     def _count_finding(self, ctx: CheckContext, readings: dict[str, IbPort | HwCondition | None],
-                       ports: dict[str, Any]) -> Finding:
+                       ports: dict[str, _Port]) -> Finding:
         read = {k: r for k, r in readings.items() if isinstance(r, IbPort)}
         ib = sorted(k for k, r in read.items() if r.is_infiniband)
         active = [k for k in ib if read[k].up]
@@ -386,7 +412,7 @@ class IbCheck(Check):
                             if isinstance(r, HwCondition) or (isinstance(r, IbPort) and r.link_layer
                                                               not in ("InfiniBand", "Ethernet")))
         vanished = sorted(k for k, p in ports.items() if readings.get(k) is None
-                          and p.get("missing_since") is not None)
+                          and p.missing_since is not None)
         expected = ctx.profile.network.ib_ports
         evidence: dict[str, Any] = {"infiniband_ports": ib, "active_infiniband_ports": len(active),
                                     "other_rdma_ports": other, "expected_ib_ports": expected,
@@ -427,30 +453,30 @@ class IbCheck(Check):
 # -- details ------------------------------------------------------------------
 
 
-def _read(ctx: CheckContext, wanted: list[tuple[str, int]], ports: dict[str, Any],
+def _read(ctx: CheckContext, wanted: list[tuple[str, int]], ports: dict[str, _Port],
           now: float) -> dict[str, IbPort | HwCondition | None]:
     """key "dev/port" -> reading, what stopped it, or None when the port folder (or its state
     file) is gone: every port in one bounded call, each in full or state-only (see _DETAIL_S)."""
     plan: list[tuple[str, int, bool]] = []
     for dev, port in wanted:
         pst = ports.get(f"{dev}/{port}")
-        detail = pst["detail"] if pst is not None else None
-        full = pst is None or detail is None or now - detail["t"] >= _DETAIL_S or pst["last_up"] is not True
+        detail = pst.detail if pst is not None else None
+        full = pst is None or detail is None or now - detail.t >= _DETAIL_S or pst.last_up is not True
         plan.append((dev, port, full))
     got = read_ports(ctx.hw.fs, plan, sample_counters=SAMPLE_COUNTERS)
     return {f"{dev}/{port}": None if isinstance(r, NotSupported) else r for (dev, port), r in got.items()}
 
 
-def _steady(pst: dict[str, Any], reading: IbPort | HwCondition | None) -> tuple[Any, ...] | None:
+def _steady(pst: _Port, reading: IbPort | HwCondition | None) -> tuple[Any, ...] | None:
     """Everything a port's finding depends on but its details_age_s, when that is all: the
     port is up, with no outage open or in the window and no error in the rate window, so
     that neither its downtime nor its hourly error rates depend on the time. None otherwise."""
-    if (not isinstance(reading, IbPort) or not reading.up or pst["down_since"] is not None
-            or pst["missing_since"] is not None or pst["outages"]
-            or any(pst["buckets"][c] for c in _RATE_COUNTERS)):
+    if (not isinstance(reading, IbPort) or not reading.up or pst.down_since is not None
+            or pst.missing_since is not None or pst.outages
+            or any(pst.buckets[c] for c in _RATE_COUNTERS)):
         return None
     return (reading.state, reading.phys_state, reading.rate, reading.link_layer,
-            tuple(reading.counters.items()), tuple(reading.errors.items()), pst["resets"])
+            tuple(reading.counters.items()), tuple(reading.errors.items()), pst.resets)
 
 
 def _aged(found: Finding, age: float) -> Finding:
@@ -462,20 +488,20 @@ def _aged(found: Finding, age: float) -> Finding:
     return Finding(found.check, found.component, found.severity, found.message, found.action, evidence)
 
 
-def _with_details(pst: dict[str, Any], port: IbPort, now: float) -> IbPort:
+def _with_details(pst: _Port, port: IbPort, now: float) -> IbPort:
     """A complete reading: a full one is remembered, a state-only one is completed from
     the last full one (rate, link layer, error counters and why any were unreadable)."""
     if port.complete:
         rate = port.rate
-        pst["detail"] = {"t": now, "rate": [rate.gbps, rate.lanes, rate.speed] if rate else None,
-                         "link_layer": port.link_layer, "counters": dict(port.counters),
-                         "errors": dict(port.errors)}
+        pst.detail = _Detail(now, (rate.gbps, rate.lanes, rate.speed) if rate else None, port.link_layer,
+                             dict(port.counters), dict(port.errors))
         return port
-    d = pst["detail"]
+    d = pst.detail
+    assert d is not None  # a state-only reading is asked for only after a full one
     return dataclasses.replace(
-        port, rate=LinkRate(float(d["rate"][0]), d["rate"][1], d["rate"][2]) if d["rate"] else None,
-        link_layer=d["link_layer"], counters={**d["counters"], **port.counters},
-        errors={**{k: v for k, v in d["errors"].items()
+        port, rate=LinkRate(float(d.rate[0]), d.rate[1], d.rate[2]) if d.rate else None,
+        link_layer=d.link_layer, counters={**d.counters, **port.counters},
+        errors={**{k: v for k, v in d.errors.items()
                    if k.removeprefix("counters/") not in SAMPLE_COUNTERS}, **port.errors},
         complete=True)
 
@@ -483,184 +509,181 @@ def _with_details(pst: dict[str, Any], port: IbPort, now: float) -> IbPort:
 # -- state -------------------------------------------------------------------
 
 
-def _fresh_port() -> dict[str, Any]:
-    return {"seen_up": False, "last_t": None, "last_up": None, "down_since": None, "down_prev_up": None,
-            "last_down_t": None, "missing_since": None, "outages": [], "counters": {}, "resets": 0,
-            "buckets": {c: [] for c in _RATE_COUNTERS}, "detail": None}
+@dataclass
+class _Record:
+    """Outages of one port: one measured outage, those seen only through link_downed between two
+    samples (``n`` of them, each at most the gap long), or older records merged (``_cap``)."""
+
+    start: float
+    end: float
+    down_s: float
+    max_s: float
+    longest_s: float
+    n: int
+    kind: str
 
 
-def _load_state(raw: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """ctx.state, checked: a shape we did not write (old version, hand edit) starts afresh."""
-    if (raw.get("version") != _STATE_VERSION or not isinstance(raw.get("ports"), dict)
-            or not isinstance(raw.get("boot_id", 0), (str, type(None)))
-            or not _valid_layout(raw.get("layout"))):
-        raw.clear()
-        raw.update({"version": _STATE_VERSION, "boot_id": None, "ports": {}, "layout": _fresh_layout()})
-    ports: dict[str, Any] = raw["ports"]
-    for key in list(ports):
-        if not _valid_port(key, ports[key]):
-            del ports[key]
-    return raw
+@dataclass
+class _Detail:
+    """The last full reading of a port (see _DETAIL_S): what a state-only reading is completed from."""
+
+    t: float
+    rate: tuple[float, int | None, str | None] | None
+    link_layer: str
+    counters: dict[str, int]
+    errors: dict[str, str]
+
+    def __post_init__(self) -> None:
+        if any(v < 0 for v in self.counters.values()):
+            raise ValueError("a negative counter")
 
 
-def _fresh_layout() -> dict[str, Any]:
-    return {"t": None, "ports": {}}
+@dataclass
+class _Port:
+    seen_up: bool = False
+    last_t: float | None = None
+    last_up: bool | None = None
+    down_since: float | None = None
+    down_prev_up: float | None = None
+    last_down_t: float | None = None
+    missing_since: float | None = None
+    outages: list[_Record] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+    resets: int = 0
+    # per rate counter, [minute start, count] buckets of the rate window
+    buckets: dict[str, list[list[float]]] = field(default_factory=lambda: {c: [] for c in _RATE_COUNTERS})
+    detail: _Detail | None = None
+
+    def __post_init__(self) -> None:
+        if any(v < 0 for v in self.counters.values()):
+            raise ValueError("a negative counter")
+        if sorted(self.buckets) != sorted(_RATE_COUNTERS):
+            raise ValueError(f"buckets for {sorted(self.buckets)}, not {sorted(_RATE_COUNTERS)}")
+        if any(len(b) != 2 for c in _RATE_COUNTERS for b in self.buckets[c]):
+            raise ValueError("a bucket that is not [start, count]")
 
 
-def _valid_layout(v: Any) -> bool:
-    return (isinstance(v, dict) and set(v) == {"t", "ports"} and _opt_num(v["t"])
-            and isinstance(v["ports"], dict) and all(
-                isinstance(ports, list) and all(isinstance(n, int) and 0 < n < 256 for n in ports)
-                for ports in v["ports"].values()))
+@dataclass
+class _Layout:
+    """The ports of each device as last listed, and when (None: list again at the next sample)."""
+
+    t: float | None = None
+    ports: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not all(0 < n < 256 for ports in self.ports.values() for n in ports):
+            raise ValueError("a port number outside 1..255")
 
 
-def _valid_detail(d: Any) -> bool:
-    if d is None:
-        return True
-    if not isinstance(d, dict) or set(d) != {"t", "rate", "link_layer", "counters", "errors"}:
-        return False
-    rate = d["rate"]
-    rate_ok = rate is None or (isinstance(rate, list) and len(rate) == 3 and _num(rate[0])
-                               and (rate[1] is None or isinstance(rate[1], int))
-                               and (rate[2] is None or isinstance(rate[2], str)))
-    return (_num(d["t"]) and rate_ok and isinstance(d["link_layer"], str)
-            and isinstance(d["counters"], dict)
-            and all(isinstance(v, int) and v >= 0 for v in d["counters"].values())
-            and isinstance(d["errors"], dict) and all(isinstance(v, str) for v in d["errors"].values()))
+@dataclass
+class _IbState:
+    """The check's persisted state (``ctx.state``, as JSON through gpumon.bootstate)."""
+
+    version: int = _STATE_VERSION
+    boot_id: str | None = None
+    ports: dict[str, _Port] = field(default_factory=dict)  # "dev/port" -> its state
+    layout: _Layout = field(default_factory=_Layout)
+
+    def __post_init__(self) -> None:
+        if self.version != _STATE_VERSION:
+            raise ValueError(f"version {self.version}, this release writes {_STATE_VERSION}")
+        bad = [k for k in self.ports if _KEY_RE.fullmatch(k) is None]
+        if bad:
+            raise ValueError(f"port key(s) {', '.join(map(repr, bad))} are not device/port")
 
 
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _opt_num(v: Any) -> bool:
-    return v is None or _num(v)
-
-
-def _valid_port(key: Any, p: Any) -> bool:
-    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None or not isinstance(p, dict):
-        return False
-    fresh = _fresh_port()
-    if set(p) != set(fresh):
-        return False
-    times = ("last_t", "down_since", "down_prev_up", "last_down_t", "missing_since")
-    if not all(_opt_num(p[k]) for k in times) or not isinstance(p["seen_up"], bool):
-        return False
-    if p["last_up"] not in (None, True, False) or not isinstance(p["resets"], int):
-        return False
-    if not _valid_detail(p["detail"]):
-        return False
-    if not isinstance(p["outages"], list) or not all(_valid_record(r) for r in p["outages"]):
-        return False
-    if not isinstance(p["counters"], dict) or not all(
-            isinstance(v, int) and v >= 0 for v in p["counters"].values()):
-        return False
-    buckets = p["buckets"]
-    return isinstance(buckets, dict) and all(
-        isinstance(buckets.get(c), list) and all(
-            isinstance(b, list) and len(b) == 2 and _num(b[0]) and _num(b[1]) for b in buckets[c])
-        for c in _RATE_COUNTERS)
-
-
-def _valid_record(r: Any) -> bool:
-    return (isinstance(r, dict) and set(r) == {"start", "end", "down_s", "max_s", "longest_s", "n", "kind"}
-            and all(_num(r[k]) for k in ("start", "end", "down_s", "max_s", "longest_s"))
-            and isinstance(r["n"], int) and isinstance(r["kind"], str))
-
-
-def _new_boot(state: MutableMapping[str, Any]) -> bool:
+def _new_boot(state: _IbState) -> bool:
     """Counters restart with the driver and an open outage cannot be followed across the
     reboot: close it at the last sample that saw it, forget ports that are gone. True when
     an outage was closed or a port forgotten."""
-    ports: dict[str, Any] = state["ports"]
+    ports = state.ports
     changed = False
     for key in list(ports):
         p = ports[key]
-        if p["missing_since"] is not None:
+        if p.missing_since is not None:
             del ports[key]
             changed = True
             continue
-        if p["down_since"] is not None:
-            _close(p, end=p["last_down_t"] or p["down_since"], kind="state (closed by reboot)")
+        if p.down_since is not None:
+            _close(p, end=p.last_down_t or p.down_since, kind="state (closed by reboot)")
             changed = True
-        p.update({"last_t": None, "last_up": None, "counters": {}, "detail": None})
-    state["layout"] = _fresh_layout()
+        p.last_t = p.last_up = p.detail = None
+        p.counters = {}
+    state.layout = _Layout()
     return changed
 
 
-def _record(start: float, end: float, down_s: float, max_s: float, kind: str, n: int = 1) -> dict[str, Any]:
+def _record(start: float, end: float, down_s: float, max_s: float, kind: str, n: int = 1) -> _Record:
     # clamped: a wall clock stepped back (NTP) must not make a negative outage
     down_s, max_s = max(0.0, down_s), max(0.0, max_s)
-    return {"start": start, "end": max(start, end), "down_s": down_s, "max_s": max(down_s, max_s),
-            "longest_s": down_s, "n": n, "kind": kind}
+    return _Record(start, max(start, end), down_s, max(down_s, max_s), down_s, n, kind)
 
 
-def _close(p: dict[str, Any], *, end: float, kind: str) -> None:
-    start = p["down_since"]
-    prev_up = p["down_prev_up"]
-    p["outages"].append(_record(start, end, end - start, end - (prev_up if prev_up is not None else start),
+def _close(p: _Port, *, end: float, kind: str) -> None:
+    start = p.down_since
+    assert start is not None  # only an open outage is closed
+    prev_up = p.down_prev_up
+    p.outages.append(_record(start, end, end - start, end - (prev_up if prev_up is not None else start),
                                 kind))
-    p["down_since"] = p["down_prev_up"] = p["last_down_t"] = None
-    _cap(p["outages"])
+    p.down_since = p.down_prev_up = p.last_down_t = None
+    _cap(p.outages)
 
 
-def _cap(records: list[dict[str, Any]]) -> None:
+def _cap(records: list[_Record]) -> None:
     while len(records) > _MAX_RECORDS:
         a, b = records[0], records.pop(1)
-        records[0] = {"start": min(a["start"], b["start"]), "end": max(a["end"], b["end"]),
-                      "down_s": a["down_s"] + b["down_s"], "max_s": a["max_s"] + b["max_s"],
-                      "longest_s": max(a["longest_s"], b["longest_s"]), "n": a["n"] + b["n"],
-                      "kind": "merged"}
+        records[0] = _Record(min(a.start, b.start), max(a.end, b.end), a.down_s + b.down_s, a.max_s + b.max_s,
+                             max(a.longest_s, b.longest_s), a.n + b.n, "merged")
 
 
-def _sample(p: dict[str, Any], up: bool, now: float, port: IbPort | None) -> bool:
+def _sample(p: _Port, up: bool, now: float, port: IbPort | None) -> bool:
     """Fold one sample (or a missing port, ``port`` None, counted as down) into the port's state.
     True when an outage opened or closed, or one was seen through link_downed: what a crash
     must not lose (the caller saves the state at once)."""
-    prev_t = p["last_t"]
+    prev_t = p.last_t
     opened = closed = counted = False
     if up:
-        if p["down_since"] is not None:
-            kind = "missing" if p["missing_since"] is not None else "state"
-            _close(p, end=now, kind=kind if p["seen_up"] else f"{kind} (down at first reading)")
+        if p.down_since is not None:
+            kind = "missing" if p.missing_since is not None else "state"
+            _close(p, end=now, kind=kind if p.seen_up else f"{kind} (down at first reading)")
             closed = True
-        p["seen_up"] = True
+        p.seen_up = True
     else:
         # A port down at its first reading (at boot, at daemon start) is timed from that
         # reading: it has been down at least that long.
-        if p["down_since"] is None:
+        if p.down_since is None:
             opened = True
-            p["down_since"] = now
-            p["down_prev_up"] = prev_t if p["last_up"] else None
-        p["last_down_t"] = now
+            p.down_since = now
+            p.down_prev_up = prev_t if p.last_up else None
+        p.last_down_t = now
     if port is not None:
         deltas = _counter_deltas(p, port)
         extra = deltas.get("link_downed", 0) - (1 if opened else 0)
         if extra > 0 and prev_t is not None:
             # Outages that began and ended between two samples: the counter saw them,
             # the state never did. Their length is unknown, at most the gap.
-            p["outages"].append(_record(prev_t, now, 0.0, (now - prev_t) * extra, "link_downed", extra))
-            _cap(p["outages"])
+            p.outages.append(_record(prev_t, now, 0.0, (now - prev_t) * extra, "link_downed", extra))
+            _cap(p.outages)
             counted = True
         for counter in _RATE_COUNTERS:
             if deltas.get(counter, 0) > 0:
-                _add_bucket(p["buckets"][counter], now, deltas[counter])
-    p["last_t"] = now
-    p["last_up"] = up
+                _add_bucket(p.buckets[counter], now, deltas[counter])
+    p.last_t = now
+    p.last_up = up
     return opened or closed or counted
 
 
-def _counter_deltas(p: dict[str, Any], port: IbPort) -> dict[str, int]:
+def _counter_deltas(p: _Port, port: IbPort) -> dict[str, int]:
     """Increase of each counter since the last sample; the first reading is a baseline and a
     counter that went backwards was reset (driver reload, perfquery -R): no delta either way."""
     out: dict[str, int] = {}
-    last: dict[str, int] = p["counters"]
+    last: dict[str, int] = p.counters
     for name, value in port.counters.items():
         prev = last.get(name)
         if prev is not None and value >= prev:
             out[name] = value - prev
         elif prev is not None:
-            p["resets"] += 1
+            p.resets += 1
         last[name] = value
     return out
 
@@ -673,49 +696,49 @@ def _add_bucket(buckets: list[list[float]], now: float, count: int) -> None:
         buckets.append([start, float(count)])
 
 
-def _prune(p: dict[str, Any], now: float, params: IbConfig) -> None:
-    p["outages"] = [r for r in p["outages"] if r["end"] > now - params.window_s]
+def _prune(p: _Port, now: float, params: IbConfig) -> None:
+    p.outages = [r for r in p.outages if r.end > now - params.window_s]
     for counter in _RATE_COUNTERS:
-        p["buckets"][counter] = [b for b in p["buckets"][counter]
+        p.buckets[counter] = [b for b in p.buckets[counter]
                                  if b[0] + _BUCKET_S > now - params.rate_window_s]
 
 
-def _per_hour(p: dict[str, Any], counter: str, now: float, params: IbConfig) -> float:
-    total = sum(b[1] for b in p["buckets"][counter] if b[0] + _BUCKET_S > now - params.rate_window_s)
+def _per_hour(p: _Port, counter: str, now: float, params: IbConfig) -> float:
+    total = sum(b[1] for b in p.buckets[counter] if b[0] + _BUCKET_S > now - params.rate_window_s)
     return float(total * 3600.0 / params.rate_window_s)
 
 
 # -- judgement ---------------------------------------------------------------
 
 
-def _downtime_evidence(p: dict[str, Any], now: float, params: IbConfig) -> dict[str, Any]:
-    records: list[dict[str, Any]] = p["outages"]
-    ongoing = max(0.0, now - p["down_since"]) if p["down_since"] is not None else None
-    measured = sum(r["down_s"] for r in records) + (ongoing or 0.0)
-    bound = sum(r["max_s"] for r in records) + (ongoing or 0.0)
-    longest = max([r["longest_s"] for r in records] + [ongoing or 0.0])
-    counter_only = sum(r["n"] for r in records if r["kind"] == "link_downed")
+def _downtime_evidence(p: _Port, now: float, params: IbConfig) -> dict[str, Any]:
+    records = p.outages
+    ongoing = max(0.0, now - p.down_since) if p.down_since is not None else None
+    measured = sum(r.down_s for r in records) + (ongoing or 0.0)
+    bound = sum(r.max_s for r in records) + (ongoing or 0.0)
+    longest = max([r.longest_s for r in records] + [ongoing or 0.0])
+    counter_only = sum(r.n for r in records if r.kind == "link_downed")
     ev: dict[str, Any] = {
         "window_s": params.window_s,
         "downtime_s": round(measured, 1),
         "downtime_upper_bound_s": round(bound, 1),
-        "outages": sum(r["n"] for r in records) + (1 if ongoing is not None else 0),
+        "outages": sum(r.n for r in records) + (1 if ongoing is not None else 0),
         "longest_outage_s": round(longest, 1),
         "outages_seen_only_by_link_downed": counter_only,
-        "counter_resets": p["resets"],
+        "counter_resets": p.resets,
     }
     ev["readings"] = [reading("ib_downtime_seconds", measured), reading("ib_outages", ev["outages"]),
                       reading("ib_longest_outage_seconds", longest)]
     if ongoing is not None:
         ev["ongoing_outage_s"] = round(ongoing, 1)
-        if not p["seen_up"]:
+        if not p.seen_up:
             ev["ongoing_outage_note"] = (
                 "down at gpumon's first reading of this port (at boot, at daemon start, or never up): "
                 "timed from that reading, so the port has been down at least this long")
     if records:
         ev["recent_outages"] = [
-            {"start": r["start"], "end": r["end"], "down_s": round(r["down_s"], 1),
-             "at_most_s": round(r["max_s"], 1), "n": r["n"], "seen_by": r["kind"]}
+            {"start": r.start, "end": r.end, "down_s": round(r.down_s, 1),
+             "at_most_s": round(r.max_s, 1), "n": r.n, "seen_by": r.kind}
             for r in records[-_EVIDENCE_OUTAGES:]]
     if counter_only:
         ev["outages_by_link_downed_note"] = (

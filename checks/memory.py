@@ -104,13 +104,12 @@ class MemoryCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: MemoryConfig = ctx.params or MemoryConfig()
+        params = ctx.params_as(MemoryConfig)
         out: list[Finding] = []
-        for index, reason in sorted(ctx.inventory.unreadable_gpus.items()):
-            lost = reason.startswith("GPU is lost")
+        for index, why in sorted(ctx.inventory.unreadable_gpus.items()):
             out.append(self.finding(gpu(index), Severity.FAIL,
-                                    f"GPU lost: {reason}" if lost else f"GPU unreadable: {reason}",
-                                    Action.REBOOT_NODE if lost else Action.RESET_GPU, nvml=reason))
+                                    f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
+                                    Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason))
         for info in ctx.inventory.gpus:
             try:
                 out.extend(self._gpu(ctx, params, info))

@@ -56,18 +56,21 @@ class MemoryHeadroomCheck(MemoryCheck):
     phase = Phase.BOOTSTRAP
     description = ("deep ECC/HBM check before admitting work: remap pending/failure, remapped rows and bank "
                    "headroom, volatile and lifetime ECC counts")
-    interval = 86400.0
     timeout = 30.0
     cost = 1.0
     Config = MemoryHeadroomConfig
 
+    def __init__(self) -> None:
+        super().__init__()
+        # the per-GPU verdicts of MemoryCheck (_findings) read these limits: set by each run
+        self._limits = MemoryHeadroomConfig()
+
     def run(self, ctx: CheckContext) -> list[Finding]:
-        # the per-GPU verdicts of MemoryCheck read these limits; keep them for _findings
-        self._limits: MemoryHeadroomConfig = ctx.params or MemoryHeadroomConfig()
+        self._limits = ctx.params_as(MemoryHeadroomConfig)
         return super().run(ctx)
 
     def _findings(self, g: _Gpu) -> list[Finding]:
-        limits = getattr(self, "_limits", MemoryHeadroomConfig())
+        limits = self._limits
         ev: dict[str, Any] = g.evidence
         rows = ev.get("remapped_rows")
         ecc = ev.get("ecc")

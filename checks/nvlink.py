@@ -23,7 +23,8 @@ the whole fabric. NVIDIA's health-validation check ``nvlink_active``
 any inactive link and recommends reset_gpu -> restart_os -> service_required;
 gpud maps Xid 74 (NVLink error) to RebootSystem, HardwareInspection
 (shared/reference/xid-catalog.md). The same link faulting again after a
-reboot points at the channel itself: inspect_hardware.
+reboot points at the channel itself: inspect_hardware (within ``repeat_window_s``, the
+repeat-after-reboot rule of ``gpumon.bootstate``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumon.bootstate import REPEAT_WINDOW_S, REPEAT_WINDOW_SOURCE, RepeatHistory, start_boot
 from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
-from gpumon.hw.inventory import Inventory
+from gpumon.hw.inventory import Inventory, UnreadableGpu
 from gpumon.hw.nvml import GpuInfo, NvlinkErrors
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink
 
@@ -91,9 +93,8 @@ class NvlinkConfig:
     hold_s: float = field(default=3600.0, metadata={
         "min": 0, "source": "gpumon design choice: the same 1 h that xid.recent_window_s keeps an "
                             "application-level Xid reported after its last line"})
-    repeat_window_s: float = field(default=7 * 86400.0, metadata={
-        "min": 0, "source": "gpumon design choice: a link that faulted in another boot within a week has "
-                            "survived the reboot remedy, so the next remedy is hardware inspection"})
+    repeat_window_s: float = field(default=REPEAT_WINDOW_S, metadata={
+        "min": 0, "source": REPEAT_WINDOW_SOURCE})
 
     def __post_init__(self) -> None:
         for name in COUNTERS:
@@ -189,12 +190,9 @@ def _prepare_state(state: MutableMapping[str, Any], boot: str | None) -> None:
     if state.get("version") != _STATE_VERSION:
         state.clear()
         state["version"] = _STATE_VERSION
-    if state.get("boot_id") != boot:
-        # NVLink error counters are volatile: a new boot starts them (and their alarms) afresh;
-        # only the history of faulted links survives, to escalate a fault the reboot did not cure
-        state["boot_id"] = boot
-        state["samples"] = {}
-        state["breaches"] = {}
+    # NVLink error counters are volatile: a new boot starts them (and their alarms) afresh;
+    # only the history of faulted links survives, to escalate a fault the reboot did not cure
+    start_boot(state, boot, keep=("version", "faults"))
     for key in ("samples", "breaches", "faults"):
         _dict_at(state, key)
 
@@ -221,7 +219,7 @@ class NvlinkCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: NvlinkConfig = ctx.params or NvlinkConfig()
+        params = ctx.params_as(NvlinkConfig)
         inv = ctx.inventory
         expected = ctx.profile.nvlink.links_per_gpu or 0
         with_links = [g for g in inv.gpus if (g.nvlink_count or 0) > 0]
@@ -251,11 +249,10 @@ class NvlinkCheck(Check):
 
     # -- per GPU ---------------------------------------------------------
 
-    def _unreadable(self, index: int, reason: str) -> Finding:
-        lost = reason.startswith("GPU is lost")
+    def _unreadable(self, index: int, why: UnreadableGpu) -> Finding:
         return self.finding(gpu(index), Severity.FAIL,
-                            f"GPU lost: {reason}" if lost else f"GPU unreadable: {reason}",
-                            Action.REBOOT_NODE if lost else Action.RESET_GPU, nvml=reason)
+                            f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
+                            Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason)
 
     def _no_links(self, info: GpuInfo, expected: int, *, every_gpu: bool) -> Finding:
         # NVML answering NOT_SUPPORTED for NVLink on a SKU built with it: on every GPU this is the
@@ -425,23 +422,13 @@ class NvlinkCheck(Check):
     def _remedy(state: MutableMapping[str, Any], info: GpuInfo, link: int, boot: str | None, now: float,
                 params: NvlinkConfig) -> Action:
         """reboot_node; inspect_hardware when the same link faulted in another boot recently."""
-        if boot is None:
-            return Action.REBOOT_NODE
-        boots = _dict_at(_dict_at(state, "faults"), f"{info.uuid}/{link}")
-        boots[boot] = now
-        earlier = [b for b, t in boots.items() if b != boot and _recent(t, now, params.repeat_window_s)]
-        return Action.INSPECT_HARDWARE if earlier else Action.REBOOT_NODE
+        repeated = RepeatHistory(_dict_at(state, "faults")).record(
+            f"{info.uuid}/{link}", boot, now, params.repeat_window_s)
+        return Action.INSPECT_HARDWARE if repeated else Action.REBOOT_NODE
 
     @staticmethod
     def _forget_history(state: MutableMapping[str, Any], now: float, params: NvlinkConfig) -> None:
-        faults = _dict_at(state, "faults")
-        for key in list(faults):
-            boots = faults[key]
-            if isinstance(boots, dict):
-                for b in [b for b, t in boots.items() if not _recent(t, now, params.repeat_window_s)]:
-                    del boots[b]
-            if not isinstance(boots, dict) or not boots:
-                del faults[key]
+        RepeatHistory(_dict_at(state, "faults")).forget(now, params.repeat_window_s)
 
 
 def _recent(t: Any, now: float, window: float) -> bool:

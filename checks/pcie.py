@@ -53,6 +53,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumon.bootstate import start_boot
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition
 from gpumon.hw import pci as pcihw
@@ -149,12 +150,10 @@ class PcieCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: PcieConfig = ctx.params or PcieConfig()
+        params = ctx.params_as(PcieConfig)
         state = ctx.state
         boot = ctx.hw.fs.boot_id()
-        if state.get("boot_id") != boot:
-            state.clear()
-            state["boot_id"] = boot
+        start_boot(state, boot)
         now = ctx.clock()
         out = self._read_kernel_log(ctx, state, now)
         try:

@@ -127,7 +127,6 @@ class PcieTopologyCheck(Check):
     phase = Phase.BOOTSTRAP
     description = ("GPU/NIC/PCIe-switch affinity, GPU and NIC link generation and width, PCIe AER counters "
                    "compared before and after the bootstrap suite")
-    interval = 86400.0
     timeout = 60.0
     cost = 2.0
     Config = PcieTopologyConfig
@@ -142,7 +141,7 @@ class PcieTopologyCheck(Check):
     # -- before the load --------------------------------------------------------
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: PcieTopologyConfig = ctx.params or PcieTopologyConfig()
+        params = ctx.params_as(PcieTopologyConfig)
         try:
             nics, nic_errors = pcihw.infiniband_devices(ctx.hw.fs)
             tree = pcihw.scan(ctx.hw.fs, extra=set(nics.values()))
@@ -313,7 +312,7 @@ class PcieTopologyCheck(Check):
         if not isinstance(baseline, dict):
             return [self.finding(NODE, Severity.UNKNOWN, "no AER reading from before the suite: errors "
                                  "during the suite not judged", Action.NONE)]
-        params: PcieTopologyConfig = ctx.params or PcieTopologyConfig()
+        params = ctx.params_as(PcieTopologyConfig)
         minutes = max(1.0, (ctx.clock() - float(ctx.state.get("aer_at", ctx.clock()))) / 60.0)
         allowance = params.correctable_per_minute * minutes
         out: list[Finding] = []

@@ -22,9 +22,9 @@ port, and GPUDirect RDMA (``--use_cuda``) for every GPU-NIC pair that shares a P
   ``network.ib_rate_gbps`` (or, without one, the port's own negotiated rate) times ``host_efficiency``
   / ``gdr_efficiency``. Below -> fail, inspect_hardware: a loopback never leaves the HCA, so a slow one
   is the NIC or its PCIe path (the pcie and pcie_topology checks name the link), not a cable. Each
-  bandwidth finding is a **probe** (evidence ``probe: true``): the suite measures it again before it
-  fails, since bandwidth varies run to run; on that retry (``ctx.extras["bootstrap_retry"]``) only the
-  probes named there are measured.
+  bandwidth finding is **retryable** (evidence ``retryable: true``, ``retry_id`` ``host`` or
+  ``gdr:<NIC>``): the suite measures it again before it fails, since bandwidth varies run to run; on
+  that retry (``ctx.retry``) only the measurements named there are taken.
 - A run that does not finish within ``run_timeout_s`` is a fail (hung); perftest's own errors
   (cannot open the device, cannot register CUDA memory: nvidia-peermem not loaded) are ``unknown``
   with perftest's words. No RDMA device or no perftest -> ``skipped`` with the reason.
@@ -35,8 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstrap import PROBE_ID, RETRY_KEY
-from gpumon.check import Check, CheckContext
+from gpumon.check import RETRY_ID, RETRYABLE, Check, CheckContext
 from gpumon.errors import HwCondition, HwTimeout
 from gpumon.hw import infiniband as ibhw
 from gpumon.hw import pci as pcihw
@@ -91,7 +90,7 @@ class RdmaConfig:
 @dataclass(frozen=True)
 class _Target:
     component: str
-    probe_id: str
+    retry_id: str
     spec: perftest.LoopbackSpec
     expected_gbps: float
     expected_from: str
@@ -119,7 +118,6 @@ class RdmaCheck(Check):
     phase = Phase.BOOTSTRAP
     description = ("RDMA NIC loopback bandwidth with perftest ib_write_bw: host memory per port, "
                    "GPUDirect RDMA per GPU-NIC pair on one PCIe switch")
-    interval = 86400.0
     timeout = 180.0
     cost = 30.0
     Config = RdmaConfig
@@ -130,11 +128,8 @@ class RdmaCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: RdmaConfig = ctx.params or RdmaConfig()
-        retry = ctx.extras.get(RETRY_KEY)
-        only: set[tuple[str, str]] | None = None
-        if isinstance(retry, dict) and isinstance(retry.get("probes"), list):
-            only = {(str(c), str(p)) for c, p in retry["probes"]}
+        params = ctx.params_as(RdmaConfig)
+        only = ctx.retry.retry_ids if ctx.retry is not None else None
         out: list[Finding] = []
         ports = self._ports(ctx, params, out)
         binary = "ib_write_bw"
@@ -146,7 +141,7 @@ class RdmaCheck(Check):
         if params.gdr and ctx.inventory.gpus:
             targets += self._gdr_targets(ctx, params, ports, len(targets), out, binary, only)
         if only is not None:
-            targets = [t for t in targets if (t.component, t.probe_id) in only]
+            targets = [t for t in targets if (t.component, t.retry_id) in only]
         host = [t for t in targets if t.spec.cuda is None]
         runs = dict(zip(map(id, host), perftest.run_loopbacks(
             ctx.hw.tools, [t.spec for t in host], parallel=params.parallel_host,
@@ -222,7 +217,8 @@ class RdmaCheck(Check):
 
     def _gdr_targets(self, ctx: CheckContext, params: RdmaConfig,
                      ports: list[tuple[str, int, float | None, bool]], first_port: int,
-                     out: list[Finding], binary: str, only: set[tuple[str, str]] | None) -> list[_Target]:
+                     out: list[Finding], binary: str,
+                     only: frozenset[tuple[str, str]] | None) -> list[_Target]:
         try:
             nics, _ = pcihw.infiniband_devices(ctx.hw.fs)
             tree = pcihw.scan(ctx.hw.fs, extra=set(nics.values()))
@@ -260,7 +256,7 @@ class RdmaCheck(Check):
     # -- verdicts --------------------------------------------------------------------
 
     def _judge(self, t: _Target, run: perftest.LoopbackRun) -> Finding:
-        ev: dict[str, Any] = {**t.extra, PROBE_ID: t.probe_id, "argv": run.argv}
+        ev: dict[str, Any] = {**t.extra, RETRY_ID: t.retry_id, "argv": run.argv}
         if isinstance(run.condition, HwTimeout):
             return self.finding(t.component, Severity.FAIL, f"{t.label}: ib_write_bw did not finish within "
                                 f"{run.condition.seconds:g} s (killed)", Action.NONE, call=run.condition.call,
@@ -273,14 +269,15 @@ class RdmaCheck(Check):
         row = run.report.at_size(t.spec.size) or run.report.largest
         measured = row.average_gbps
         threshold = t.expected_gbps * t.efficiency
-        ev.update({"probe": True, "measured_gbps": round(measured, 2), "threshold_gbps": round(threshold, 2),
-                   "expected_gbps": t.expected_gbps, "efficiency": t.efficiency,
+        ev.update({RETRYABLE: True, "measured_gbps": round(measured, 2),
+                   "threshold_gbps": round(threshold, 2), "expected_gbps": t.expected_gbps,
+                   "efficiency": t.efficiency,
                    "threshold_from": t.expected_from,
                    "message_size": row.size, "link_type": run.report.link_type,
                    # perftest's Gbit/s in bytes per second; device and port tell apart the NICs that
                    # share one GPU's switch (their gdr readings are all on that GPU's component)
                    "readings": [reading("rdma_loopback_bytes_per_second", measured * GBIT_BYTES,
-                                        kind=t.probe_id.split(":")[0], device=t.spec.device,
+                                        kind=t.retry_id.split(":")[0], device=t.spec.device,
                                         port=t.spec.ib_port)]})
         if row.size != t.spec.size:
             ev["size_note"] = (f"no {t.spec.size}-byte row in the output; judged the largest "

@@ -35,7 +35,7 @@ from typing import Any
 
 from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
-from gpumon.hw.inventory import Inventory
+from gpumon.hw.inventory import Inventory, UnreadableGpu
 from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
 
 # Bounds of a believable limit (the profile schema's thermal.* bounds): a threshold outside them
@@ -99,7 +99,7 @@ class ThermalCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: ThermalConfig = ctx.params or ThermalConfig()
+        params = ctx.params_as(ThermalConfig)
         out = [_unreadable(self.name, index, reason)
                for index, reason in sorted(ctx.inventory.unreadable_gpus.items())]
         for info in ctx.inventory.gpus:
@@ -268,8 +268,7 @@ def _read(read: Callable[[], int]) -> int | HwCondition:
         return cond
 
 
-def _unreadable(check: str, index: int, reason: str) -> Finding:
-    lost = reason.startswith("GPU is lost")
+def _unreadable(check: str, index: int, why: UnreadableGpu) -> Finding:
     return Finding(check, gpu(index), Severity.FAIL,
-                   f"GPU lost: {reason}" if lost else f"GPU unreadable: {reason}",
-                   Action.REBOOT_NODE if lost else Action.RESET_GPU, {"nvml": reason})
+                   f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
+                   Action.REBOOT_NODE if why.lost else Action.RESET_GPU, {"nvml": why.reason})

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumon.bootstate import start_boot
 from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
@@ -207,19 +208,15 @@ class ThrottleCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: ThrottleConfig = ctx.params or ThrottleConfig()
+        params = ctx.params_as(ThrottleConfig)
         out: list[Finding] = []
-        for index in sorted(ctx.inventory.unreadable_gpus):
-            reason = ctx.inventory.unreadable_gpus[index]
-            lost = reason.startswith("GPU is lost")
+        for index, why in sorted(ctx.inventory.unreadable_gpus.items()):
             out.append(self.finding(gpu(index), Severity.FAIL,
-                                    f"GPU lost: {reason}" if lost else f"GPU unreadable: {reason}",
-                                    Action.REBOOT_NODE if lost else Action.RESET_GPU, nvml=reason))
+                                    f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
+                                    Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason))
         state = ctx.state
         boot = ctx.hw.fs.boot_id()
-        if state.get("boot_id") != boot:
-            state.clear()  # a reboot restarts every counter and ends every slowdown
-            state["boot_id"] = boot
+        start_boot(state, boot)  # a reboot restarts every counter and ends every slowdown
         gpus: dict[str, Any] = state.setdefault("gpus", {})
         for info in ctx.inventory.gpus:
             comp = gpu(info.index)

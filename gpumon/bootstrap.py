@@ -10,20 +10,20 @@ a node that just passed it, so the suite is thorough but bounded, and says where
   hung and error handling): a GEMM burn-in and an NCCL all-reduce at once would measure each other.
 - **Time budget** per check: the runner's deadline, i.e. ``checks.<name>.timeout_s`` (default: the
   check's ``timeout``). A check past it is a ``fail`` "hung after N s in <call>" and the suite goes on.
-- **Probes**: a performance measurement varies run to run (NCCL bandwidth variance is one of the
-  field lessons in DESIGN.md), so a check marks such a finding as a probe (evidence ``probe: true``,
-  or ``retryable: true`` as the compute checks write it; optionally ``probe_id`` to tell several
-  probes on one component apart). A probe below its threshold (``warn`` or ``fail``) is measured
-  again, unless the check already did so itself (evidence ``attempts`` >= 2): the check runs once
-  more with
-  ``ctx.extras["bootstrap_retry"] = {"attempt": 2, "components": [...], "probes": [[component,
-  probe_id], ...]}`` so that it may re-measure only those, and the retry's verdict replaces the
-  first for exactly those probes. A probe fails only if it stays below threshold on the retry; a
-  non-probe fault (a wrong all-reduce element, a remap pending) is never retried away, and a new
-  fault the retry shows is kept.
+- **Retryable measurements**: a performance measurement varies run to run (NCCL bandwidth variance
+  is one of the field lessons in DESIGN.md), so a check marks such a finding as retryable (evidence
+  ``retryable: true``; optionally ``retry_id`` to tell several on one component apart). One below its
+  threshold (``warn`` or ``fail``) is measured again, unless the check already did so itself
+  (evidence ``attempts`` >= 2): the check runs once more with ``ctx.retry`` (a
+  :class:`~gpumon.check.RetryRequest`: attempt, components, (component, retry_id) pairs) so that it
+  may re-measure only those, and the retry's verdict replaces the first for exactly those. A
+  retryable finding fails only if it stays below threshold on the retry; any other fault (a wrong
+  all-reduce element, a remap pending) is never retried away, and a new fault the retry shows is
+  kept.
 - ``--fail-fast``: stop after the first check with a ``fail``; the checks not run are reported as
   ``skipped`` "not run" (outcome ``not-run``), never as ok.
-- **Before/after the whole suite**: a check may define ``after_suite(ctx) -> list[Finding]``; the
+- **Before/after the whole suite**: a check may define ``after_suite(ctx) -> list[Finding]``
+  (:class:`~gpumon.check.AfterSuite`); the
   suite calls it (with the same check state) once every check has run, and adds its findings to that
   check's. ``pcie_topology`` uses it to compare PCIe AER counters from before the first load to
   after the last. Why a hook rather than a snapshot taken by this runner: the framework knows no
@@ -46,7 +46,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,33 +57,38 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gpumon.check import Check, CheckContext
+from gpumon.atomic import write_atomic
+from gpumon.check import RETRY_ID, RETRYABLE, AfterSuite, Check, CheckContext, RetryRequest
 from gpumon.errors import ConfigError
-from gpumon.model import NODE, Finding, Phase, Severity, Status, overall_status, worst_action, worst_severity
+from gpumon.model import (
+    NODE,
+    CheckRun,
+    Finding,
+    Phase,
+    Severity,
+    Status,
+    overall_status,
+    worst_action,
+    worst_severity,
+)
 from gpumon.report import console_for, json_report, print_table
-from gpumon.runner import CheckRun
 
 if TYPE_CHECKING:
     from gpumon.agent import Agent
 
 log = logging.getLogger("gpumon.bootstrap")
 
-PROBE = "probe"
-# the same flag under the name the compute checks use; either marks a probe
-RETRYABLE = "retryable"
-PROBE_ID = "probe_id"
 # how many times the check itself measured it (its own retry); the suite's count is SUITE_ATTEMPTS
 ATTEMPTS = "attempts"
 SUITE_ATTEMPTS = "suite_attempts"
-RETRY_KEY = "bootstrap_retry"
 NOT_RUN = "not-run"
 REPORT_PREFIX = "bootstrap-"
 LATEST = "bootstrap-latest.json"
 _TICK_S = 0.1
 
 
-def is_probe(finding: Finding) -> bool:
-    return bool(finding.evidence.get(PROBE) or finding.evidence.get(RETRYABLE))
+def is_retryable(finding: Finding) -> bool:
+    return bool(finding.evidence.get(RETRYABLE))
 
 
 def measured_again(finding: Finding) -> bool:
@@ -93,22 +97,22 @@ def measured_again(finding: Finding) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 2
 
 
-def probe_key(finding: Finding) -> tuple[str, str]:
-    return finding.component, str(finding.evidence.get(PROBE_ID, ""))
+def retry_key(finding: Finding) -> tuple[str, str]:
+    return finding.component, str(finding.evidence.get(RETRY_ID, ""))
 
 
-def failing_probes(findings: Sequence[Finding]) -> list[Finding]:
-    """Probes below threshold that the suite should measure again: not those the check itself
-    already measured twice (the compute checks retry inside one run: a third run of a burn-in would
-    cost minutes for nothing)."""
-    return [f for f in findings if is_probe(f) and f.severity in (Severity.WARN, Severity.FAIL)
+def failing_retryable(findings: Sequence[Finding]) -> list[Finding]:
+    """Retryable findings below threshold that the suite should measure again: not those the check
+    itself already measured twice (the compute checks retry inside one run: a third run of a burn-in
+    would cost minutes for nothing)."""
+    return [f for f in findings if is_retryable(f) and f.severity in (Severity.WARN, Severity.FAIL)
             and not measured_again(f)]
 
 
 def expected_seconds(check: Check | type[Check], budget_s: float) -> float:
     """What a healthy run takes: the check's ``cost`` class attribute, else its budget."""
-    cost = getattr(check, "cost", None)
-    if isinstance(cost, (int, float)) and not isinstance(cost, bool) and cost > 0:
+    cost = check.cost
+    if cost is not None and cost > 0:
         return float(cost)
     return budget_s
 
@@ -129,15 +133,15 @@ def select(agent: Agent, only: Sequence[str] = (), skip: Sequence[str] = ()) -> 
 
 
 def merge_retry(first: CheckRun, second: CheckRun, attempt: int = 2) -> CheckRun:
-    """The verdict after a retry (``attempt``: its number): the retry's reading for every probe that
-    was below threshold, the first run's findings for everything else, and any new non-ok finding of
-    the retry."""
-    failing = {probe_key(f) for f in failing_probes(first.findings)}
-    again = {probe_key(f): f for f in second.findings if is_probe(f)}
+    """The verdict after a retry (``attempt``: its number): the retry's reading for every retryable
+    finding that was below threshold, the first run's findings for everything else, and any new
+    non-ok finding of the retry."""
+    failing = {retry_key(f) for f in failing_retryable(first.findings)}
+    again = {retry_key(f): f for f in second.findings if is_retryable(f)}
     merged: list[Finding] = []
     for f in first.findings:
-        key = probe_key(f)
-        if not (is_probe(f) and key in failing):
+        key = retry_key(f)
+        if not (is_retryable(f) and key in failing):
             merged.append(f)
             continue
         first_attempt = {"severity": f.severity.value, "message": f.message}
@@ -154,7 +158,7 @@ def merge_retry(first: CheckRun, second: CheckRun, attempt: int = 2) -> CheckRun
     seen = {(f.component, f.message) for f in first.findings}
     for g in second.findings:
         new_fault = g.severity not in (Severity.OK, Severity.SKIPPED) and (g.component, g.message) not in seen
-        if new_fault and not is_probe(g):
+        if new_fault and not is_retryable(g):
             merged.append(g)
     outcome = first.outcome if second.outcome == "completed" else second.outcome
     return CheckRun(first.check, merged, first.started, first.seconds + second.seconds, outcome)
@@ -172,7 +176,7 @@ class SuiteCheck:
     budget_s: float
     run: CheckRun
     attempts: int = 1
-    retried: list[str] = field(default_factory=list)  # components whose probes were measured again
+    retried: list[str] = field(default_factory=list)  # components measured again (retryable findings)
     after_suite: bool = False
 
     @property
@@ -196,7 +200,8 @@ class SuiteResult:
     fail_fast: bool = False
     stopped_after: str | None = None  # --fail-fast: the check whose failure ended the suite
     interrupted: bool = False
-    simulated: str | None = None
+    # what the machine says the node is (a simulated node's scenario), said in the report
+    node_label: str | None = None
     report_paths: list[Path] = field(default_factory=list)
     report_error: str | None = None
 
@@ -240,8 +245,8 @@ class SuiteResult:
             "seconds": round(self.finished - self.started, 3), "fail_fast": self.fail_fast,
             "stopped_after": self.stopped_after, "interrupted": self.interrupted,
             "order": [c.check for c in self.checks], "checks": [c.to_json() for c in self.checks]}}
-        if self.simulated:
-            extra["simulated"] = self.simulated
+        if self.node_label:
+            extra["simulated"] = self.node_label
         doc = json_report(self.runs, node=self.node, profile=self.profile, verbose=verbose, extra=extra)
         doc["status"] = self.status.value  # an interrupted suite is "error" whatever it found so far
         return doc
@@ -358,15 +363,13 @@ def _not_run(check: Check, why: str, now: float) -> CheckRun:
     return CheckRun(check.name, [f], now, 0.0, NOT_RUN)
 
 
-def _after_suite_variant(check: Check) -> Check:
-    """The same check whose ``run`` is its ``after_suite`` hook, so that the runner gives it its
+def _after_suite_variant(check: AfterSuite) -> Check:
+    """The same check whose ``run`` is its ``after_suite`` step, so that the runner gives it its
     deadline, its error handling and the same state (keyed by name)."""
     cls = type(check)
 
-    def run(self: Check, ctx: CheckContext) -> list[Finding]:
-        hook = getattr(cls, "after_suite")  # noqa: B009 - checked by the caller; mypy cannot see it
-        found: list[Finding] = hook(self, ctx)
-        return found
+    def run(self: AfterSuite, ctx: CheckContext) -> list[Finding]:
+        return self.after_suite(ctx)
 
     variant = type(f"{cls.__name__}AfterSuite", (cls,), {"run": run, "__module__": cls.__module__})
     made: Check = variant()
@@ -391,14 +394,15 @@ class _Suite:
             except Exception:  # a progress listener must not stop a suite
                 log.exception("bootstrap progress callback failed")
 
-    def run_one(self, check: Check, display: _Display, expected: float) -> CheckRun:
+    def run_one(self, check: Check, display: _Display, expected: float,
+                retry: RetryRequest | None = None) -> CheckRun:
         """One bounded run through the Runner, on a worker thread so that the bar moves meanwhile."""
         kernel_log = self.agent.kernel_log_snapshot() if check.uses_kernel_log else None
         box: dict[str, Any] = {}
 
         def work() -> None:
             try:
-                box["runs"] = self.agent.runner.run([check], kernel_log)
+                box["runs"] = self.agent.runner.run([check], kernel_log, retry=retry)
             except BaseException as exc:  # the runner guards checks; this guards the runner
                 box["error"] = exc
 
@@ -420,26 +424,22 @@ class _Suite:
         run = self.run_one(check, display, expected)
         outcome = SuiteCheck(check.name, expected, budget, run)
         while outcome.attempts <= self.retries:
-            below = failing_probes(outcome.run.findings)
+            below = failing_retryable(outcome.run.findings)
             if not below:
                 break
             components = sorted({f.component for f in below})
             display.note(f"[{index}/{total}] {check.name}: {len(below)} probe(s) below threshold, "
                          "measuring again")
             self.emit(ProgressEvent("retry", index, total, check.name, expected, budget, outcome.run))
-            self.agent.runner.extras[RETRY_KEY] = {
-                "attempt": outcome.attempts + 1, "components": components,
-                "probes": [list(probe_key(f)) for f in below]}
-            try:
-                again = self.run_one(type(check)(), display, expected)
-            finally:
-                self.agent.runner.extras.pop(RETRY_KEY, None)
+            retry = RetryRequest(outcome.attempts + 1, tuple(components),
+                                 frozenset(retry_key(f) for f in below))
+            again = self.run_one(type(check)(), display, expected, retry)
             outcome.run = merge_retry(outcome.run, again, outcome.attempts + 1)
             outcome.attempts += 1
             outcome.retried = sorted(set(outcome.retried) | set(components))
         return outcome
 
-    def after_suite(self, outcome: SuiteCheck, check: Check) -> None:
+    def after_suite(self, outcome: SuiteCheck, check: AfterSuite) -> None:
         variant = _after_suite_variant(check)
         runs = self.agent.runner.run([variant])
         extra = runs[0]
@@ -463,7 +463,7 @@ def run_suite(agent: Agent, checks: Sequence[Check], *, fail_fast: bool = False,
     total = len(plan)
     started = time.time()
     result = SuiteResult(agent.node, agent.profile.name, [], started, started, fail_fast=fail_fast,
-                         simulated=agent.simulation.scenario.name if agent.simulation else None)
+                         node_label=agent.machine.label())
     ran: list[tuple[SuiteCheck, Check]] = []
     with _Display(console, plan) as display:
         try:
@@ -483,8 +483,7 @@ def run_suite(agent: Agent, checks: Sequence[Check], *, fail_fast: bool = False,
                 if fail_fast and outcome.severity is Severity.FAIL:
                     result.stopped_after = check.name
             for outcome, check in ran:
-                hooked = callable(getattr(check, "after_suite", None))
-                if hooked and outcome.run.outcome in ("completed", "error"):
+                if isinstance(check, AfterSuite) and outcome.run.outcome in ("completed", "error"):
                     index = result.checks.index(outcome) + 1
                     display.note(f"[{index}/{total}] {check.name}: comparing with the start of the suite")
                     suite.after_suite(outcome, check)
@@ -504,15 +503,6 @@ def run_suite(agent: Agent, checks: Sequence[Check], *, fail_fast: bool = False,
     return result
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def report_name(started: float) -> str:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(started))
     return f"{REPORT_PREFIX}{stamp}.{int(started * 1000) % 1000:03d}Z.json"
@@ -524,8 +514,8 @@ def _write_reports(result: SuiteResult, state_dir: Path, keep: int) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         text = json.dumps(result.report(verbose=True), indent=2) + "\n"
         dated = state_dir / report_name(result.started)
-        _atomic_write(dated, text)
-        _atomic_write(state_dir / LATEST, text)
+        write_atomic(dated, text)
+        write_atomic(state_dir / LATEST, text)
         result.report_paths = [dated, state_dir / LATEST]
         old = sorted(p for p in state_dir.glob(f"{REPORT_PREFIX}*.json") if p.name != LATEST)
         for stale in old[:max(0, len(old) - keep)]:

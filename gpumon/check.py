@@ -8,57 +8,19 @@ component it examined (``ok`` included).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Iterable, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported, ToolMissing
+from gpumon.hw.kernellog import KernelLog as KernelLog  # what a check is handed: part of the protocol
 from gpumon.model import Action, Finding, Phase, Severity
 
 if TYPE_CHECKING:
     from gpumon.hw import Hardware
     from gpumon.hw.inventory import Inventory
     from gpumon.profiles import Profile
-
-
-@dataclass
-class KernelLog:
-    """Kernel-log events handed to a check: NVRM events parsed by the hw layer.
-
-    ``available`` is False when the log could not be read; the check must then
-    say ``unknown`` with ``error`` rather than report a clean log.
-    """
-
-    events: Sequence[Any] = ()
-    # the raw kernel records (gpumon.hw.kmsg.KernelRecord), for checks that read non-NVRM lines
-    records: Sequence[Any] = ()
-    available: bool = True
-    error: str | None = None
-    source: str = ""
-    records_read: int = 0
-    lost_records: int = 0
-    # epoch seconds of this boot, to date records that carry only kernel uptime
-    boot_time: float | None = None
-    # what the check's kernel_log_fold gathered from the records since its last run, when the
-    # daemon's pump folded them as they came (those records are then not in ``records``)
-    folded: Any = None
-
-    def time_of(self, record: Any, now: float) -> float:
-        """When a record was logged: its wall clock, else boot time + kernel uptime, else ``now``.
-
-        ``boot_time`` is /proc/stat btime or, without it, the kernel-log follower's anchor
-        (now - /proc/uptime, else now - the newest record's kernel time; see
-        ``KernelLogFollower.boot_anchor``): records with kernel time are then dated by their
-        own stamps, so intervals between them are right whatever the anchor's error. Only a
-        record with no timestamp at all is dated ``now``."""
-        wall = getattr(record, "wall_time", None)
-        if wall is not None:
-            return float(wall.timestamp())
-        usec = getattr(record, "monotonic_us", None)
-        if usec is not None and self.boot_time is not None:
-            return float(self.boot_time + usec / 1e6)
-        return now
 
 
 class KernelLogFold(Protocol):
@@ -81,19 +43,52 @@ class KernelLogFold(Protocol):
         ...
 
 
+P = TypeVar("P")
+
+# Evidence of a finding that is a measurement to repeat before it fails (bandwidth varies run to
+# run): ``retryable: true``, and ``retry_id`` to tell apart several on one component. The
+# bootstrap suite runs the check once more for those below threshold (gpumon/bootstrap.py).
+RETRYABLE = "retryable"
+RETRY_ID = "retry_id"
+
+
+@dataclass(frozen=True)
+class RetryRequest:
+    """The bootstrap suite's second run of a check whose retryable findings were below threshold:
+    a check may re-measure only these (``ctx.retry``), and the retry's verdict replaces the
+    first's for exactly them."""
+
+    attempt: int
+    components: tuple[str, ...]
+    # (component, retry_id) of each finding to measure again ("" when it had no retry_id)
+    retry_ids: frozenset[tuple[str, str]]
+
+
 @dataclass
 class CheckContext:
     hw: Hardware
     inventory: Inventory
     profile: Profile
-    params: Any
+    # the check's options: an instance of its ``Config`` dataclass (None when it has none); read
+    # it typed with ``params_as``
+    params: object
     state: MutableMapping[str, Any]
     kernel_log: KernelLog
     clock: Callable[[], float] = time.time
     node: str = "localhost"
-    extras: dict[str, Any] = field(default_factory=dict)
     # the agent's state directory (a simulated node's own one); None: not known to this caller
     state_dir: Path | None = None
+    # set on the bootstrap suite's retry of this check; None on every other run
+    retry: RetryRequest | None = None
+
+    def params_as(self, config: type[P]) -> P:
+        """The check's options as its ``Config`` dataclass (its defaults when none were handed in,
+        as a test's context may do); a ``TypeError`` names a context built for another check."""
+        if self.params is None:
+            return config()
+        if not isinstance(self.params, config):
+            raise TypeError(f"check options are {type(self.params).__name__}, not {config.__name__}")
+        return self.params
 
 
 class Check:
@@ -106,12 +101,16 @@ class Check:
     name: ClassVar[str] = ""
     phase: ClassVar[Phase] = Phase.CONTINUOUS
     description: ClassVar[str] = ""
+    # seconds between runs of a continuous check (the daemon's schedule); other phases ignore it
     interval: ClassVar[float] = 60.0
     timeout: ClassVar[float] = 30.0
+    # seconds a healthy run takes (bootstrap: order, cheap first, and progress ETA); None: its
+    # time budget
+    cost: ClassVar[float | None] = None
     # A dataclass of the check's own options (its YAML section), or None.
     Config: ClassVar[type[Any] | None] = None
     # Checks fed by the kernel log run as soon as something they read arrives (in the daemon,
-    # at most every 0.5 s unless it is new: gpumon.daemon.KernelLogPump). What they read,
+    # at most every 0.5 s unless it is new: gpumon.kernel_pump.KernelLogPump). What they read,
     # which is all that the daemon keeps for them between runs:
     uses_kernel_log: ClassVar[bool] = False
     # - these NVRM event types (gpumon.hw.nvrm) in KernelLog.events (None: every event);
@@ -148,6 +147,17 @@ class Check:
 
     def from_condition(self, cond: HwCondition, component: str | None = None) -> Finding:
         return condition_finding(self.name, cond, component)
+
+
+@runtime_checkable
+class AfterSuite(Protocol):
+    """A bootstrap check that also looks once more when the whole suite has run (e.g. counters
+    from before the first load to after the last): the suite calls ``after_suite`` with the
+    same state as its run and adds what it finds to that run's findings. Optional: a check
+    without it has no after-suite step."""
+
+    def after_suite(self, ctx: CheckContext) -> list[Finding]:
+        ...
 
 
 def condition_finding(check: str, cond: HwCondition, component: str | None = None) -> Finding:

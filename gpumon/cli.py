@@ -18,18 +18,19 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gpumon import __version__
-from gpumon.agent import Agent, Simulation
-from gpumon.check import Check, KernelLog
+from gpumon.agent import Agent
+from gpumon.check import Check
 from gpumon.config import Config, load_config
 from gpumon.errors import ConfigError, GpumonError, StartupError
 from gpumon.fabric import cli as fabric_cli
-from gpumon.model import Phase, Status
+from gpumon.machine import Machine
+from gpumon.model import CheckRun, Phase, Status
 from gpumon.registry import load_checks
 from gpumon.report import json_report, print_table
-from gpumon.runner import CheckRun
 from gpumon.sdc import cli as canary_cli
 from gpumon.sim.render import default_root
 from gpumon.sim.scenario import Scenario, load_scenario
+from gpumon.sim.simulation import Simulation
 
 EXIT_OK = 0
 EXIT_WARN = 1
@@ -145,14 +146,12 @@ def _start_simulation(args: argparse.Namespace, scenario: Scenario) -> Simulatio
     return sim
 
 
-def _canary_on_simulated_node(args: argparse.Namespace, scenario: Scenario) -> None:
+def _canary_on_simulated_node(args: argparse.Namespace, scenario: Scenario) -> Simulation:
     """``canary --simulate``: on the node kept per user (as run-bootstrap), its replay bundles under
     that node's state directory unless --state-dir says otherwise."""
     root = _sim_root(args, scenario)
-    args.sim_dir = root
-    if hasattr(args, "state_dir") and not args.state_dir:
-        args.state_dir = root / "state"
     print(f"gpumon: simulated node {scenario.name} in {root}", file=sys.stderr)
+    return Simulation.start(scenario, args.sim_at, root)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -220,12 +219,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s gpumon %(levelname)s %(message)s")
     try:
         scenario = load_scenario(args.simulate) if args.simulate else None
-        if args.command == "canary":
-            if scenario is not None:
-                _canary_on_simulated_node(args, scenario)
-            return int(canary_cli.main(args))
         checks = load_checks()
         config = load_config(args.config, checks, overrides=_overrides(args))
+        if args.command == "canary":
+            return _canary(args, config, checks, scenario)
         logging.getLogger().setLevel(config.log_level.upper())
         if args.command == "list-checks":
             return _list_checks(checks, config)
@@ -233,19 +230,18 @@ def _main(argv: Sequence[str] | None = None) -> int:
             return _status(config, args, scenario)
         if args.command == "set-healthy":
             return _set_healthy(config, args, scenario)
-        simulation = None
-        if scenario is not None:
-            simulation = _start_simulation(args, scenario)
+        # the one place that knows what kind of node this is: everything past it asks the machine
+        machine: Machine = _start_simulation(args, scenario) if scenario is not None else Machine()
+        agent = Agent(config, checks, machine, persist_state=args.command == "daemon")
         if args.command == "probe-fabric":
             try:
-                code = fabric_cli.main(args, config, checks, simulation)
+                agent.start(require_nvml=False)
+                code = fabric_cli.main(args, agent)
             finally:
-                if simulation is not None:
-                    simulation.close()
+                machine.close()
             # not through the interpreter's teardown: torch's communication threads are still
             # alive (gpumon/fabric/probe.py, "Exit")
             _flush_and_exit(code)
-        agent = Agent(config, checks, simulation, persist_state=args.command == "daemon")
         try:
             agent.start()
             if args.command == "check":
@@ -256,8 +252,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
                 from gpumon.daemon import Daemon
                 return Daemon(agent).serve(duration=args.duration)
         finally:
-            if simulation is not None:
-                simulation.close()
+            machine.close()
     except ConfigError as exc:
         print(f"gpumon: configuration error: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
@@ -302,8 +297,24 @@ def _list_checks(checks: dict[str, type[Check]], config: Config) -> int:
     return EXIT_OK
 
 
+def _canary(args: argparse.Namespace, config: Config, checks: dict[str, type[Check]],
+            scenario: Scenario | None) -> int:
+    """``gpumon canary``: through the agent like every command, on a machine without NVML too (a
+    CPU run)."""
+    machine: Machine = _canary_on_simulated_node(args, scenario) if scenario is not None else Machine()
+    try:
+        agent = Agent(config, checks, machine)
+        agent.start(require_nvml=False)
+        try:
+            return int(canary_cli.main(args, agent))
+        finally:
+            agent.stop()
+    finally:
+        machine.close()
+
+
 def _emit(agent: Agent, runs: list, args: argparse.Namespace) -> int:  # type: ignore[type-arg]
-    extra = {"simulated": agent.simulation.scenario.name} if agent.simulation else None
+    extra = {"simulated": label} if (label := agent.machine.label()) else None
     if args.json:
         doc = json_report(runs, node=agent.node, profile=agent.profile.name, verbose=args.verbose,
                           extra=extra)
@@ -324,48 +335,26 @@ def _check(agent: Agent, args: argparse.Namespace) -> int:
         log = (agent.kernel_log_snapshot(args.kmsg_file, all_boots=args.all_boots)
                if any(c.uses_kernel_log for c in checks) else None)
         return _emit(agent, agent.runner.run(checks, log), args)
-    sim = agent.simulation
-    runs = _replay(agent, sim, checks) if sim is not None and sim.replay_times else agent.run_once(checks)
+    runs = _replay(agent, checks) if agent.machine.replays else agent.run_once(checks)
     return _emit(agent, runs, args)
 
 
-def _replay(agent: Agent, sim: Simulation, checks: list[Check]) -> list[CheckRun]:
+def _replay(agent: Agent, checks: list[Check]) -> list[CheckRun]:
     """``check --simulate``: the scenario's timeline read as the daemon would have read it: the
     checks run at each of the replay's times, in scenario time, keeping their state from run to
     run, each run handed the kernel-log records logged since the one before; the last run's
     findings are the report (see ``check --help``)."""
-    from gpumon.agent import kernel_log_error
-    from gpumon.hw.nvrm import NvrmParser
-
-    agent.runner.clock = sim.clock
-    path = agent.kmsg_path
-    follower = agent.open_kernel_log() if any(c.uses_kernel_log for c in checks) else None
-    parser = NvrmParser()
+    agent.runner.clock = agent.machine.clock
+    source = agent.kernel_log_source() if any(c.uses_kernel_log for c in checks) else None
 
     def step() -> list[CheckRun]:
-        if follower is None:
-            return agent.runner.run(checks, None)
-        try:
-            records = follower.read_available()
-        except OSError as exc:
-            return agent.runner.run(checks, KernelLog(available=False, source=str(path),
-                                                      error=kernel_log_error(path, exc)))
-        if follower.last_error is not None:
-            return agent.runner.run(checks, KernelLog(available=False, source=str(path),
-                                                      error=kernel_log_error(path, follower.last_error)))
-        events: list[object] = []
-        for rec in records:
-            events.extend(parser.feed(rec))
-        events.extend(parser.flush())
-        return agent.runner.run(checks, KernelLog(
-            events=events, records=records, available=True, source=str(path), records_read=len(records),
-            lost_records=follower.lost_records, boot_time=follower.boot_anchor))
+        return agent.runner.run(checks, source.read_log() if source is not None else None)
 
     try:
-        return sim.replay(step)
+        return agent.machine.replay(step)
     finally:
-        if follower is not None:
-            follower.close()
+        if source is not None:
+            source.close()
 
 
 def _split(value: str | None) -> list[str]:

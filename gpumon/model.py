@@ -87,7 +87,6 @@ _ACTION_ORDER = [
 class Phase(enum.Enum):
     CONTINUOUS = "continuous"
     BOOTSTRAP = "bootstrap"
-    PERIODIC = "periodic"
     CANARY = "canary"
 
 
@@ -161,6 +160,17 @@ class Finding:
             message=str(data["message"]),
             evidence=dict(data.get("evidence") or {}),
         )
+
+
+@dataclass
+class CheckRun:
+    """One run of one check: what it found, when it started, how long it took, how it ended."""
+
+    check: str
+    findings: list[Finding]
+    started: float
+    seconds: float
+    outcome: str  # "completed" | "hung" | "error" | "skipped" | "still-hung"
 
 
 def _jsonable(value: Any) -> Any:

@@ -10,8 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpumon import __version__
-from gpumon.model import Finding, Severity, Status, overall_status
-from gpumon.runner import CheckRun
+from gpumon.model import CheckRun, Finding, Severity, Status, overall_status
 
 _STYLE = {
     Severity.OK: "green",

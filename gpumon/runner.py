@@ -22,23 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpumon.check import Check, CheckContext, KernelLog, condition_finding
+from gpumon.check import Check, CheckContext, KernelLog, RetryRequest, condition_finding
 from gpumon.config import Config
 from gpumon.errors import HwCondition
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory
-from gpumon.model import NODE, Action, Finding, Severity
+from gpumon.model import NODE, Action, CheckRun, Finding, Severity
 from gpumon.profiles import Profile
-
-
-@dataclass
-class CheckRun:
-    check: str
-    findings: list[Finding]
-    started: float
-    seconds: float
-    outcome: str  # "completed" | "hung" | "error" | "skipped" | "still-hung"
-
 
 # A worker thread with nothing to do for this long ends: a check run every second (ib) or
 # every 10 s keeps its thread; one run hourly gets a new one each time, as before.
@@ -131,17 +121,19 @@ class Runner:
         self._state_factory = state or (lambda name: self._states.setdefault(name, {}))
         self._inflight: dict[str, _Slot] = {}
         self._workers: dict[str, Worker] = {}
-        self.extras: dict[str, Any] = {}
 
-    def _context(self, check: Check, kernel_log: KernelLog) -> CheckContext:
+    def _context(self, check: Check, kernel_log: KernelLog, retry: RetryRequest | None) -> CheckContext:
         settings = self.config.settings(type(check))
         return CheckContext(hw=self.hw, inventory=self.inventory, profile=self.profile,
                             params=settings.params, state=self._state_factory(check.name),
                             kernel_log=kernel_log, clock=self.clock, node=self.node,
-                            extras=self.extras, state_dir=self.state_dir)
+                            state_dir=self.state_dir, retry=retry)
 
     def run(self, checks: Sequence[Check], kernel_log: KernelLog | None = None,
-            on_done: Callable[[CheckRun], None] | None = None) -> list[CheckRun]:
+            on_done: Callable[[CheckRun], None] | None = None, *,
+            retry: RetryRequest | None = None) -> list[CheckRun]:
+        """Run ``checks`` at once, each within its deadline. ``retry``: the bootstrap suite's
+        second run of a check (handed to each as ``ctx.retry``)."""
         kernel_log = kernel_log or KernelLog(available=False, error="kernel log not read in this run")
         runs: list[CheckRun] = []
         slots: list[tuple[_Slot, float]] = []
@@ -153,7 +145,7 @@ class Runner:
                     on_done(early)
                 continue
             slot = _Slot(check)
-            ctx = self._context(check, kernel_log)
+            ctx = self._context(check, kernel_log, retry)
             slot.started = time.monotonic()
             self._inflight[check.name] = slot
             self._start(slot, ctx)

@@ -97,7 +97,7 @@ class SimHarness:
         self.states: dict[str, dict[str, object]] = {}
         self.t = 0.0
         self._with_profile = with_profile
-        self._followers: dict[str, tuple[Any, Any]] = {}
+        self._sources: dict[str, Any] = {}  # check name -> its KernelLogSource
 
     def render(self, t: float) -> None:
         self.t = t
@@ -105,29 +105,23 @@ class SimHarness:
         os.environ[nvml_inject.STATE_ENV] = str(self.node.nvml_state_path)
 
     def context(self, check_cls: type, t: float | None = None):  # type: ignore[no-untyped-def]
-        from gpumon.check import CheckContext, KernelLog
-        from gpumon.hw import Hardware
+        from gpumon.check import CheckContext
         from gpumon.hw.inventory import collect
-        from gpumon.hw.kmsg import KernelLogFollower
-        from gpumon.hw.nvrm import NvrmParser
+        from gpumon.hw.kernellog import KernelLogSource
         from gpumon.profiles import builtin_profiles, select_profile
+        from gpumon.sim.simulation import simulated_hardware
 
         if t is not None:
             self.render(t)
-        hw = Hardware(self.node.host_root, simulated=True)
+        hw = simulated_hardware(self.node.host_root)
         hw.nvml.init()
         inventory = collect(hw.nvml, hw.fs)
         profile = select_profile(builtin_profiles(), inventory.gpu_names, "auto")
         config = self._with_profile(self.config, self.registry, profile)
         name = check_cls.name
-        if name not in self._followers:  # each check reads the whole log once, like the daemon
-            self._followers[name] = (KernelLogFollower(self.node.kmsg_path, boot_time=self.node.boot_time),
-                                     NvrmParser())
-        follower, parser = self._followers[name]
-        records = follower.read_available()
-        events = [e for r in records for e in parser.feed(r)] + parser.flush()
-        log = KernelLog(events=events, records=records, source=str(self.node.kmsg_path),
-                        records_read=len(records), boot_time=self.node.boot_time)
+        if name not in self._sources:  # each check reads the whole log once, like the daemon
+            self._sources[name] = KernelLogSource(self.node.kmsg_path, boot_time=self.node.boot_time)
+        log = self._sources[name].read_log()
         return CheckContext(hw=hw, inventory=inventory, profile=profile,
                             params=config.settings(check_cls).params,
                             state=self.states.setdefault(name, {}), kernel_log=log,
@@ -138,8 +132,8 @@ class SimHarness:
         return check_cls().run(ctx)
 
     def close(self) -> None:
-        for follower, _ in self._followers.values():
-            follower.close()
+        for source in self._sources.values():
+            source.close()
 
 
 @pytest.fixture

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from gpumon.check import CheckContext, KernelLog
-from gpumon.hw import Hardware
 from gpumon.hw.inventory import collect
 from gpumon.model import Finding
 from gpumon.profiles import Profile, builtin_profiles, select_profile
 from gpumon.sim.nvml_state import MAX_GPUS, GpuState, InjectedCall, NvmlNodeState, write_state
+from gpumon.sim.simulation import simulated_hardware
 
 NOT_SUPPORTED = 3  # nvmlReturn_t NVML_ERROR_NOT_SUPPORTED
 _U32 = 0xFFFFFFFF
@@ -419,7 +419,7 @@ def run_check(check_cls: type[Any], node: NvmlNodeState, state_path: Path, host_
     """
     write_state(node, state_path)
     host_root.mkdir(parents=True, exist_ok=True)
-    hw = Hardware(host_root, simulated=True)
+    hw = simulated_hardware(host_root)
     hw.nvml.init()
     try:
         inventory = collect(hw.nvml, hw.fs)

@@ -264,7 +264,7 @@ _FAULT = st.builds(
 @settings(max_examples=200, deadline=None)
 @given(st.lists(_FAULT, max_size=4), st.floats(0, 40))
 def test_the_simulation_clock_wakes_at_the_next_change_and_not_before(faults: list[Fault], t: float) -> None:
-    from gpumon.daemon import SIM_MAX_SLEEP_S, SIM_TICK_S, sim_wait
+    from gpumon.sim.simulation import SIM_MAX_SLEEP_S, SIM_TICK_S, sim_wait
 
     scenario = Scenario(name="s", sku="h100-sxm", faults=faults)
     wait = sim_wait(scenario, t)
@@ -446,8 +446,7 @@ def test_metrics_re_render_at_once_for_a_severity_and_only_every_10_s_for_counts
 
     from gpumon.daemon import PRERENDER_COUNTS_S, Daemon
     from gpumon.export.prometheus import CachedExposition, SnapshotHolder
-    from gpumon.model import Action, Finding, Severity, reading
-    from gpumon.runner import CheckRun
+    from gpumon.model import Action, CheckRun, Finding, Severity, reading
 
     class _Profile:
         name = "generic"

@@ -20,10 +20,10 @@ import pytest
 
 from gpumon.check import Check, CheckContext
 from gpumon.checkstate import CheckStateStore
-from gpumon.daemon import KERNEL_LOG_GAP_S, WATERMARK_STATE, KernelLogPump
 from gpumon.hw import Hardware
-from gpumon.hw.kmsg import KernelLogFollower
+from gpumon.hw.kernellog import KernelLogSource
 from gpumon.hw.nvrm import GpuIdentity, SXidEvent, XidEvent
+from gpumon.kernel_pump import KERNEL_LOG_GAP_S, WATERMARK_STATE, KernelLogPump
 from gpumon.model import Finding
 from gpumon_checks.nvswitch import NvswitchCheck
 from gpumon_checks.pcie import AerDelta, PcieCheck
@@ -52,8 +52,8 @@ def aer(seq: int, severity: str = "Correctable") -> list[str]:
 
 
 class _Host:
-    """What the pump takes from the daemon's agent: the log, a follower of it, the check-state store
-    (watermarks), the boot id."""
+    """What the pump takes from the daemon: a source of the log, the boot id, the watermarks stored
+    beside the checks' state."""
 
     def __init__(self, root: Path) -> None:
         (root / "proc/sys/kernel/random").mkdir(parents=True)
@@ -63,8 +63,8 @@ class _Host:
         self.kmsg_path.write_text("")
         self.check_state = CheckStateStore(root / "checks")
 
-    def open_kernel_log(self, *, bounded: bool = False) -> KernelLogFollower:
-        return KernelLogFollower(self.kmsg_path, boot_time=BOOT_S, poll_interval=0.02, bounded=bounded)
+    def source(self) -> KernelLogSource:
+        return KernelLogSource(self.kmsg_path, boot_time=BOOT_S, poll_interval=0.02, bounded=True)
 
     def append(self, *lines: str) -> None:
         with open(self.kmsg_path, "a") as fh:
@@ -101,8 +101,9 @@ def pump(host: _Host) -> Iterator[Callable[..., KernelLogPump]]:
     made: list[KernelLogPump] = []
 
     def start(*checks: Check, **kwargs: Any) -> KernelLogPump:
-        p = KernelLogPump(host, threading.Event(), list(checks) or [XidCheck(), NvswitchCheck(), PcieCheck()],
-                          **kwargs)  # type: ignore[arg-type]
+        subscribers = list(checks) or [XidCheck(), NvswitchCheck(), PcieCheck()]
+        p = KernelLogPump(host.source, threading.Event(), subscribers,
+                          boot=host.hw.fs.boot_id(), marks=host.check_state.get(WATERMARK_STATE), **kwargs)
         p.start()
         assert p.first_read.wait(5.0)
         made.append(p)
@@ -224,13 +225,13 @@ def test_a_log_rewritten_with_the_old_lines_is_not_handed_over_twice(
     p = pump()
     _read(p, 2)
     assert len(p.take("xid")[0].events) == 2
-    follower = p.follower
-    assert follower is not None and follower.opens == 1
+    source = p.source
+    assert source is not None and source.opens == 1
     # the file replaced by a copy that holds the old lines too: the new one is read from its start
     new = host.kmsg_path.with_name("kmsg.new")
     new.write_text("".join(line + "\n" for line in (xid(1), xid(2), xid(3))))
     os.replace(new, host.kmsg_path)
-    assert _until(lambda: follower.opens == 2 and p.records >= 5)
+    assert _until(lambda: source.opens == 2 and p.records >= 5)
     log, mark = p.take("xid")
     assert [e.record.seq for e in log.events] == [3]
     assert mark is not None and mark["seq"] == 3

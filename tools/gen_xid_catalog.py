@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate checks/xid_catalog_data.py (NVIDIA's Xid catalog as data) from peer-catalogs.json.
+"""Generate checks/xid/catalog_data.py (NVIDIA's Xid catalog as data) from peer-catalogs.json.
 
     python tools/gen_xid_catalog.py                # regenerate from tests/data/peer-fixtures
     python tools/gen_xid_catalog.py --check        # exit 1 if the module is out of date
@@ -10,7 +10,7 @@ tests/data/peer-fixtures/SOURCES.md): per code NVIDIA's mnemonic and immediate /
 action (``codes.<n>.nvidia``), the "XID 144-150 Decode" sheet (``nvl5_decode_rules``) and NVIDIA's
 text for the workflow tokens (``resolution_buckets``). Only NVIDIA's columns are taken; the peers'
 columns stay test data. A new NVIDIA release is: update the JSON, run this, review the diff
-(gpumon's mapping of NVIDIA's actions and its overrides live in checks/xid_catalog.py, and
+(gpumon's mapping of NVIDIA's actions and its overrides live in checks/xid/catalog.py, and
 tests/checks/test_xid_catalog.py says which new codes or tokens need a decision).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_INPUT = ROOT / "tests" / "data" / "peer-fixtures" / "peer-catalogs.json"
-DEFAULT_OUTPUT = ROOT / "checks" / "xid_catalog_data.py"
+DEFAULT_OUTPUT = ROOT / "checks" / "xid" / "catalog_data.py"
 _WIDTH = 110
 
 
@@ -84,7 +84,7 @@ def render(doc: dict[str, Any], digest: str) -> str:
         "Input: tests/data/peer-fixtures/peer-catalogs.json, NVIDIA's columns only",
         f"(sha256 {digest}).",
         "To take a new NVIDIA release, update that file and run ``python tools/gen_xid_catalog.py``; what",
-        "gpumon does with each NVIDIA action, and where it departs from NVIDIA, is checks/xid_catalog.py.",
+        "gpumon does with each NVIDIA action, and where it departs from NVIDIA, is checks/xid/catalog.py.",
         '"""',
         "",
         "from __future__ import annotations",

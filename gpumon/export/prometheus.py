@@ -43,8 +43,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpumon.export.readings import help_for, kind_of
-from gpumon.model import Action, Severity
-from gpumon.runner import CheckRun
+from gpumon.model import Action, CheckRun, Severity
 
 OUTCOMES = ("completed", "skipped", "error", "hung", "still-hung")
 HEALTH_STATES = ("healthy", "degraded", "unhealthy", "quarantined")

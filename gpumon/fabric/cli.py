@@ -14,25 +14,21 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpumon.atomic import write_atomic
 from gpumon.check import Check
-from gpumon.config import Config, with_profile
-from gpumon.errors import GpumonError, HwCondition, NvmlUnavailable, StartupError
+from gpumon.config import Config
+from gpumon.errors import GpumonError, HwCondition, StartupError
 from gpumon.fabric.judge import CHECK, Verdict
 from gpumon.fabric.launch import Launch, detect
 from gpumon.fabric.probe import Gate, RankRun, RankSetup
 from gpumon.fabric.settings import FabricConfig
-from gpumon.hw import Hardware
-from gpumon.hw.inventory import collect
 from gpumon.idle import idle_gate
 from gpumon.model import Finding
-from gpumon.profiles import all_profiles, select_profile
 
 if TYPE_CHECKING:
-    from gpumon.agent import Simulation
+    from gpumon.agent import Agent
 
 LATEST = "latest.json"  # this node's last result, read by the fabric check
 GROUP_LATEST = "group-latest.json"  # rank 0: the last group report
@@ -65,23 +61,13 @@ def _params(config: Config, checks: dict[str, type[Check]]) -> FabricConfig:
     return params if isinstance(params, FabricConfig) else FabricConfig()
 
 
-def main(args: argparse.Namespace, config: Config, checks: dict[str, type[Check]],
-         simulation: Simulation | None) -> int:
-    host_root = simulation.node.host_root if simulation is not None else Path(config.host_root)
-    state_dir = simulation.node.root / "state" if simulation is not None else Path(config.state_dir)
-    t = config.timeouts
-    hw = Hardware(host_root, nvml_timeout=t.nvml_call_s, fs_timeout=t.sysfs_read_s,
-                  tool_timeout=t.tool_default_s, simulated=simulation is not None)
-    nvml_error: str | None = None
-    try:
-        hw.nvml.init()
-    except NvmlUnavailable as exc:
-        nvml_error = str(exc)
-    inventory = collect(None if nvml_error else hw.nvml, hw.fs, nvml_error)
-    profile = select_profile(all_profiles([Path(d) for d in config.profile_dirs]), inventory.gpu_names,
-                             config.profile)
-    config = with_profile(config, checks, profile)
-    settings = _params(config, checks)
+def main(args: argparse.Namespace, agent: Agent) -> int:
+    """One rank, on the node ``agent`` was started on (``Agent.start(require_nvml=False)``: a rank
+    of a CPU probe runs where there is no NVML)."""
+    hw, inventory, profile, config = agent.hw, agent.inventory, agent.profile, agent.config
+    nvml_error = None if hw.nvml.initialized else inventory.nvml_error
+    state_dir = agent.state_dir
+    settings = _params(config, agent.checks)
     if args.max_bytes is not None and args.max_bytes < settings.min_bytes:
         raise StartupError(f"--max-bytes {args.max_bytes} is below checks.fabric.min_bytes "
                            f"{settings.min_bytes}")
@@ -99,8 +85,8 @@ def main(args: argparse.Namespace, config: Config, checks: dict[str, type[Check]
 
     launch = detect(os.environ, port=args.port, master_addr=args.master_addr, run_tool=run_tool)
     node = config.node_name or _node_name(launch)
-    # a simulated node's compute runs on CPU workers, never on the machine's own GPUs
-    device = "cpu" if simulation is not None else (args.device or settings.device)
+    # a node whose GPUs CPU workers stand in for never runs on the machine's own GPUs
+    device = hw.devices.only_device or args.device or settings.device
 
     def gate(index: int) -> Gate:
         if nvml_error:

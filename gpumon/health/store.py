@@ -68,7 +68,7 @@ from gpumon.health.state import release_event as _release_event
 from gpumon.model import NODE, Action, Finding, Severity, is_component
 
 if TYPE_CHECKING:
-    from gpumon.runner import CheckRun
+    from gpumon.model import CheckRun
 
 log = logging.getLogger("gpumon.health")
 

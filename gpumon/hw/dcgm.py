@@ -417,61 +417,16 @@ def find_bindings(dirs: Iterable[str] = BINDINGS_DIRS) -> Path | None:
     return None
 
 
-# Runs in a child process (bounded and killable: a DCGM call that hangs in this process could never
-# be interrupted) with the bindings directory on sys.path. It drives DCGM's own DcgmDiag helper and
-# prints the response as DCGM 4's JSON layout, which parse_diag_json reads. Response layout:
-# dcgm_structs.c_dcgmDiagResponse_v12 (tests[].name/resultIndices/errorIndices, results[].entity/result,
-# errors[].entity/msg/code), as DCGM's testing/python3/DcgmDiag.py helpers read it.
-_BINDINGS_SCRIPT = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-level, gpus = sys.argv[2], [int(g) for g in sys.argv[3].split(",") if g]
-try:
-    import dcgm_structs, dcgm_fields, pydcgm, DcgmDiag
-except Exception as exc:
-    print("gpumon-dcgm: cannot import DCGM's bindings: %s: %s" % (type(exc).__name__, exc), file=sys.stderr)
-    sys.exit(3)
-try:
-    try:
-        handle = pydcgm.DcgmHandle(ipAddress="127.0.0.1")
-    except Exception:
-        handle = pydcgm.DcgmHandle()  # no nv-hostengine running: DCGM embedded in this process
-    diag = DcgmDiag.DcgmDiag(gpuIds=gpus or None, testNamesStr=level)
-    resp = diag.Execute(handle.handle)
-except Exception as exc:
-    print(json.dumps({"DCGM Diagnostic": {"runtime_error": "%s: %s" % (type(exc).__name__, exc)}}))
-    sys.exit(0)
-if not hasattr(resp, "tests") or not hasattr(resp, "results"):
-    print("gpumon-dcgm: this DCGM's diag response has no tests/results (older than DCGM 4)", file=sys.stderr)
-    sys.exit(4)
-words = {dcgm_structs.DCGM_DIAG_RESULT_PASS: "Pass", dcgm_structs.DCGM_DIAG_RESULT_FAIL: "Fail",
-         dcgm_structs.DCGM_DIAG_RESULT_WARN: "Warn", dcgm_structs.DCGM_DIAG_RESULT_SKIP: "Skip",
-         dcgm_structs.DCGM_DIAG_RESULT_NOT_RUN: "Not Run"}
-tests = []
-for test in resp.tests[:resp.numTests]:
-    results = []
-    errors = [resp.errors[i] for i in test.errorIndices[:test.numErrors]]
-    for idx in test.resultIndices[:test.numResults]:
-        r = resp.results[idx]
-        if r.entity.entityGroupId != dcgm_fields.DCGM_FE_GPU:
-            continue
-        mine = [e for e in errors if e.entity.entityGroupId == r.entity.entityGroupId
-                and e.entity.entityId == r.entity.entityId]
-        results.append({"entity_group": "GPU", "entity_id": int(r.entity.entityId),
-                        "status": words.get(r.result, "Not Run"),
-                        "warnings": [{"warning": str(e.msg), "error_id": int(e.code)} for e in mine]})
-    tests.append({"name": str(test.name), "results": results,
-                  "test_summary": {"status": words.get(test.result, "Not Run")}})
-print(json.dumps({"DCGM Diagnostic": {"test_categories": [{"category": "", "tests": tests}]},
-                  "metadata": {"version": "bindings"}}))
-"""
+# Runs by path in a child process (bounded and killable: a DCGM call that hangs in this process could
+# never be interrupted); see that module.
+BINDINGS_PROGRAM = Path(__file__).with_name("dcgm_bindings.py")
 
 
 def run_diag_bindings(tools: ToolRunner, bindings: Path, level: int, *, gpus: Sequence[int] = (),
                       timeout: float, python: str = sys.executable) -> ToolResult:
     """Run a diagnostic through DCGM's Python bindings in a child process; its stdout is JSON
     for :func:`parse_diag_json`. Exit 3/4: the bindings are unusable here (fall back to dcgmi)."""
-    return tools.run([python, "-c", _BINDINGS_SCRIPT, str(bindings), str(level), ",".join(map(str, gpus))],
+    return tools.run([python, str(BINDINGS_PROGRAM), str(bindings), str(level), ",".join(map(str, gpus))],
                      timeout=timeout)
 
 

@@ -32,11 +32,23 @@ class PciDevice:
         return self.vendor == NVIDIA_VENDOR and self.pci_class.startswith("0x0680")
 
 
+@dataclass(frozen=True)
+class UnreadableGpu:
+    """Why NVML could not describe a GPU it counts. ``lost``: NVML says the GPU is lost
+    (GPU_IS_LOST, fallen off the bus), which takes a reboot, not a reset, to bring back."""
+
+    reason: str
+    lost: bool = False
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 @dataclass
 class Inventory:
     gpus: list[GpuInfo] = field(default_factory=list)
-    # GPUs NVML counts but could not describe: index -> reason (e.g. "GPU is lost")
-    unreadable_gpus: dict[int, str] = field(default_factory=dict)
+    # GPUs NVML counts but could not describe, by index
+    unreadable_gpus: dict[int, UnreadableGpu] = field(default_factory=dict)
     nvml_error: str | None = None
     driver_version: str | None = None
     cuda_driver_version: int | None = None
@@ -65,10 +77,6 @@ class Inventory:
         if not self.gpus and not self.unreadable_gpus:
             return "no GPUs visible to NVML"
         return None
-
-    @property
-    def has_nvlink(self) -> bool:
-        return any((g.nvlink_count or 0) > 0 for g in self.gpus)
 
 
 def read_pci_devices(fs: HostFs, errors: dict[str, str] | None = None) -> list[PciDevice]:
@@ -120,7 +128,7 @@ def collect(nvml: Nvml | None, fs: HostFs, nvml_error: str | None = None) -> Inv
         try:
             inv.gpus.append(nvml.info(index))
         except GpuLost as exc:
-            inv.unreadable_gpus[index] = f"GPU is lost ({exc.call})"
+            inv.unreadable_gpus[index] = UnreadableGpu(f"GPU is lost ({exc.call})", lost=True)
         except HwCondition as exc:
-            inv.unreadable_gpus[index] = f"{exc.call}: {exc}"
+            inv.unreadable_gpus[index] = UnreadableGpu(f"{exc.call}: {exc}")
     return inv

@@ -98,10 +98,11 @@ class GpuInfo:
 class Nvml:
     """One NVML session. ``init`` raises ``NvmlUnavailable`` when there is no NVML."""
 
-    def __init__(self, caller: BoundedCaller, timeout: float, *, simulated: bool = False) -> None:
+    def __init__(self, caller: BoundedCaller, timeout: float, *, complete: bool = False) -> None:
         self._caller = caller
         self._timeout = timeout
-        self._simulated = simulated
+        # the library implements every entry point gpumon calls (the NVML injection library)
+        self._complete = complete
         self._handles: dict[int, Any] = {}
         # (gpu, function, arguments): one unsupported threshold type must not switch off the others
         self._unsupported: set[tuple[int, str, str]] = set()
@@ -118,8 +119,8 @@ class Nvml:
         if code == pynvml.NVML_ERROR_NOT_SUPPORTED:
             return NotSupported(msg, call=call, component=component)
         if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-            if self._simulated:
-                # In simulation a missing entry point is our bug, not an old driver.
+            if self._complete:
+                # a missing entry point is then gpumon's bug, not an old driver
                 return HwFailure(f"the NVML injection library does not implement {call}",
                                  call=call, component=component)
             return NotSupported(f"driver's NVML lacks {call}", call=call, component=component)

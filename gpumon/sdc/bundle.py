@@ -33,8 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpumon.atomic import write_atomic
+from gpumon.hw import local_cpu_model
 from gpumon.sdc.fingerprint import words
-from gpumon.sdc.golden import Golden, GoldenKey, cpu_model, device_key, first_difference
+from gpumon.sdc.golden import Golden, GoldenKey, device_key, first_difference
 from gpumon.sdc.workloads import (
     Point,
     Recorder,
@@ -115,9 +117,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _write_manifest(folder: Path, manifest: Mapping[str, Any]) -> None:
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(folder / MANIFEST)
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
 def _points(rows: Any) -> list[Point]:
@@ -215,7 +215,7 @@ def capture(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     diff = first_difference(first.points, second.points)
     if diff is not None:
         raise BundleError(f"the captured step is not deterministic: two replays differ at {diff.describe()}")
-    key = GoldenKey(workload.name, workload.params, device_key(dev, cpu_model=cpu_model()))
+    key = GoldenKey(workload.name, workload.params, device_key(dev, cpu_model=local_cpu_model()))
     manifest["expected"] = {"key": key.to_json(), "points": [p.to_json() for p in first.points]}
     _write_manifest(folder, manifest)
     return folder

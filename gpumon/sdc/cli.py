@@ -9,17 +9,22 @@ and no majority, a GPU that did not run), 2 at least one GPU computed wrong bits
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumon.errors import ConfigError, GpumonError
 from gpumon.model import Finding, Severity, Status, overall_status
+
+if TYPE_CHECKING:
+    from gpumon.agent import Agent
+    from gpumon.sdc.runner import Report
 
 EXIT_CANNOT_RUN = 3
 
@@ -83,8 +88,9 @@ def add_parser(subparsers: Any,
     return canary
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``gpumon canary ...``; returns the exit code. Errors are reported here, never raised."""
+def main(args: argparse.Namespace, agent: Agent) -> int:
+    """Run ``gpumon canary ...`` on the node ``agent`` was started on; returns the exit code. Errors
+    are reported here, never raised."""
     try:
         import torch  # noqa: F401  (the canaries need it; say so plainly when it is missing)
     except ImportError:
@@ -94,24 +100,20 @@ def main(args: argparse.Namespace) -> int:
     from gpumon.sdc.inject import FaultSpecError
     from gpumon.sdc.runner import CanaryError
 
-    node: _Node | None = None
     try:
-        node = _open_node(args)
+        node = _open_node(args, agent)
         if args.canary_command == "record":
-            return _record(args, node)
+            return _record(args, node, agent)
         if args.canary_command == "run":
-            return _run(args, node)
+            return _run(args, node, agent)
         if args.canary_command == "replay":
-            return _replay(args, node)
+            return _replay(args, node, agent)
     except (ConfigError, FaultSpecError) as exc:
         print(f"gpumon: canary: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     except (CanaryError, BundleError, GpumonError) as exc:
         print(f"gpumon: canary: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
-    finally:
-        if node is not None:
-            node.close()
     print(f"gpumon: canary: unknown subcommand {args.canary_command}", file=sys.stderr)
     return EXIT_CANNOT_RUN
 
@@ -120,75 +122,60 @@ def main(args: argparse.Namespace) -> int:
 
 @dataclass
 class _Node:
-    """The GPUs the canary names, as gpumon's hardware layer reads them from NVML (index -> GpuInfo)
-    and the driver; on a simulated node (``--simulate``) the simulated GPUs, served by the NVML
-    injection library, each computed by a CPU worker standing in for it. No GPUs on a CPU run: its
-    workers are no GPU's."""
+    """The GPUs the canary names, as the agent's hardware layer reads them from NVML (index ->
+    GpuInfo), and how its workers compute. No GPUs on a CPU run: its workers are no GPU's. Where CPU
+    workers stand in for the GPUs (``Hardware.devices``), each computes as its GPU's stand-in says."""
 
     gpus: dict[int, Any] = field(default_factory=dict)
     driver: str | None = None
-    simulation: Any = None  # gpumon.agent.Simulation
-    sdc_of: dict[int, str] = field(default_factory=dict)  # simulated GPU -> its scenario sdc fault
+    only_device: str | None = None  # the device every worker uses, whatever --device says
+    describe: str = ""  # what the node is, for messages ("" for a real node)
+    sdc_of: dict[int, str] = field(default_factory=dict)  # GPU -> the fault its stand-in computes under
+    cpu_model: str = "unknown CPU"  # the host's CPU, the "GPU model" of CPU workers
 
     @property
-    def simulated(self) -> bool:
-        return self.simulation is not None
+    def stood_in(self) -> bool:
+        return self.only_device is not None
 
     def identity(self) -> dict[int, dict[str, Any]]:
         return {i: {"uuid": g.uuid, "serial": g.serial, "pci_bus_id": g.pci_bus_id, "name": g.name}
                 for i, g in self.gpus.items()}
 
-    def close(self) -> None:
-        if self.simulation is not None:
-            self.simulation.close()
-            self.simulation = None
 
-
-def _open_node(args: argparse.Namespace) -> _Node:
+def _open_node(args: argparse.Namespace, agent: Agent) -> _Node:
     import torch
 
-    from gpumon.hw import Hardware
+    from gpumon.errors import HwCondition
+    from gpumon.hw import local_cpu_model
+    from gpumon.sdc.golden import cpu_model_of
 
-    if getattr(args, "simulate", None):
-        if args.device == "cuda":
-            raise ConfigError("a simulated node's GPUs are CPU workers: not with --device cuda",
+    devices = agent.hw.devices
+    node = _Node(only_device=devices.only_device, describe=devices.describe())
+    if node.only_device is not None:
+        # the workers standing in for the GPUs compute on this machine's own CPU
+        node.cpu_model = local_cpu_model()
+    else:
+        with contextlib.suppress(HwCondition):
+            node.cpu_model = cpu_model_of(agent.hw.fs.read_text("proc/cpuinfo"))
+    if node.only_device is not None:
+        if args.device not in ("auto", node.only_device):
+            raise ConfigError(f"a {node.describe}'s GPUs are CPU workers: not with --device {args.device}",
                               key="--device")
-        from gpumon.agent import Simulation
-        from gpumon.sim.scenario import load_scenario
-
-        sim = Simulation.start(load_scenario(args.simulate), getattr(args, "sim_at", None),
-                               getattr(args, "sim_dir", None))
-        node = _Node(simulation=sim)
-        try:
-            hw = Hardware(sim.node.host_root, simulated=True)
-            _read_gpus(node, hw)
-            node.sdc_of = {i: m.sdc for i, m in hw.sim_devices().items() if m.sdc}
-        except BaseException:
-            node.close()
-            raise
-        return node
-    node = _Node()
-    if args.device != "cpu" and torch.cuda.is_available():
-        _read_gpus(node, Hardware(_host_root(args)))
+        stand_ins = devices.stand_ins(agent.inventory)
+        node.sdc_of = {s.index: s.sdc for s in stand_ins if s.sdc}
+        _read_gpus(node, agent)
+    elif args.device != "cpu" and torch.cuda.is_available():
+        _read_gpus(node, agent)
     return node
 
 
-def _read_gpus(node: _Node, hw: Any) -> None:
-    """NVML's GPUs and driver, through the hardware layer. Without NVML the canary still runs: the
+def _read_gpus(node: _Node, agent: Agent) -> None:
+    """NVML's GPUs and driver, as the agent found them. Without NVML the canary still runs: the
     golden key then says driver "unknown" and bundles carry the GPU index alone."""
-    from gpumon.errors import GpumonError
-    from gpumon.hw.inventory import collect
-
-    try:
-        hw.nvml.init()
-    except GpumonError:
+    if agent.inventory.nvml_error and not agent.inventory.gpus:
         return
-    try:
-        inventory = collect(hw.nvml, hw.fs)
-        node.gpus = {g.index: g for g in inventory.gpus}
-        node.driver = inventory.driver_version
-    finally:
-        hw.nvml.shutdown()
+    node.gpus = {g.index: g for g in agent.inventory.gpus}
+    node.driver = agent.inventory.driver_version
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -214,7 +201,7 @@ def _workers(args: argparse.Namespace, node: _Node) -> int:
         if args.workers < 1:
             raise ConfigError("must be at least 1", key="--workers")
         return int(args.workers)
-    if node.simulated and node.gpus:
+    if node.stood_in and node.gpus:
         return len(node.gpus)
     if args.device != "cpu" and torch.cuda.is_available():
         return int(torch.cuda.device_count())
@@ -230,51 +217,41 @@ def _device_indices(args: argparse.Namespace, node: _Node) -> tuple[int, ...]:
         if absent:
             raise ConfigError(f"no GPU {', '.join(map(str, absent))} on this node (NVML: "
                               f"{', '.join(map(str, known))})", key="--gpus")
-    if gpus or not node.simulated:
+    if gpus or not node.stood_in:
         return gpus
     return tuple(known[:_workers(args, node)])
 
 
-def _host_root(args: argparse.Namespace) -> Path:
-    return Path(getattr(args, "host_root", None) or "/")
-
-
-def _state_dir(args: argparse.Namespace) -> Path | None:
+def _state_dir(args: argparse.Namespace, agent: Agent) -> Path:
     if getattr(args, "state_dir", None):
         return Path(args.state_dir)
-    from gpumon.config import load_config
-    from gpumon.registry import load_checks
-
-    config = load_config(getattr(args, "config", None), load_checks())
-    return Path(config.state_dir)
+    return agent.state_dir
 
 
 def _options(args: argparse.Namespace, node: _Node, **extra: Any) -> Any:
-    from gpumon.sdc.golden import cpu_model
     from gpumon.sdc.runner import Options
 
     if getattr(args, "iterations", 1) < 1:
         raise ConfigError("must be at least 1", key="--iterations")
-    # a simulated node's GPUs are CPU workers: never the machine's own GPUs under their names; the
-    # key's CPU model is this machine's, whose CPU computes them
+    # CPU workers standing in for GPUs: never the machine's own GPUs under their names; the key's
+    # CPU model is this machine's, whose CPU computes them
     return Options(workers=_workers(args, node), device_indices=_device_indices(args, node),
-                   device="cpu" if node.simulated else args.device, timeout_s=args.timeout,
-                   cpu_model=cpu_model(_host_root(args)), driver=node.driver,
+                   device=node.only_device or args.device, timeout_s=args.timeout,
+                   cpu_model=node.cpu_model, driver=node.driver,
                    gpu_identity=node.identity(), **extra)
 
 
-def _simulated_fault(node: _Node, options: Any) -> Any:
-    """On a simulated node, the scenario's ``sdc`` fault on a GPU the run uses, for its worker."""
-    from gpumon.sdc.inject import simulated_fault
+def _stand_in_fault(node: _Node, options: Any) -> Any:
+    """The fault a stand-in for a GPU the run uses computes under, for its worker."""
+    from gpumon.sdc.inject import stand_in_fault
 
-    if not node.simulated:
+    if not node.stood_in:
         return None
-    return simulated_fault(node.sdc_of, list(options.device_indices) or list(range(options.workers)))
+    return stand_in_fault(node.sdc_of, list(options.device_indices) or list(range(options.workers)))
 
 
-def _bundle_dir(args: argparse.Namespace) -> Path | None:
-    state = _state_dir(args)
-    return state / "sdc" / "bundles" if state is not None else None
+def _bundle_dir(args: argparse.Namespace, agent: Agent) -> Path:
+    return _state_dir(args, agent) / "sdc" / "bundles"
 
 
 def _emit(args: argparse.Namespace, findings: list[Finding], summary: dict[str, Any],
@@ -304,7 +281,18 @@ def _emit(args: argparse.Namespace, findings: list[Finding], summary: dict[str, 
 
 # -- subcommands -----------------------------------------------------------------------------------
 
-def _record(args: argparse.Namespace, node: _Node) -> int:
+def _judge(agent: Agent) -> Callable[[Report, str], list[Finding]]:
+    """The canary check's verdict, through the registry (the daemon's check judges the same way)."""
+    from gpumon.sdc.runner import CHECK, CanaryJudge
+
+    check = agent.checks.get(CHECK)
+    if check is None or not isinstance(check, CanaryJudge):
+        raise GpumonError(f"the {CHECK} check is not installed (entry-point group gpumon.checks), "
+                          "and it is what judges a canary run")
+    return check.verdict
+
+
+def _record(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     from gpumon.sdc import runner
     from gpumon.sdc.golden import FORMAT, Golden, GoldenKey
 
@@ -313,7 +301,7 @@ def _record(args: argparse.Namespace, node: _Node) -> int:
     options = _options(args, node, iterations=args.iterations, workloads=tuple(args.workload),
                        bundles=tuple(args.bundle), keep_tensors=False)
     report = runner.run(options)
-    findings = report.findings()
+    findings = _judge(agent)(report, runner.CHECK)
     problems = [f for f in findings if f.severity is not Severity.OK]
     # every run of every worker must agree, with itself across iterations and with the others
     disagree: list[str] = []
@@ -356,7 +344,7 @@ def _record(args: argparse.Namespace, node: _Node) -> int:
                  f"({len(report.workers)} workers x {args.iterations} iterations agreed)")
 
 
-def _run(args: argparse.Namespace, node: _Node) -> int:
+def _run(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     from gpumon.sdc import runner
     from gpumon.sdc.bundle import expected_golden
     from gpumon.sdc.golden import Golden
@@ -368,15 +356,15 @@ def _run(args: argparse.Namespace, node: _Node) -> int:
         for key, points in extra.entries.items():
             golden.entries.setdefault(key, points)
     options = _options(args, node, iterations=args.iterations, workloads=tuple(args.workload),
-                       bundles=tuple(args.bundle), golden=golden, bundle_dir=_bundle_dir(args))
+                       bundles=tuple(args.bundle), golden=golden, bundle_dir=_bundle_dir(args, agent))
     # --inject wins over a simulated node's own sdc fault
-    inject = FaultSpec.parse(args.inject) if args.inject else _simulated_fault(node, options)
+    inject = FaultSpec.parse(args.inject) if args.inject else _stand_in_fault(node, options)
     options = dataclasses.replace(options, inject=inject)
     if inject is not None and inject.worker >= options.workers:
         raise ConfigError(f"worker {inject.worker} does not exist ({options.workers} workers)",
                           key="--inject")
     report = runner.run(options)
-    findings = report.findings()
+    findings = _judge(agent)(report, runner.CHECK)
     summary = runner.summary_json(report)
     if inject is not None:
         summary["injected_fault"] = inject.to_text()
@@ -386,12 +374,12 @@ def _run(args: argparse.Namespace, node: _Node) -> int:
             + (f"{len(bad)} GPU(s) computed wrong bits" if bad else "no GPU computed wrong bits"))
     if inject is not None:
         head += (f" (fault harness on: {inject.to_text()}: GPU {report.gpu_of(inject.worker)})"
-                 if args.inject else f" (simulated node: GPU {report.gpu_of(inject.worker)} computes "
+                 if args.inject else f" ({node.describe}: GPU {report.gpu_of(inject.worker)} computes "
                  "wrong bits)")
     return _emit(args, findings, summary, head)
 
 
-def _replay(args: argparse.Namespace, node: _Node) -> int:
+def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     from gpumon.sdc import runner
     from gpumon.sdc.bundle import (
         OLD_BUNDLE_NOTE,
@@ -408,10 +396,10 @@ def _replay(args: argparse.Namespace, node: _Node) -> int:
     where = _replay_on(args, node, gpu)
     golden = expected_golden(args.bundle)
     options = _options(args, node, iterations=args.iterations, bundles=(args.bundle,), golden=golden,
-                       bundle_dir=_bundle_dir(args))
-    options = dataclasses.replace(options, inject=_simulated_fault(node, options))
+                       bundle_dir=_bundle_dir(args, agent))
+    options = dataclasses.replace(options, inject=_stand_in_fault(node, options))
     report = runner.run(options)
-    findings = report.findings()
+    findings = _judge(agent)(report, runner.CHECK)
     summary = runner.summary_json(report)
     summary["bundle"] = {"path": str(args.bundle), "kind": manifest.get("kind"),
                          "workload": manifest.get("workload") or manifest.get("name")}
@@ -490,7 +478,21 @@ def _standalone(argv: Sequence[str] | None = None) -> int:
     # drop the "canary" level: its subcommands become this program's commands
     args = parser.parse_args(["canary", *(sys.argv[1:] if argv is None else argv)])
     del canary
-    return main(args)
+    from gpumon.agent import Agent
+    from gpumon.config import load_config
+    from gpumon.registry import load_checks
+
+    try:
+        checks = load_checks()
+        agent = Agent(load_config(args.config, checks, overrides={"host_root": args.host_root}), checks)
+        agent.start(require_nvml=False)
+    except GpumonError as exc:
+        print(f"gpumon: canary: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    try:
+        return main(args, agent)
+    finally:
+        agent.stop()
 
 
 if __name__ == "__main__":

@@ -8,10 +8,7 @@ against a neighbouring one.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -20,9 +17,8 @@ from typing import Any
 
 import torch
 
-from gpumon.errors import ConfigError, HwCondition
-from gpumon.hw.calls import BoundedCaller
-from gpumon.hw.hostfs import HostFs
+from gpumon.atomic import write_atomic
+from gpumon.errors import ConfigError
 from gpumon.sdc.workloads import Point
 
 FORMAT = "gpumon-sdc-golden/2"  # /2: 64-bit words mixed by splitmix64 (gpumon.sdc.fingerprint)
@@ -109,9 +105,6 @@ class Golden:
         self.entries[key] = list(points)
         self.meta[key] = {"recorded_at": time.time(), **meta}
 
-    def keys_for(self, workload: str) -> list[GoldenKey]:
-        return sorted(k for k in self.entries if k.workload == workload)
-
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
@@ -164,16 +157,7 @@ class Golden:
 
     def save(self, path: Path) -> None:
         """Write atomically: a golden file half written is worse than the old one."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(self.dumps())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomic(path, self.dumps())
 
 
 def majority(groups: Iterable[tuple[int, Any]]) -> tuple[Any | None, dict[Any, list[int]]]:
@@ -201,15 +185,8 @@ def device_key(device: torch.device, *, driver: str | None = None, cpu_model: st
                      cuda="none", torch=torch.__version__, device_kind="cpu")
 
 
-def cpu_model(host_root: Path = Path("/")) -> str:
-    """The CPU's model name (the "GPU model" of a CPU stand-in), read through the hardware layer."""
-    try:
-        return cpu_model_of(HostFs(host_root, BoundedCaller(), 2.0).read_text("proc/cpuinfo"))
-    except HwCondition:
-        return "unknown CPU"
-
-
 def cpu_model_of(cpuinfo: str) -> str:
+    """The CPU's model name in /proc/cpuinfo (the "GPU model" of a CPU stand-in)."""
     for line in cpuinfo.splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()

@@ -170,10 +170,10 @@ class FaultSpec:
         return cls(**kwargs)
 
 
-def simulated_fault(sdc_of: Mapping[int, str], gpus: Sequence[int]) -> FaultSpec | None:
-    """The harness spec for the worker of the first of ``gpus`` (in worker order) whose simulated
-    device model computes wrong bits: ``sdc_of`` maps a GPU index to its model's spec without the
-    worker ("dtype=float32,rate=1", scenario fault ``sdc``, gpumon/sim/devices.py); None if none."""
+def stand_in_fault(sdc_of: Mapping[int, str], gpus: Sequence[int]) -> FaultSpec | None:
+    """The harness spec for the worker of the first of ``gpus`` (in worker order) whose stand-in
+    computes wrong bits: ``sdc_of`` maps a GPU index to its spec without the worker
+    ("dtype=float32,rate=1", ``StandIn.sdc``); None if none."""
     for worker, index in enumerate(gpus):
         spec = sdc_of.get(index, "")
         if spec:

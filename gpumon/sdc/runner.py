@@ -1,6 +1,7 @@
 """Run canary workloads on every device at once, compare with the golden and across devices.
 
-Each worker is a spawned process owning one device (``cuda:<i>``; on a machine without GPUs, the
+Each worker is a process of the one worker pool (gpumon/workers.py: its process start method and
+its device lock, held while the workers live) owning one device (``cuda:<i>``; on a machine without GPUs, the
 CPU, with the worker index standing in for the GPU index). All workers run the same iteration at
 the same time, so every GPU is hot while it computes (marginal units fail warm), then the parent
 compares:
@@ -27,12 +28,12 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.multiprocessing as mp
 
-from gpumon.model import Action, Finding, Severity, gpu
+from gpumon import workers as pool
+from gpumon.model import Finding
 from gpumon.sdc.bundle import workload_from_bundle, workload_name, write_failure_manifest
 from gpumon.sdc.golden import DeviceKey, Diff, Golden, GoldenKey, device_key, first_difference, majority
 from gpumon.sdc.inject import FaultInjector, FaultSpec
@@ -48,6 +49,16 @@ from gpumon.sdc.workloads import (
 log = logging.getLogger("gpumon.sdc")
 
 CHECK = "sdc_canary"
+
+
+@runtime_checkable
+class CanaryJudge(Protocol):
+    """The verdict on a canary run: what the canary check (``CHECK``) implements, found through
+    the check registry so that ``gpumon canary`` judges a run as the daemon's check does without
+    importing any check module."""
+
+    @staticmethod
+    def verdict(report: Report, check: str) -> list[Finding]: ...
 
 
 class CanaryError(Exception):
@@ -80,6 +91,7 @@ class Options:
     send_tensors_of: frozenset[int] = frozenset()  # workers whose tensors come back (benchmarks)
     keep_runs: bool = True  # keep every iteration's results in the report (False: the last only)
     should_stop: Callable[[], bool] | None = None  # checked between iterations (a job appeared)
+    lock_wait_s: float = 0.0  # how long to wait for another compute job to release the devices
 
 
 @dataclass(frozen=True)
@@ -175,9 +187,6 @@ class Report:
                         "renumbered the devices; trust the UUID")
         return ident
 
-    def findings(self, check: str = CHECK) -> list[Finding]:
-        return findings_of(self, check)
-
 
 # -- device identity -------------------------------------------------------------------------------
 
@@ -219,7 +228,11 @@ def resolve_workloads(names: Sequence[str], bundles: Sequence[Path], device_type
 
 # -- the worker process ------------------------------------------------------------------------------
 
-def _worker_main(index: int, conn: multiprocessing.connection.Connection, options: Options) -> None:
+def _worker_main(index: int, conn: multiprocessing.connection.Connection, options: Options,
+                 env: Mapping[str, str]) -> None:
+    # the pool's server forked this process with the environment it started with: take the caller's
+    os.environ.clear()
+    os.environ.update(env)
     # Ctrl-C reaches the whole process group: the parent alone decides, and stops its workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # EOF or a broken pipe: the parent is gone, nobody to report to
@@ -281,70 +294,6 @@ def _injector(spec: FaultSpec | None, worker: int) -> FaultInjector | None:
     return FaultInjector(spec) if spec is not None and spec.worker == worker else None
 
 
-class _Pool:
-    """The worker processes and their pipes; every wait is bounded."""
-
-    def __init__(self, options: Options) -> None:
-        self.options = options
-        ctx = mp.get_context("spawn")
-        self.conns: dict[int, multiprocessing.connection.Connection] = {}
-        self.procs: dict[int, Any] = {}
-        self.failed: dict[int, str] = {}
-        self.startup_failed: set[int] = set()
-        # the workers need neither the golden nor the parent's callbacks (which may not pickle)
-        shipped = dataclasses.replace(options, golden=None, should_stop=None)
-        for i in range(options.workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(i, child, shipped), daemon=True,
-                               name=f"gpumon-canary-{i}")
-            proc.start()
-            child.close()
-            self.conns[i], self.procs[i] = parent, proc
-
-    def alive(self) -> list[int]:
-        return [i for i in self.conns if i not in self.failed]
-
-    def gather(self, workers: Sequence[int], timeout: float, what: str) -> dict[int, Any]:
-        """One message from each worker, within ``timeout``; the others are marked failed."""
-        deadline = time.monotonic() + timeout
-        out: dict[int, Any] = {}
-        pending = set(workers)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready = multiprocessing.connection.wait([self.conns[i] for i in pending], timeout=left)
-            for conn in ready:
-                i = next(k for k, c in self.conns.items() if c is conn)
-                try:
-                    out[i] = self.conns[i].recv()
-                except (EOFError, OSError):
-                    code = self.procs[i].exitcode
-                    self.procs[i].join(timeout=5)
-                    self.failed[i] = f"worker died during {what} (exit code {self.procs[i].exitcode or code})"
-                pending.discard(i)
-        for i in pending:
-            self.failed[i] = f"hung: no answer within {timeout:g} s during {what}"
-        return out
-
-    def send(self, worker: int, msg: Any) -> None:
-        try:
-            self.conns[worker].send(msg)
-        except (BrokenPipeError, OSError):
-            self.failed[worker] = "worker gone (pipe closed)"
-
-    def close(self) -> None:
-        for i in self.alive():
-            self.send(i, ("stop",))
-        for i, proc in self.procs.items():
-            proc.join(timeout=10 if i not in self.failed else 0.1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        for conn in self.conns.values():
-            conn.close()
-
-
 # -- the run -------------------------------------------------------------------------------------
 
 class Session:
@@ -359,7 +308,11 @@ class Session:
             raise CanaryError("need at least one worker")
         self.options = options
         self.started = time.monotonic()
-        self.pool = _Pool(options)
+        # the workers need neither the golden nor the parent's callbacks (which may not pickle);
+        # forkserver children do not see later environment changes: each is handed this one
+        shipped = dataclasses.replace(options, golden=None, should_stop=None)
+        self.pool = pool.WorkerGroup(CHECK, _worker_main, options.workers, (shipped, dict(os.environ)),
+                                     lock_wait_s=options.lock_wait_s, name="gpumon-canary")
         try:
             self.report = self._hello()
         except BaseException:
@@ -507,7 +460,7 @@ def _mismatch(worker: int, run: WorkloadRun, iteration: int, against: str, diff:
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-def _keep_bundles(report: Report, pool: _Pool, options: Options, iteration: int,
+def _keep_bundles(report: Report, group: pool.WorkerGroup, options: Options, iteration: int,
                   inject: FaultSpec | None) -> None:
     if options.bundle_dir is None or not options.keep_tensors:
         return
@@ -524,15 +477,15 @@ def _keep_bundles(report: Report, pool: _Pool, options: Options, iteration: int,
         except OSError as exc:
             log.warning("cannot keep a replay bundle in %s: %s", folder, exc)
             return
-        reference = next((i for i in pool.alive() if i != m.worker and not any(
+        reference = next((i for i in group.alive() if i != m.worker and not any(
             x.worker == i and x.workload == m.workload and x.iteration == iteration
             for x in report.mismatches)), None)
         asked = {m.worker: folder / "observed.pt"}
         if reference is not None:
             asked[reference] = folder / "reference.pt"
         for i, path in asked.items():
-            pool.send(i, ("dump", m.workload, str(path)))
-        answers = pool.gather(list(asked), options.timeout_s, "bundle dump")
+            group.send(i, ("dump", m.workload, str(path)))
+        answers = group.gather(list(asked), options.timeout_s, "bundle dump")
         run = report.runs[(m.worker, iteration, m.workload)]
         worker = next(w for w in report.workers if w.index == m.worker)
         gkey = GoldenKey(m.workload, run.params, worker.key)
@@ -549,90 +502,6 @@ def _keep_bundles(report: Report, pool: _Pool, options: Options, iteration: int,
             reference_gpu=report.gpu_of(reference) if reference is not None else None)
         m.bundle = str(folder)
         report.bundles.append(str(folder))
-
-
-# -- findings ------------------------------------------------------------------------------------
-
-def findings_of(report: Report, check: str = CHECK) -> list[Finding]:
-    out: list[Finding] = []
-    by_worker: dict[int, list[Mismatch]] = {}
-    for m in report.mismatches:
-        by_worker.setdefault(m.worker, []).append(m)
-    no_golden = sorted({k["workload"] for k in report.no_golden})
-    for w in report.workers:
-        g = report.gpu_of(w.index)
-        comp = gpu(g)
-        runs = report.iterations.get(w.index, 0)
-        base: dict[str, Any] = {"device": w.device, "key": w.key.describe(), "iterations": runs,
-                                "workloads": report.workloads}
-        ident = report.identity_of(w.index)
-        base.update({k: ident[k] for k in ("uuid", "serial", "identity_note") if ident.get(k)})
-        if w.index in report.worker_failures:
-            out.append(Finding(check, comp, Severity.FAIL,
-                               f"canary on GPU {g}: {report.worker_failures[w.index]}",
-                               Action.RESET_GPU, {**base, "failure": report.worker_failures[w.index]}))
-            continue
-        mine = by_worker.get(w.index, [])
-        if mine:
-            first = mine[0]
-            iterations_bad = sorted({m.iteration for m in mine})
-            msg = (f"GPU {g} computed wrong bits: {first.workload} iteration {first.iteration}, "
-                   f"first differing tensor {first.first_tensor!r} (vs {first.against}: {first.detail}); "
-                   f"{len(iterations_bad)} of {runs} iterations differ")
-            ev = {**base, **first.evidence(), "mismatches": [m.evidence() for m in mine[:20]],
-                  "iterations_differing": len(iterations_bad)}
-            out.append(Finding(check, comp, Severity.FAIL, msg, Action.INSPECT_HARDWARE, ev))
-            continue
-        split = [s for s in report.splits if any(w.index in grp for grp in s.groups)]
-        agreed = [m for m in report.golden_mismatch_agreed if m.worker == w.index]
-        if split:
-            s = split[0]
-            groups = [[report.gpu_of(i) for i in grp] for grp in s.groups]
-            shown = " | ".join(",".join(map(str, grp)) for grp in groups)
-            out.append(Finding(check, comp, Severity.UNKNOWN,
-                               f"no strict majority among the GPUs for {s.workload} iteration {s.iteration}: "
-                               f"split {shown}; no golden to decide", Action.NONE,
-                               {**base, "workload": s.workload, "iteration": s.iteration, "split": groups}))
-            continue
-        if agreed:
-            m = agreed[0]
-            out.append(Finding(check, comp, Severity.UNKNOWN,
-                               f"GPU {g} agrees with the majority of the node but not with the golden "
-                               f"({m.workload}, first differing tensor {m.first_tensor!r}): golden stale or "
-                               "recorded under another setup", Action.NONE, {**base, **m.evidence()}))
-            continue
-        if runs == 0:
-            out.append(Finding(check, comp, Severity.UNKNOWN, f"canary ran no iteration on GPU {g}"
-                               + (f" ({report.stopped_early})" if report.stopped_early else ""),
-                               Action.NONE, base))
-            continue
-        golden_wl = [n for n in report.workloads if report.golden_used.get(n)]
-        peers = len(report.workers) - 1
-        if not golden_wl and peers < 1:
-            out.append(Finding(check, comp, Severity.UNKNOWN,
-                               f"no golden for this key and no other GPU to compare with "
-                               f"({', '.join(no_golden)})", Action.NONE,
-                               {**base, "no_golden": report.no_golden}))
-            continue
-        basis = []
-        if golden_wl:
-            basis.append(f"golden ({len(golden_wl)} workloads)")
-        if peers:
-            basis.append(f"{peers} other GPUs")
-        note = f"; no golden for {', '.join(no_golden)}" if no_golden else ""
-        ev = {**base, "compared_with": basis}
-        if no_golden:
-            ev["no_golden"] = report.no_golden
-        out.append(Finding(check, comp, Severity.OK,
-                           f"bit-exact over {runs} iterations of {len(report.workloads)} workloads "
-                           f"(vs {' and '.join(basis)}){note}", Action.NONE, ev))
-    for i, why in sorted(report.worker_failures.items()):
-        if not any(w.index == i for w in report.workers):
-            # a worker that never started says nothing about its GPU (environment, torch, CUDA init)
-            out.append(Finding(check, gpu(report.gpu_of(i)), Severity.UNKNOWN,
-                               f"canary could not start on GPU {report.gpu_of(i)}: {why}",
-                               Action.NONE, {"failure": why}))
-    return out
 
 
 def summary_json(report: Report) -> dict[str, Any]:

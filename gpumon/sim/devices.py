@@ -1,7 +1,8 @@
 """Simulated GPUs' compute: what the CPU worker standing in for a simulated GPU does differently.
 
 A simulated node's GPUs exist for NVML through the injection library; for torch they are CPU
-worker processes (gpumon/compute.py, "stand-ins"). Scenario faults about compute are each
+worker processes (gpumon/workers.py, "stand-ins"), placed by ``SimulatedDevices``, the simulated
+node's ``Hardware.devices``. Scenario faults about compute are each
 simulated GPU's **device model**, applied inside its worker to the kernels the worker really runs,
 so the compute checks measure and judge them through the same code as on GPUs:
 
@@ -16,8 +17,8 @@ so the compute checks measure and judge them through the same code as on GPUs:
   arithmetic unit does: the SDC canary's worker on it runs under the fault harness
   (gpumon/sdc/inject.py) with this spec.
 
-The model travels to the worker as plain JSON-able data (``DeviceModel.to_json``); the worker
-installs it with ``install`` (a ``TorchDispatchMode``, so it sees the ATen kernels the worker runs
+The models travel to the workers inside ``SimulatedFaults`` (the placement's ``faults``); the worker
+installs them with ``install`` (a ``TorchDispatchMode``, so it sees the ATen kernels the worker runs
 without any change to the measuring code). Slowing is a busy wait after the kernel: the measured time
 grows by the kernel's own time x (1/factor - 1), spent spinning.
 """
@@ -25,10 +26,18 @@ grows by the kernel's own time x (1/factor - 1), spent spinning.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpumon.errors import HwFailure
+from gpumon.hw.placement import ComputeDevices, Placement, StandIn, cpu_placement, normalize_uuid
+
+if TYPE_CHECKING:
+    from gpumon.hw.inventory import Inventory
 
 # ATen overload packets that are the GEMM work of the burn-in and the canaries
 _COMPUTE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
@@ -36,7 +45,7 @@ _COPY_OPS = frozenset({"copy_"})
 _ALLREDUCE_OPS = frozenset({"allreduce_"})
 
 # Where the simulator writes the device models, under the simulated node's host root (a path no
-# real host has: the hardware layer reads it only on a simulated node)
+# real host has: only ``SimulatedDevices`` reads it)
 SIM_DEVICES_FILE = "run/gpumon-sim/devices.json"
 
 
@@ -159,3 +168,66 @@ def link(src: int, dst: int) -> Iterator[None]:
         yield
     finally:
         _STATE.link = None
+
+
+@dataclass(frozen=True)
+class SimulatedFaults:
+    """The placement's fault model (``DeviceFaults``): pickled to each stand-in worker."""
+
+    models: Mapping[int, DeviceModel]
+
+    def install(self, own: int | None) -> None:
+        install(self.models, own)
+
+    def link(self, src: int, dst: int) -> contextlib.AbstractContextManager[None]:
+        return link(src, dst)
+
+
+class SimulatedDevices(ComputeDevices):
+    """A simulated node's compute devices: a CPU worker stands in for each simulated GPU and behaves
+    as its device model says. Never CUDA, even on a machine that has GPUs: a simulation must not
+    measure real hardware and report it under simulated GPUs' names."""
+
+    def __init__(self, host_root: Path) -> None:
+        self.path = host_root / SIM_DEVICES_FILE
+
+    def models(self) -> dict[int, DeviceModel]:
+        """The simulated GPUs' device models by index; healthy GPUs may be absent."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {}  # not rendered: every simulated GPU healthy
+        except OSError as exc:
+            raise HwFailure(f"simulated device models {SIM_DEVICES_FILE}: {exc}",
+                            call=f"read {SIM_DEVICES_FILE}") from exc
+        try:
+            data = json.loads(text)
+            return {int(k): DeviceModel.from_json(v) for k, v in dict(data).items()}
+        except (ValueError, TypeError) as exc:
+            raise HwFailure(f"simulated device models {SIM_DEVICES_FILE}: {exc}",
+                            call=f"read {SIM_DEVICES_FILE}") from exc
+
+    def place(self, inventory: Inventory, cpu_devices: int) -> Placement:
+        stand_ins = self.stand_ins(inventory)
+        if not stand_ins:
+            return cpu_placement("simulated node", cpu_devices)
+        return Placement("cpu", len(stand_ins),
+                         f"simulated node: {len(stand_ins)} CPU worker processes stand in for the simulated "
+                         "GPUs (device cpu)", stand_ins, SimulatedFaults(self.models()))
+
+    def stand_ins(self, inventory: Inventory) -> tuple[StandIn, ...]:
+        models = self.models()
+        return tuple(StandIn(g.index, normalize_uuid(g.uuid), g.name,
+                             models[g.index].sdc if g.index in models else "")
+                     for g in sorted(inventory.gpus, key=lambda g: g.index))
+
+    def describe(self) -> str:
+        return "simulated node"
+
+    @property
+    def only_device(self) -> str | None:
+        return "cpu"
+
+    @property
+    def tools_measure_gpus(self) -> bool:
+        return False

@@ -3,7 +3,7 @@
 The C library in ``gpumon/sim/nvml_inject/nvml_inject.c`` implements the NVML entry points gpumon
 uses and answers them from the state file named by ``$GPUMON_NVML_INJECT_STATE``. It re-reads the file
 whenever its (inode, size, mtime, ctime) changes, so a simulator advances a fault timeline simply by
-calling :func:`write_state` again (the write is atomic: temp file + ``os.replace``).
+calling :func:`write_state` again (the write is atomic: gpumon.atomic).
 
 State file format (version 1)
 -----------------------------
@@ -71,13 +71,13 @@ its lock), then returns the error if it is not 0; ``*`` matches every function t
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import uuid as uuidlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gpumon.atomic import write_atomic
 
 __all__ = [
     "FORMAT_MAGIC",
@@ -117,6 +117,7 @@ _HGX_BUS_IDS = ("19", "3B", "4C", "5D", "9B", "BB", "CB", "DB")
 _UUID_NAMESPACE = uuidlib.UUID("6a4b1f0e-93c1-4c35-9d2f-3f6d0b5e7a11")
 _SYMBOL_RE = re.compile(r"^(\*|nvml[A-Za-z0-9_]{1,59})$")
 _BUS_ID_RE = re.compile(r"^([0-9A-Fa-f]{1,8}):([0-9A-Fa-f]{1,2}):([0-9A-Fa-f]{1,2})\.([0-7])$")
+
 
 
 class StateFormatError(ValueError):
@@ -440,18 +441,8 @@ def render_state(state: NvmlNodeState) -> str:
 
 
 def write_state(state: NvmlNodeState, path: Path) -> None:
-    """Atomically replace ``path`` with ``state`` (temp file in the same directory, then ``os.replace``)."""
-    text = render_state(state)
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp makes 0600; readers may run as another user
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Atomically replace ``path`` with ``state`` (readers: the injection library, in other processes)."""
+    write_atomic(Path(path), render_state(state), durable=False)
 
 
 # --------------------------------------------------------------------------------------------- reading

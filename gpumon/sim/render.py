@@ -19,6 +19,7 @@ import uuid as uuidlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpumon.atomic import write_atomic
 from gpumon.errors import ConfigError
 from gpumon.profiles import Profile, builtin_profiles
 from gpumon.sim.devices import SIM_DEVICES_FILE, DeviceModel
@@ -164,13 +165,9 @@ class SimNode:
     def _save(self) -> None:
         # atomic: another command on the same node (``gpumon status``, ``run-bootstrap`` while the
         # daemon runs) must never read half a file and take the node for a new one
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / "sim.json"
-        tmp = path.with_name(f".sim.json.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({
+        write_atomic(self.root / "sim.json", json.dumps({
             "boot_id": self.boot_id, "start_wall": self.start_wall,
-            "emitted": sorted(self._emitted), "seq": self._seq}))
-        os.replace(tmp, path)
+            "emitted": sorted(self._emitted), "seq": self._seq}), durable=False)
 
     @property
     def boot_time(self) -> float:
@@ -198,11 +195,8 @@ class SimNode:
         if self._written.get(rel) == text:
             return
         self._written[rel] = text
-        path = self.host_root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two processes may render one node
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        # two processes may render one node: each writes its own temp file
+        write_atomic(self.host_root / rel, text, durable=False)
 
     def _static_files(self) -> None:
         self._write("proc/sys/kernel/random/boot_id", self.boot_id + "\n")

@@ -107,7 +107,7 @@ def test_the_default_suite_is_planned_to_fit_five_minutes_on_a_gpu_node() -> Non
     """Issue 5: the default suite finishes in <= 5 minutes on an 8-GPU node. Each check's ``cost`` is its
     healthy run time there (an estimate until bench/gpu_validate.py measures it on a GPU node; README
     'Bootstrap suite' lists each check's default duration and size); their sum is the plan."""
-    costs = {name: getattr(cls, "cost", None) for name, cls in load_checks().items()
+    costs = {name: cls.cost for name, cls in load_checks().items()
              if cls.phase.value == "bootstrap"}
     assert set(costs) == set(BOOTSTRAP) and all(c is not None and c > 0 for c in costs.values()), costs
     assert sum(c for c in costs.values() if c is not None) <= 300.0, costs

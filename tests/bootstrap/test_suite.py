@@ -18,11 +18,10 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from gpumon.agent import Agent, Simulation
+from gpumon.agent import Agent
 from gpumon.bootstrap import (
     LATEST,
     NOT_RUN,
-    RETRY_KEY,
     ProgressEvent,
     merge_retry,
     print_suite,
@@ -30,16 +29,16 @@ from gpumon.bootstrap import (
     run_suite,
     select,
 )
-from gpumon.check import Check, CheckContext
+from gpumon.check import Check, CheckContext, RetryRequest
 from gpumon.config import load_config
 from gpumon.errors import ConfigError
 from gpumon.health import Health
 from gpumon.health.state import EventKind
-from gpumon.model import NODE, Action, Finding, Phase, Severity
+from gpumon.model import NODE, Action, CheckRun, Finding, Phase, Severity
 from gpumon.registry import load_checks
-from gpumon.runner import CheckRun
 from gpumon.sim import nvml_inject
 from gpumon.sim.scenario import load_scenario
+from gpumon.sim.simulation import Simulation
 
 # what the test checks saw, by check name (checks are instantiated by the suite)
 SEEN: dict[str, list[Any]] = {}
@@ -117,15 +116,15 @@ class Flaky(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         n = ctx.state["n"] = ctx.state.get("n", 0) + 1
-        retry = ctx.extras.get(RETRY_KEY)
+        retry = ctx.retry
         _seen(self.name, retry)
         out = []
-        if retry is None or ["gpu/0", "bw"] in retry["probes"]:
+        if retry is None or ("gpu/0", "bw") in retry.retry_ids:
             sev = Severity.FAIL if n == 1 else Severity.OK
             out.append(self.finding("gpu/0", sev, f"{300 if n == 1 else 390} GB/s", Action.INSPECT_HARDWARE
-                                    if n == 1 else Action.NONE, probe=True, probe_id="bw"))
+                                    if n == 1 else Action.NONE, retryable=True, retry_id="bw"))
         if retry is None:  # the healthy probe is not measured again
-            out.append(self.finding("gpu/1", Severity.OK, "392 GB/s", probe=True, probe_id="bw"))
+            out.append(self.finding("gpu/1", Severity.OK, "392 GB/s", retryable=True, retry_id="bw"))
         return out
 
 
@@ -137,7 +136,7 @@ class AlwaysSlow(Check):
     def run(self, ctx: CheckContext) -> list[Finding]:
         n = ctx.state["n"] = ctx.state.get("n", 0) + 1
         return [self.finding("gpu/2", Severity.FAIL, f"attempt {n}: 200 GB/s", Action.INSPECT_HARDWARE,
-                             probe=True)]
+                             retryable=True)]
 
 
 class WrongAndSlow(Check):
@@ -150,7 +149,7 @@ class WrongAndSlow(Check):
     def run(self, ctx: CheckContext) -> list[Finding]:
         n = ctx.state["n"] = ctx.state.get("n", 0) + 1
         out = [self.finding("gpu/3", Severity.FAIL, "2 wrong elements", Action.INSPECT_HARDWARE),
-               self.finding("gpu/4", Severity.WARN if n == 1 else Severity.OK, "busbw", probe=True)]
+               self.finding("gpu/4", Severity.WARN if n == 1 else Severity.OK, "busbw", retryable=True)]
         if n == 2:
             out.append(self.finding("gpu/5", Severity.FAIL, "1 wrong element", Action.INSPECT_HARDWARE))
         return out
@@ -324,7 +323,7 @@ def test_probe_below_threshold_is_measured_again_and_passes(make_agent: Callable
     [c] = result.checks
     assert c.attempts == 2 and c.retried == ["gpu/0"]
     # the retry was told which probe to measure again, and only that one was
-    assert SEEN["t_flaky"] == [None, {"attempt": 2, "components": ["gpu/0"], "probes": [["gpu/0", "bw"]]}]
+    assert SEEN["t_flaky"] == [None, RetryRequest(2, ("gpu/0",), frozenset({("gpu/0", "bw")}))]
     gpu0, gpu1 = c.run.findings
     assert (gpu0.component, gpu0.severity) == ("gpu/0", Severity.OK)
     assert gpu0.message == "390 GB/s (passed on the retry)"
@@ -332,7 +331,6 @@ def test_probe_below_threshold_is_measured_again_and_passes(make_agent: Callable
     assert gpu0.evidence["suite_attempts"] == 2
     assert (gpu1.component, gpu1.message) == ("gpu/1", "392 GB/s")  # kept from the first run
     assert [e.kind for e in events] == ["start", "retry", "done"]
-    assert RETRY_KEY not in agent.runner.extras
     assert result.exit_code == 0 and result.passed
 
 
@@ -379,11 +377,11 @@ def test_a_correctness_failure_is_never_retried_away(make_agent: Callable[..., A
 
 def test_merge_retry_keeps_a_probe_the_retry_did_not_measure() -> None:
     probe = Finding("x", "gpu/0", Severity.FAIL, "slow", Action.INSPECT_HARDWARE,
-                    {"probe": True, "probe_id": "a"})
-    other = Finding("x", "gpu/0", Severity.OK, "fine", Action.NONE, {"probe": True, "probe_id": "b"})
+                    {"retryable": True, "retry_id": "a"})
+    other = Finding("x", "gpu/0", Severity.OK, "fine", Action.NONE, {"retryable": True, "retry_id": "b"})
     first = CheckRun("x", [probe, other], 1.0, 2.0, "completed")
     second = CheckRun("x", [Finding("x", "gpu/0", Severity.OK, "fine", Action.NONE,
-                                    {"probe": True, "probe_id": "b"})], 4.0, 3.0, "completed")
+                                    {"retryable": True, "retry_id": "b"})], 4.0, 3.0, "completed")
     merged = merge_retry(first, second)
     assert [f.severity for f in merged.findings] == [Severity.FAIL, Severity.OK]
     assert merged.findings[0].evidence["retry"] == "the retry did not measure it again"

@@ -16,15 +16,16 @@ from typing import Any
 
 import pytest
 
-from gpumon import compute
+from gpumon import workers
 from gpumon.check import CheckContext, KernelLog
 from gpumon.errors import ConfigError
-from gpumon.hw import Hardware
+from gpumon.hw import Hardware, placement
 from gpumon.hw.inventory import Inventory, collect
 from gpumon.model import NODE, Action, Finding, Severity, is_component
 from gpumon.profiles import builtin_profiles
 from gpumon.schema import Source, build
-from gpumon_checks.burnin import (
+from gpumon_checks.burnin import kernels as burnin_kernels
+from gpumon_checks.burnin.check import (
     BurninCheck,
     BurninConfig,
     BurnSampler,
@@ -76,7 +77,7 @@ def test_healthy_simulated_gpus_pass_with_every_reading(sim: Any) -> None:
 def test_healthy_stand_ins_without_gpus_are_the_node(tmp_path: Path) -> None:
     """A machine without GPUs (not simulated): ``cpu.devices`` workers, findings on ``node``."""
     (tmp_path / "sys").mkdir()
-    ctx = CheckContext(hw=Hardware(tmp_path, simulated=False), inventory=Inventory(),
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=Inventory(),
                        profile=builtin_profiles()["h100-sxm"], params=TINY, state={}, kernel_log=KernelLog())
     findings = BurninCheck().run(ctx)
     assert {f.severity for f in findings} == {Severity.OK}, [f.message for f in findings]
@@ -108,11 +109,11 @@ def test_a_worker_fed_other_inputs_is_caught_by_its_bits(sim: Any) -> None:
     h = sim(HEALTHY)
     ctx = h.context(BurninCheck, 0)
     params = TINY
-    spec = compute.BurnSpec(dtypes=("fp32", "bf16"), size=64, duration_s=0.1, copy_bytes=1 << 16,
+    spec = burnin_kernels.BurnSpec(dtypes=("fp32", "bf16"), size=64, duration_s=0.1, copy_bytes=1 << 16,
                             copy_iters=2)
     specs = [spec, spec, dataclasses.replace(spec, seed=spec.seed + 1), spec]
-    place = compute.Placement("cpu", 4, "test: 4 CPU stand-ins")
-    run = compute.run_workers(compute.burn_worker, specs, kind="cpu", timeout_s=120, barrier=True)
+    place = placement.Placement("cpu", 4, "test: 4 CPU stand-ins")
+    run = workers.run_workers(burnin_kernels.burn_worker, specs, kind="cpu", timeout_s=120, barrier=True)
     assert not run.failed
     params = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["fp32", "bf16"]))
     findings = judge(run, place, params, ctx, None, {}, 120.0)
@@ -132,16 +133,17 @@ def test_a_worker_that_fails_releases_the_others_and_alone_is_blamed(sim: Any) -
     second burn, are released at once and reported as not measured, not as faulty."""
     h = sim(HEALTHY)
     ctx = h.context(BurninCheck, 0)
-    spec = compute.BurnSpec(dtypes=("fp32", "bf16"), size=32, duration_s=0.05, copy_bytes=0, copy_iters=0)
+    spec = burnin_kernels.BurnSpec(dtypes=("fp32", "bf16"), size=32, duration_s=0.05, copy_bytes=0,
+                                   copy_iters=0)
     specs = [spec, dataclasses.replace(spec, dtypes=("fp32", "int8")), spec, spec]
     started = time.monotonic()
-    run = compute.run_workers(compute.burn_worker, specs, kind="cpu", timeout_s=60, barrier=True,
+    run = workers.run_workers(burnin_kernels.burn_worker, specs, kind="cpu", timeout_s=60, barrier=True,
                               peer_failure_grace_s=30)
     assert time.monotonic() - started < 20  # released by the broken barrier, not by the grace period
     assert [o.state for o in run.outcomes] == ["error"] * 4
     assert [o.waited_for_peer for o in run.outcomes] == [True, False, True, True]
     params = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["fp32", "bf16"]))
-    findings = judge(run, compute.Placement("cpu", 4, "test"), params, ctx, None, {}, 60.0)
+    findings = judge(run, placement.Placement("cpu", 4, "test"), params, ctx, None, {}, 60.0)
     by_device = {f.evidence.get("device"): f for f in findings}
     culprit = by_device["cpu worker 1"]
     assert culprit.severity is Severity.UNKNOWN  # a stand-in's crash says nothing about hardware
@@ -179,15 +181,15 @@ def test_fingerprints_outside_the_majority_are_outliers() -> None:
 
 
 def _gemm(dtype: str, tflops: float, *, fingerprint: str = "f" * 64, unstable: int = 0, bad: int = 0) -> Any:
-    return compute.GemmResult(dtype=dtype, size=8192, iterations=400, gemm_s=20.0, tflops=tflops,
+    return burnin_kernels.GemmResult(dtype=dtype, size=8192, iterations=400, gemm_s=20.0, tflops=tflops,
                               block_tflops=(tflops * 0.99, tflops, tflops * 1.01), fingerprint=fingerprint,
                               unstable_iterations=unstable, unstable_elements=unstable * 3,
                               reference_checked=65536, reference_bad=bad, reference_worst=3.0 if bad else 0.2,
                               wall_s=22.0)
 
 
-def _copy(gbps: float, verified: bool = True) -> compute.CopyResult:
-    return compute.CopyResult(nbytes=2 << 30, iterations=20, seconds=1.0, gbps=gbps, verified=verified,
+def _copy(gbps: float, verified: bool = True) -> burnin_kernels.CopyResult:
+    return burnin_kernels.CopyResult(nbytes=2 << 30, iterations=20, seconds=1.0, gbps=gbps, verified=verified,
                               attempts=(gbps * 0.98, gbps))
 
 
@@ -200,24 +202,24 @@ def test_gpu_runs_are_judged_per_gpu_by_uuid(sim: Any) -> None:
     rates = {7: 786.0, 6: 790.0, 5: 781.0, 4: 783.0, 3: 600.0, 2: 788.0, 1: 792.0}
     outcomes = []
     for rank, index in enumerate(order):
-        report = compute.BurnReport(
+        report = burnin_kernels.BurnReport(
             gemms=(_gemm("bf16", rates[index], fingerprint=("e" * 64) if index == 5 else "f" * 64),
                    _gemm("fp64", 55.0, unstable=2 if index == 6 else 0, bad=1 if index == 4 else 0)),
             copy=_copy(1500.0 if index == 2 else 2950.0, verified=index != 1))
-        identity = {"device": f"cuda:{rank}", "uuid": compute.normalize_uuid(gpus[index].uuid),
+        identity = {"device": f"cuda:{rank}", "uuid": placement.normalize_uuid(gpus[index].uuid),
                     "name": gpus[index].name}
-        outcomes.append(compute.WorkerOutcome(rank, "ok", result=report, identity=identity, seconds=25.0))
-    run = compute.WorkerRun(outcomes, wall_s=30.0)
+        outcomes.append(workers.WorkerOutcome(rank, "ok", result=report, identity=identity, seconds=25.0))
+    run = workers.WorkerRun(outcomes, wall_s=30.0)
     params = BurninConfig(dtypes=["bf16", "fp64"], baseline_tflops={"bf16": 989.4},
                           memory_bandwidth_gbps=3350.0)
-    place = compute.Placement("cuda", 7, "7 CUDA device(s) visible to torch")
-    by_uuid = compute.gpu_index_by_uuid(ctx.inventory)
+    place = placement.Placement("cuda", 7, "7 CUDA device(s) visible to torch")
+    by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
     sampler = BurnSampler(ctx, by_uuid)
     # NVML readings during the burn, read through the injection library as the check does each second
-    progress = {rank: compute.Progress("burn", 0.0, {"dtype": "bf16"}, dict(o.identity))
+    progress = {rank: workers.Progress("burn", 0.0, {"dtype": "bf16"}, dict(o.identity))
                 for rank, o in enumerate(outcomes)}
     sampler.tick(progress)
-    sampler.tick({0: compute.Progress("prepare", 0.0, {}, dict(outcomes[0].identity))})  # not burning
+    sampler.tick({0: workers.Progress("prepare", 0.0, {}, dict(outcomes[0].identity))})  # not burning
     findings = judge(run, place, params, ctx, sampler, by_uuid, 300.0)
     assert all(is_component(f.component) for f in findings)
     by = _by_component(findings)
@@ -253,17 +255,18 @@ def test_hung_or_crashed_workers_fail_the_gpu_and_name_where(sim: Any) -> None:
     h = sim(HEALTHY)
     ctx = h.context(BurninCheck, 0)
     gpus = ctx.inventory.gpus
-    ok = compute.BurnReport(gemms=(_gemm("bf16", 780.0),), copy=_copy(2900.0))
+    ok = burnin_kernels.BurnReport(gemms=(_gemm("bf16", 780.0),), copy=_copy(2900.0))
     outcomes = [
-        compute.WorkerOutcome(0, "ok", result=ok, identity={"uuid": compute.normalize_uuid(gpus[0].uuid),
+        workers.WorkerOutcome(0, "ok", result=ok, identity={"uuid": placement.normalize_uuid(gpus[0].uuid),
                                                             "device": "cuda:0", "name": gpus[0].name}),
-        compute.WorkerOutcome(1, "hung", phase="burn", seconds=200.0,
-                              identity={"uuid": compute.normalize_uuid(gpus[1].uuid), "device": "cuda:1"}),
-        compute.WorkerOutcome(2, "died", phase="prepare", exitcode=-11, identity={}),
+        workers.WorkerOutcome(1, "hung", phase="burn", seconds=200.0,
+                              identity={"uuid": placement.normalize_uuid(gpus[1].uuid), "device": "cuda:1"}),
+        workers.WorkerOutcome(2, "died", phase="prepare", exitcode=-11, identity={}),
     ]
     params = BurninConfig(dtypes=["bf16"])
-    findings = judge(compute.WorkerRun(outcomes, 200.0), compute.Placement("cuda", 3, "3"), params, ctx, None,
-                     compute.gpu_index_by_uuid(ctx.inventory), 200.0)
+    findings = judge(workers.WorkerRun(outcomes, 200.0), placement.Placement("cuda", 3, "3"), params, ctx,
+                     None,
+                     workers.gpu_index_by_uuid(ctx.inventory), 200.0)
     by = _by_component(findings)
     assert (by["gpu/1"][0].severity, by["gpu/1"][0].action) == (Severity.FAIL, Action.RESET_GPU)
     assert "worker 1 (cuda:1) hung in 'burn' after 200 s; killed" in by["gpu/1"][0].message
@@ -277,17 +280,18 @@ def test_a_hung_stand_in_of_a_simulated_gpu_is_no_gpu_remedy(sim: Any) -> None:
     h = sim(HEALTHY)
     ctx = h.context(BurninCheck, 0)
     gpus = ctx.inventory.gpus
-    stand_ins = tuple(compute.StandIn(g.index, compute.normalize_uuid(g.uuid), g.name) for g in gpus[:2])
-    ok = compute.BurnReport(gemms=(_gemm("bf16", 0.02),), copy=None)
+    stand_ins = tuple(placement.StandIn(g.index, placement.normalize_uuid(g.uuid), g.name) for g in gpus[:2])
+    ok = burnin_kernels.BurnReport(gemms=(_gemm("bf16", 0.02),), copy=None)
     outcomes = [
-        compute.WorkerOutcome(0, "ok", result=ok,
+        workers.WorkerOutcome(0, "ok", result=ok,
                               identity={"uuid": stand_ins[0].uuid, "device": "cpu worker 0"}),
-        compute.WorkerOutcome(1, "hung", phase="burn", seconds=30.0,
+        workers.WorkerOutcome(1, "hung", phase="burn", seconds=30.0,
                               identity={"uuid": stand_ins[1].uuid, "device": "cpu worker 1"}),
     ]
     params = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["bf16"]))
-    findings = judge(compute.WorkerRun(outcomes, 30.0), compute.Placement("cpu", 2, "sim", stand_ins), params,
-                     ctx, None, compute.gpu_index_by_uuid(ctx.inventory), 30.0)
+    findings = judge(workers.WorkerRun(outcomes, 30.0), placement.Placement("cpu", 2, "sim", stand_ins),
+                     params,
+                     ctx, None, workers.gpu_index_by_uuid(ctx.inventory), 30.0)
     hung = _by_component(findings)["gpu/1"][0]
     assert (hung.severity, hung.action) == (Severity.FAIL, Action.NONE)
     assert "worker 1 (cpu worker 1) hung in 'burn' after 30 s; killed" in hung.message
@@ -296,7 +300,7 @@ def test_a_hung_stand_in_of_a_simulated_gpu_is_no_gpu_remedy(sim: Any) -> None:
 def test_gpu_node_where_torch_has_no_cuda_is_unknown_not_a_cpu_burn(nvml_state: Path, tmp_path: Path) -> None:
     """NVML sees 8 GPUs (not simulated), torch sees no CUDA: the check must not burn CPUs and say ok."""
     (tmp_path / "host" / "sys").mkdir(parents=True)
-    hw = Hardware(tmp_path / "host", simulated=False)
+    hw = Hardware(tmp_path / "host")
     hw.nvml.init()
     try:
         ctx = CheckContext(hw=hw, inventory=collect(hw.nvml, hw.fs), profile=builtin_profiles()["h100-sxm"],
@@ -344,9 +348,9 @@ def test_profile_thresholds_reach_the_checks_options(tmp_path: Path) -> None:
     from gpumon.config import load_config, with_profile
     from gpumon.profiles import load_profile_file
     from gpumon.registry import load_checks
-    from gpumon_checks.host_bandwidth import HostBandwidthCheck
-    from gpumon_checks.nccl import NcclCheck
-    from gpumon_checks.p2p import P2pCheck
+    from gpumon_checks.host_bandwidth.check import HostBandwidthCheck
+    from gpumon_checks.nccl.check import NcclCheck
+    from gpumon_checks.p2p.check import P2pCheck
 
     mine = {c.name: c for c in (BurninCheck, NcclCheck, P2pCheck, HostBandwidthCheck)}
     registry = {**load_checks(), **mine}

@@ -20,6 +20,7 @@ from gpumon.hw.nvml import GpuInfo
 from gpumon.model import Action, Finding, Severity, is_component
 from gpumon.profiles import GENERIC, GpuSpec, Profile, builtin_profiles, select_profile
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState, write_state
+from gpumon.sim.simulation import simulated_hardware
 from gpumon_checks.gpu_presence import BusView, GpuPresenceCheck, NvmlView
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "nvidia-smi-q"
@@ -63,7 +64,7 @@ def nvml_for(devices: list[PciDevice], name: str, device_id: int) -> NvmlNodeSta
 
 
 def run_presence(host: Path, profile: Profile | None = None, nvml_timeout: float = 5.0) -> list[Finding]:
-    hw = Hardware(host, nvml_timeout=nvml_timeout, simulated=True)
+    hw = simulated_hardware(host, nvml_timeout=nvml_timeout)
     hw.nvml.init()
     try:
         inv = collect(hw.nvml, hw.fs)
@@ -204,7 +205,7 @@ def test_nvml_device_count_failure_is_not_ok(nvml_state: Path, tmp_path: Path) -
     state = nvml_for(parse_lspci_nn(LSPCI_H200.read_text(encoding="utf-8")), "NVIDIA H200", 0x233510DE)
     state.calls.append(InjectedCall("nvmlDeviceGetCount_v2", error=999))
     write_state(state, nvml_state)
-    hw = Hardware(host, simulated=True)
+    hw = simulated_hardware(host)
     hw.nvml.init()
     try:
         ctx = CheckContext(hw=hw, inventory=collect(None, hw.fs), profile=PROFILES["h200-sxm"], params=None,

@@ -11,14 +11,16 @@ from typing import Any
 
 import pytest
 
-from gpumon import compute
+from gpumon import workers
 from gpumon.check import CheckContext, KernelLog
-from gpumon.hw import Hardware
+from gpumon.hw import Hardware, placement
 from gpumon.hw.inventory import Inventory, collect
 from gpumon.model import NODE, Action, Severity
 from gpumon.profiles import builtin_profiles
 from gpumon.sim.nvml_state import NvmlNodeState, write_state
-from gpumon_checks.host_bandwidth import (
+from gpumon.sim.simulation import simulated_hardware
+from gpumon_checks.host_bandwidth import kernels as host_kernels
+from gpumon_checks.host_bandwidth.check import (
     HostBandwidthCheck,
     HostBandwidthConfig,
     Measured,
@@ -33,7 +35,7 @@ HEALTHY = "name: t\nsku: h100-sxm\ngpus: 8\nfaults: []\n"
 def _ctx(state_path: Path, host: Path, simulated: bool) -> CheckContext:
     write_state(NvmlNodeState.hgx(8), state_path)
     (host / "sys").mkdir(parents=True, exist_ok=True)
-    hw = Hardware(host, simulated=simulated)
+    hw = simulated_hardware(host) if simulated else Hardware(host)
     hw.nvml.init()
     return CheckContext(hw=hw, inventory=collect(hw.nvml, hw.fs), profile=builtin_profiles()["h100-sxm"],
                         params=HostBandwidthConfig(min_gbps=48.0), state={}, kernel_log=KernelLog())
@@ -63,7 +65,7 @@ def test_supported_needs_gpus_and_torch(monkeypatch: pytest.MonkeyPatch) -> None
     inv = Inventory(unreadable_gpus={0: "GPU is lost"})
     assert check.supported(inv) is None
     monkeypatch.setitem(sys.modules, "torch", None)  # how Python marks a module as not importable
-    assert check.supported(inv) == compute.TORCH_MISSING
+    assert check.supported(inv) == workers.TORCH_MISSING
 
 
 def _m(index: int, h2d: float, d2h: float, attempts: int = 1) -> Measured:
@@ -75,8 +77,8 @@ def test_judged_per_gpu_in_both_directions(nvml_state: Path, tmp_path: Path) -> 
     ctx = _ctx(nvml_state, tmp_path / "host", simulated=True)
     try:
         results = {0: _m(0, 53.1, 55.2), 1: _m(1, 20.4, 54.0, attempts=2), 2: _m(2, 52.0, 31.0, attempts=2)}
-        unmapped = [compute.HostCopy(9, "feed", 50.0, 50.0, True, ())]
-        findings = judge(ctx, results, unmapped, ctx.params, compute.Placement("cuda", 4, "4 CUDA devices"))
+        unmapped = [host_kernels.HostCopy(9, "feed", 50.0, 50.0, True, ())]
+        findings = judge(ctx, results, unmapped, ctx.params, placement.Placement("cuda", 4, "4 CUDA devices"))
     finally:
         ctx.hw.nvml.shutdown()
     by = {f.component: f for f in findings}
@@ -111,4 +113,4 @@ def test_local_cpus_come_from_sysfs_under_the_host_root(nvml_state: Path, tmp_pa
         found = local_cpus(ctx)
     finally:
         ctx.hw.nvml.shutdown()
-    assert found == {compute.normalize_uuid(gpu0.uuid): (0, 1, 2, 3, 8)}
+    assert found == {placement.normalize_uuid(gpu0.uuid): (0, 1, 2, 3, 8)}

@@ -669,12 +669,13 @@ def test_simulated_node_missing_an_hca_and_one_without_rdma(fast_sim: Any) -> No
 # -- a steady port's finding is kept between samples ---------------------------------
 
 
-def _run_kept(node: Node, t: float, state: dict[str, Any], extras: dict[str, Any]) -> list[Finding]:
-    """One sample as the daemon takes it: the runner's extras kept from run to run."""
+def _run_kept(node: Node, t: float, state: dict[str, Any], check: IbCheck) -> list[Finding]:
+    """One sample as the daemon takes it: ``check`` is kept from run to run (the daemon builds its
+    checks once), or a new one for a sample without what the check keeps between runs."""
     ctx = CheckContext(hw=node.hw, inventory=Inventory(ib_devices=sorted(os.listdir(node.ib))),
                        profile=node.profile, params=node.params, state=state, kernel_log=KernelLog(),
-                       clock=lambda: T0 + t, extras=extras)
-    return IbCheck().run(ctx)
+                       clock=lambda: T0 + t)
+    return check.run(ctx)
 
 
 def _as_text(findings: list[Finding]) -> list[str]:
@@ -682,18 +683,18 @@ def _as_text(findings: list[Finding]) -> list[str]:
 
 
 class _Twins:
-    """The same node sampled twice at each time: with the kept findings (extras carried from
-    run to run, as the daemon's runner does) and without (fresh extras, as the tests above)."""
+    """The same node sampled twice at each time: with the kept findings (one check instance from
+    run to run, as the daemon's runner does) and without (a new instance, as the tests above)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
         self.kept_state: dict[str, Any] = {}
         self.fresh_state: dict[str, Any] = {}
-        self.extras: dict[str, Any] = {}
+        self.check = IbCheck()
 
     def run(self, t: float) -> list[Finding]:
-        kept = _run_kept(self.node, t, self.kept_state, self.extras)
-        fresh = _run_kept(self.node, t, self.fresh_state, {})
+        kept = _run_kept(self.node, t, self.kept_state, self.check)
+        fresh = _run_kept(self.node, t, self.fresh_state, IbCheck())
         assert _as_text(kept) == _as_text(fresh), t
         assert self.kept_state == self.fresh_state
         return kept
@@ -704,7 +705,7 @@ def test_a_steady_port_gets_the_finding_a_full_verdict_gives(node: Node) -> None
     for t in range(0, 25):  # two detail reads (every 10 s): details_age_s goes 0..9 twice
         found = {f.component: f for f in twins.run(t)}
         assert found["ib/mlx5_0/1"].evidence["details_age_s"] == float(t % 10)
-    assert len(twins.extras["ib.steady_findings"]) == len(NDR) + 1  # every up port (one is RoCE)
+    assert len(twins.check._steady) == len(NDR) + 1  # every up port (one is RoCE)
     # what changes a steady port's finding is seen at once
     node.write("mlx5_8", "rate", "100 Gb/sec (4X EDR)\n")
     assert {f.component: f for f in twins.run(30)}["ib/mlx5_8/1"].severity is Severity.WARN

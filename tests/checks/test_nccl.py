@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 
-from gpumon import compute
+from gpumon import workers
+from gpumon.hw import placement
 from gpumon.model import NODE, Action, Severity
-from gpumon_checks.nccl import (
+from gpumon_checks.nccl import kernels as nccl_kernels
+from gpumon_checks.nccl.check import (
     NcclCheck,
     NcclConfig,
     NcclCpu,
@@ -35,9 +37,9 @@ SIZES = (4096, 1 << 18)
 TINY = NcclConfig(cpu=NcclCpu(devices=4, sizes=list(SIZES), iterations=2, warmup=1))
 
 
-def _specs(seeds: list[int], sizes: tuple[int, ...] = SIZES) -> list[compute.AllReduceSpec]:
+def _specs(seeds: list[int], sizes: tuple[int, ...] = SIZES) -> list[nccl_kernels.AllReduceSpec]:
     store = os.path.join(tempfile.mkdtemp(prefix="gpumon-test-nccl-"), "store")
-    return [compute.AllReduceSpec(backend="gloo", store_path=store, sizes=sizes, iterations=2, warmup=1,
+    return [nccl_kernels.AllReduceSpec(backend="gloo", store_path=store, sizes=sizes, iterations=2, warmup=1,
                                   seed=s, timeout_s=60) for s in seeds]
 
 
@@ -74,7 +76,7 @@ def test_a_simulated_gpu_that_corrupts_its_all_reduce_result_is_named(sim: Any) 
 
 def test_a_wrong_contribution_fails_and_every_wrong_element_is_counted() -> None:
     """Rank 2 is fed another data pattern through the public API: every sum is off, on every rank."""
-    run = compute.run_workers(compute.allreduce_worker, _specs([7, 7, 8, 7]), kind="cpu", timeout_s=60)
+    run = workers.run_workers(nccl_kernels.allreduce_worker, _specs([7, 7, 8, 7]), kind="cpu", timeout_s=60)
     assert not run.failed
     rows = combine(run.results)
     elements = [n // 4 for n in SIZES]
@@ -111,10 +113,10 @@ def test_wrong_sums_on_one_gpu_at_one_size_only_are_the_nodes() -> None:
     assert (g.component, g.severity, g.action) == ("gpu/1", Severity.FAIL, Action.INSPECT_HARDWARE)
 
 
-def _silent_peer(ctx: compute.WorkerContext, spec: compute.AllReduceSpec) -> Any:
+def _silent_peer(ctx: workers.WorkerContext, spec: nccl_kernels.AllReduceSpec) -> Any:
     """Rank 3 joins the process group and then never takes part: the others wait in their collective."""
     if ctx.rank != 3:
-        return compute.allreduce_worker(ctx, spec)
+        return nccl_kernels.allreduce_worker(ctx, spec)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{spec.store_path}", rank=ctx.rank,
@@ -126,7 +128,7 @@ def _silent_peer(ctx: compute.WorkerContext, spec: compute.AllReduceSpec) -> Any
 
 def test_a_collective_hung_by_a_silent_peer_is_reported_within_the_deadline() -> None:
     started = time.monotonic()
-    run = compute.run_workers(_silent_peer, _specs([7, 7, 7, 7]), kind="cpu", timeout_s=4)
+    run = workers.run_workers(_silent_peer, _specs([7, 7, 7, 7]), kind="cpu", timeout_s=4)
     assert time.monotonic() - started < 15
     assert [o.state for o in run.outcomes] == ["hung"] * 4
     (f,) = worker_failures(run, cuda=False, by_uuid={})
@@ -140,13 +142,13 @@ def test_a_collective_hung_by_a_silent_peer_is_reported_within_the_deadline() ->
 def test_a_dead_rank_is_the_cause_and_its_gpu_is_named(sim: Any) -> None:
     h = sim(HEALTHY)
     ctx = h.context(NcclCheck, 0)
-    uuid = compute.normalize_uuid(ctx.inventory.gpus[6].uuid)
-    outcomes = [compute.WorkerOutcome(0, "hung", phase="all_reduce 16 GiB timed", seconds=75.0,
+    uuid = placement.normalize_uuid(ctx.inventory.gpus[6].uuid)
+    outcomes = [workers.WorkerOutcome(0, "hung", phase="all_reduce 16 GiB timed", seconds=75.0,
                                       identity={"device": "cuda:0"}),
-                compute.WorkerOutcome(1, "died", phase="all_reduce 16 GiB timed", exitcode=-9,
+                workers.WorkerOutcome(1, "died", phase="all_reduce 16 GiB timed", exitcode=-9,
                                       identity={"device": "cuda:1", "uuid": uuid})]
-    found = worker_failures(compute.WorkerRun(outcomes, 80.0), cuda=True,
-                            by_uuid=compute.gpu_index_by_uuid(ctx.inventory))
+    found = worker_failures(workers.WorkerRun(outcomes, 80.0), cuda=True,
+                            by_uuid=workers.gpu_index_by_uuid(ctx.inventory))
     by = {f.component: f for f in found}
     assert (by["gpu/6"].severity, by["gpu/6"].action) == (Severity.FAIL, Action.RESET_GPU)
     assert "died in 'all_reduce 16 GiB timed' (exit code -9)" in by["gpu/6"].message
@@ -156,9 +158,9 @@ def test_a_dead_rank_is_the_cause_and_its_gpu_is_named(sim: Any) -> None:
 # ------------------------------------------------------------------ busbw and the profile minimum
 
 
-def _report(rank: int, world: int, seconds: dict[int, float], wrong: int = 0) -> compute.AllReduceReport:
-    return compute.AllReduceReport(rank, world, "nccl", tuple(
-        compute.SizeResult(nbytes=n, elements=n // 4, seconds=s, wrong=wrong, checked=2 * (n // 4))
+def _report(rank: int, world: int, seconds: dict[int, float], wrong: int = 0) -> nccl_kernels.AllReduceReport:
+    return nccl_kernels.AllReduceReport(rank, world, "nccl", tuple(
+        nccl_kernels.SizeResult(nbytes=n, elements=n // 4, seconds=s, wrong=wrong, checked=2 * (n // 4))
         for n, s in seconds.items()))
 
 
@@ -172,7 +174,7 @@ def test_algbw_and_busbw_match_nccl_tests_on_a_real_capture() -> None:
     assert row.seconds == pytest.approx(time_us / 1e6)  # the slowest rank's time
     assert row.algbw == pytest.approx(169.81, abs=0.01)
     assert row.busbw == pytest.approx(318.40, abs=0.01)
-    assert compute.busbw(row.algbw, 16) == pytest.approx(row.algbw * 30 / 16)
+    assert nccl_kernels.busbw(row.algbw, 16) == pytest.approx(row.algbw * 30 / 16)
     # the capture's time is rounded to 1 us, so the last digit of algbw may differ by one
     cells = table([row])[1].split()
     assert cells[:3] == ["2", "GiB", "12646.0"] and cells[4:] == ["318.40", "0"]
@@ -183,7 +185,7 @@ def _rows(busbw: float, world: int = 8) -> list[SizeRow]:
     out = []
     for n in (1 << 30, 16 << 30):
         algbw = busbw * world / (2 * (world - 1)) * (0.8 if n < 16 << 30 else 1.0)
-        out.append(SizeRow(n, n / algbw / 1e9, algbw, compute.busbw(algbw, world), 0, {}, 2 * n // 4))
+        out.append(SizeRow(n, n / algbw / 1e9, algbw, nccl_kernels.busbw(algbw, world), 0, {}, 2 * n // 4))
     return out
 
 

@@ -37,7 +37,7 @@ from gpumon.hw.tools import ToolResult, ToolRunner
 from gpumon.model import NODE, Action, Finding, Severity
 from gpumon.profiles import builtin_profiles, select_profile
 from gpumon.registry import load_checks
-from gpumon_checks.nccl import (
+from gpumon_checks.nccl.check import (
     MEASURED_BY_TOOL,
     NcclCheck,
     NcclConfig,
@@ -93,7 +93,7 @@ def real_ctx(tmp_path: Path, config_text: str, bin_dir: Path | None) -> CheckCon
     (host / "sys").mkdir(parents=True, exist_ok=True)
     cfg = Path(tempfile.mkstemp(dir=tmp_path, suffix=".yaml")[1])
     cfg.write_text(config_text)
-    hw = Hardware(host, simulated=False)
+    hw = Hardware(host)
     hw.nvml.init()
     hw.tools = ToolRunner(30, search_path=str(bin_dir if bin_dir else tmp_path / "empty"))
     inventory = collect(hw.nvml, hw.fs)
@@ -317,7 +317,7 @@ def test_auto_and_never_leave_the_measurement_to_the_torch_sweep(sim: Callable[.
     for tools in (None, bin_dir):
         ctx = real_ctx(tmp_path, config("auto"), tools)
         try:
-            assert not ctx.hw.simulated and ctx.params.nccl_tests == "auto"
+            assert ctx.hw.devices.tools_measure_gpus and ctx.params.nccl_tests == "auto"
             assert nccl_tests_findings(ctx, ctx.params) is None, tools
         finally:
             ctx.hw.nvml.shutdown()
@@ -325,7 +325,7 @@ def test_auto_and_never_leave_the_measurement_to_the_torch_sweep(sim: Callable[.
         h = sim(SCENARIO, config(mode))
         ctx = h.context(NcclCheck, 0.0)
         ctx.hw.tools = ToolRunner(30, search_path=str(bin_dir))
-        assert ctx.hw.simulated and ctx.params.nccl_tests == mode
+        assert not ctx.hw.devices.tools_measure_gpus and ctx.params.nccl_tests == mode
         assert nccl_tests_findings(ctx, ctx.params) is None, mode
     assert calls(log) == []
 

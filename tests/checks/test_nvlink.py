@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 
 from gpumon.check import CheckContext, KernelLog
 from gpumon.errors import ConfigError
-from gpumon.hw import Hardware
 from gpumon.hw.inventory import collect
 from gpumon.model import Action, Finding, Severity, is_component
 from gpumon.profiles import Profile, builtin_profiles
 from gpumon.schema import build, load_yaml
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvLinkErrorCounters, NvmlNodeState, write_state
+from gpumon.sim.simulation import simulated_hardware
 from gpumon_checks.nvlink import (
     COUNTERS,
     NvlinkCheck,
@@ -120,7 +120,7 @@ def _host(tmp_path: Path, boot: str | None = None) -> Path:
 
 def run_nvlink(host: Path, profile: Profile, *, state: dict[str, Any] | None = None, clock: float = T0,
                params: NvlinkConfig | None = None, nvml_timeout: float = 5.0) -> list[Finding]:
-    hw = Hardware(host, nvml_timeout=nvml_timeout, simulated=True)
+    hw = simulated_hardware(host, nvml_timeout=nvml_timeout)
     hw.nvml.init()
     try:
         ctx = CheckContext(hw=hw, inventory=collect(hw.nvml, hw.fs), profile=profile,

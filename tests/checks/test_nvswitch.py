@@ -30,8 +30,9 @@ from gpumon.model import Action, Finding, Severity
 from gpumon.profiles import GENERIC
 from gpumon.schema import Source, build
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState, write_state
+from gpumon.sim.simulation import simulated_hardware
 from gpumon_checks.nvswitch import NvswitchCheck, NvswitchConfig
-from gpumon_checks.sxid_catalog import SXID_CATALOG, lookup
+from gpumon_checks.nvswitch.catalog import SXID_CATALOG, lookup
 
 TESTS = Path(__file__).resolve().parents[1]
 KMSG = TESTS / "data" / "kmsg-xid"
@@ -148,7 +149,7 @@ def test_sxid12028_data_line_alone_takes_the_catalog_class(tmp_path: Path) -> No
 
 def test_healthy_8gpu_nvswitch_boot_is_all_ok(tmp_path: Path, nvml_state: Path) -> None:
     events = parse_file(KMSG / HEALTHY_BOOT)
-    hw = Hardware(tmp_path, simulated=True)
+    hw = simulated_hardware(tmp_path)
     hw.nvml.init()
     inv = collect(hw.nvml, hw.fs)
     inv.pci_devices = _switches()
@@ -335,7 +336,7 @@ def test_fm_log_unreadable_is_unknown(tmp_path: Path) -> None:
 
 def _fabric_ctx(tmp_path: Path, nvml_state: Path, node: NvmlNodeState, **kw: Any) -> CheckContext:
     write_state(node, nvml_state)
-    hw = Hardware(tmp_path, simulated=True)
+    hw = simulated_hardware(tmp_path)
     hw.nvml.init()
     inv = collect(hw.nvml, hw.fs)
     inv.pci_devices = _switches()
@@ -550,7 +551,7 @@ def test_healthy_node_one_finding_per_component_the_same_every_run(sim: Any) -> 
 def test_healthy_node_recorded_twice_adds_no_event(sim: Any, tmp_path: Path) -> None:
     """The daemon's recording: the second run of an unchanged healthy node is no news."""
     from gpumon.health import Health
-    from gpumon.runner import CheckRun
+    from gpumon.model import CheckRun
 
     h = sim(H100.format(faults="  []"))
     health = Health.open(tmp_path / "state", boot_id="boot-1", clock=lambda: 1.8e9)

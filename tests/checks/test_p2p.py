@@ -13,14 +13,24 @@ from typing import Any
 
 import pytest
 
-from gpumon import compute
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import collect
 from gpumon.model import NODE, Action, Finding, Severity, is_component
 from gpumon.profiles import builtin_profiles
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState, write_state
-from gpumon_checks.p2p import P2pCheck, P2pConfig, PairPath, blame, judge, matrix, nvml_paths, peer_floors
+from gpumon.sim.simulation import simulated_hardware
+from gpumon_checks.p2p import kernels as p2p_kernels
+from gpumon_checks.p2p.check import (
+    P2pCheck,
+    P2pConfig,
+    PairPath,
+    blame,
+    judge,
+    matrix,
+    nvml_paths,
+    peer_floors,
+)
 
 PROFILES = builtin_profiles()
 NOT_SUPPORTED = 5  # NVML_P2P_STATUS_NOT_SUPPORTED
@@ -28,7 +38,7 @@ NOT_SUPPORTED = 5  # NVML_P2P_STATUS_NOT_SUPPORTED
 
 def _ctx(host: Path, profile: str, params: P2pConfig | None = None, simulated: bool = True) -> CheckContext:
     (host / "sys").mkdir(parents=True, exist_ok=True)
-    hw = Hardware(host, simulated=simulated)
+    hw = simulated_hardware(host) if simulated else Hardware(host)
     hw.nvml.init()
     return CheckContext(hw=hw, inventory=collect(hw.nvml, hw.fs), profile=PROFILES[profile],
                         params=params or P2pConfig(), state={}, kernel_log=KernelLog())
@@ -181,8 +191,8 @@ def test_floors_come_from_the_pairs_a_pair_does_not_touch() -> None:
 # ------------------------------------------------------------------- copies (measured-like figures)
 
 
-def _copy(src: int, dst: int, gbps: float, verified: bool = True) -> compute.PeerCopy:
-    return compute.PeerCopy(src, dst, gbps, 512 * 2**20 * 10 / gbps / 1e9, True, verified)
+def _copy(src: int, dst: int, gbps: float, verified: bool = True) -> p2p_kernels.PeerCopy:
+    return p2p_kernels.PeerCopy(src, dst, gbps, 512 * 2**20 * 10 / gbps / 1e9, True, verified)
 
 
 def test_copies_below_the_profile_name_both_gpus_and_a_slow_gpu_is_blamed(nvml_state: Path,

@@ -17,25 +17,23 @@ from typing import Any
 from fake_tools import POST_LIST, fake_perftest, replay_with_row
 from prometheus_client import generate_latest
 
-from gpumon.bootstrap import RETRY_KEY
+from gpumon.check import RetryRequest
 from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
 from gpumon.hw.perftest import LoopbackRun, LoopbackSpec, parse_bw
 from gpumon.hw.tools import ToolRunner
-from gpumon.model import Action, Finding, Severity
-from gpumon.runner import CheckRun
+from gpumon.model import Action, CheckRun, Finding, Severity
 from gpumon_checks.rdma import RdmaCheck, RdmaConfig, _Target, waves
 
 
 def run(sim: Callable[..., Any], tmp_path: Path, bin_dir: Path | None, scenario: str = "", *,
-        params: RdmaConfig | None = None, extras: dict[str, Any] | None = None) -> list[Finding]:
+        params: RdmaConfig | None = None, retry: RetryRequest | None = None) -> list[Finding]:
     h = sim(scenario or "name: rdma\nsku: h100-sxm\n")
     ctx = h.context(RdmaCheck, 0.0)
     ctx.hw.tools = ToolRunner(30, search_path=str(bin_dir if bin_dir else tmp_path / "empty"))
     # host loopbacks one after another is the default (see test_host_loopbacks_run_one_after_another);
     # the replays do not share a real host's memory, so the other tests run them at once
     ctx.params = params or RdmaConfig(parallel_host=True)
-    if extras:
-        ctx.extras.update(extras)
+    ctx.retry = retry
     assert RdmaCheck().supported(ctx.inventory) is None
     return RdmaCheck().run(ctx)
 
@@ -56,13 +54,13 @@ def test_healthy_node_host_and_gpudirect_loopback(sim: Callable[..., Any], tmp_p
     assert sorted(c for c in comps if c.startswith("gpu/")) == [f"gpu/{i}" for i in range(8)]
     [host] = comps["ib/mlx5_3/1"]
     assert host.message == "mlx5_3 port 1 host-memory loopback: 392.1 Gb/s (threshold 360)"
-    assert host.evidence["probe"] is True and host.evidence["probe_id"] == "host"
+    assert host.evidence["retryable"] is True and host.evidence["retry_id"] == "host"
     assert (host.evidence["threshold_gbps"], host.evidence["expected_gbps"], host.evidence["efficiency"]) == (
         360.0, 400.0, 0.9)
     assert host.evidence["threshold_from"].startswith("profile h100-sxm network.ib_rate_gbps")
     [gdr] = comps["gpu/3"]
     assert gdr.message == "GPUDirect RDMA gpu/3 <-> mlx5_3 port 1: 392.1 Gb/s (threshold 380)"
-    assert (gdr.evidence["probe_id"], gdr.evidence["device"], gdr.evidence["switch"]) == (
+    assert (gdr.evidence["retry_id"], gdr.evidence["device"], gdr.evidence["switch"]) == (
         "gdr:mlx5_3", "mlx5_3", "0000:5a:00.0")
     # on /metrics in bytes per second (perftest's Gbit/s x 1.25e8), naming the NIC and its port
     assert host.evidence["readings"] == [["rdma_loopback_bytes_per_second", 392.11 * 1.25e8,
@@ -89,7 +87,7 @@ def test_a_nic_below_rate_fails_on_its_port(sim: Callable[..., Any], tmp_path: P
                               "the NIC or its PCIe path is slow")
     assert bad[1].message.startswith("GPUDirect RDMA gpu/5 <-> mlx5_5 port 1: 350.0 Gb/s, below 380 Gb/s "
                                      "(95% of")
-    assert all(f.evidence["probe"] is True for f in bad)
+    assert all(f.evidence["retryable"] is True for f in bad)
 
 
 def test_real_capture_replayed_is_far_below_rate(sim: Callable[..., Any], tmp_path: Path) -> None:
@@ -175,12 +173,12 @@ def test_a_hung_run_fails(sim: Callable[..., Any], tmp_path: Path) -> None:
     assert f.message == "mlx5_0 port 1 host-memory loopback: ib_write_bw did not finish within 1 s (killed)"
 
 
-def test_retry_measures_only_the_probes_named(sim: Callable[..., Any], tmp_path: Path) -> None:
+def test_retry_measures_only_the_measurements_named(sim: Callable[..., Any], tmp_path: Path) -> None:
     bin_dir, log = fake_perftest(tmp_path, {"default": replay_with_row(392.0)})
-    retry = {"attempt": 2, "components": ["gpu/5", "ib/mlx5_3/1"],
-             "probes": [["ib/mlx5_3/1", "host"], ["gpu/5", "gdr:mlx5_5"]]}
-    findings = run(sim, tmp_path, bin_dir, extras={RETRY_KEY: retry})
-    assert [(f.component, f.evidence["probe_id"]) for f in findings] == [("ib/mlx5_3/1", "host"),
+    retry = RetryRequest(2, ("gpu/5", "ib/mlx5_3/1"),
+                         frozenset({("ib/mlx5_3/1", "host"), ("gpu/5", "gdr:mlx5_5")}))
+    findings = run(sim, tmp_path, bin_dir, retry=retry)
+    assert [(f.component, f.evidence["retry_id"]) for f in findings] == [("ib/mlx5_3/1", "host"),
                                                                          ("gpu/5", "gdr:mlx5_5")]
     clients = [ln for ln in log.read_text().splitlines() if ln.endswith("localhost")]
     assert len(clients) == 2  # the two run in parallel: their lines come in either order

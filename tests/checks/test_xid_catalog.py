@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpumon.model import Action, Severity
-from gpumon_checks.xid_catalog import (
+from gpumon_checks.xid.catalog import (
     CATALOG_SOURCE,
     NVIDIA_ACTIONS,
     NVL5_RULES,
@@ -163,7 +163,7 @@ def _generator() -> Any:
 def test_generated_module_is_in_step_with_nvidias_data() -> None:
     """A new NVIDIA release is one regeneration: the module is exactly what the script makes."""
     gen = _generator()
-    module = ROOT / "checks" / "xid_catalog_data.py"
+    module = ROOT / "checks" / "xid" / "catalog_data.py"
     assert gen.generate(PEER_CATALOGS) == module.read_text(encoding="utf-8")
 
 
@@ -176,7 +176,7 @@ def test_generator_check_mode_spots_a_stale_module(tmp_path: Path) -> None:
 
 
 def test_generator_keeps_long_texts_whole() -> None:
-    from gpumon_checks import xid_catalog_data
+    from gpumon_checks.xid import catalog_data as xid_catalog_data
 
     doc = json.loads(PEER_CATALOGS.read_text(encoding="utf-8"))
     assert dict(xid_catalog_data.WORKFLOWS) == doc["resolution_buckets"]

@@ -13,7 +13,7 @@ import pytest
 from conftest import clean_env, run_gpumon
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
-from gpumon.hw.inventory import Inventory, PciDevice
+from gpumon.hw.inventory import Inventory, PciDevice, UnreadableGpu
 from gpumon.hw.kmsg import parse_line
 from gpumon.hw.nvml import GpuInfo
 from gpumon.hw.nvrm import NvrmParser, parse_file
@@ -30,7 +30,8 @@ def _inventory(pcis: list[str], lost: list[str] = ()) -> Inventory:  # type: ign
     everything = sorted([*pcis, *lost])
     gpus = [GpuInfo(i, f"GPU-{i}", None, bus, "NVIDIA H100 80GB HBM3", "hopper", 18, i)
             for i, bus in enumerate(everything) if bus in pcis]
-    unreadable = {i: "GPU is lost" for i, bus in enumerate(everything) if bus in lost}
+    unreadable = {i: UnreadableGpu("GPU is lost (nvmlDeviceGetHandleByIndex)", lost=True)
+                  for i, bus in enumerate(everything) if bus in lost}
     pci = [PciDevice(b, "0x10de", "0x2330", "0x030200") for b in everything]
     return Inventory(gpus=gpus, unreadable_gpus=unreadable, pci_devices=pci)
 
@@ -235,26 +236,26 @@ def test_unreadable_kernel_log_is_unknown_not_ok(tmp_path: Path) -> None:
 class _Runner:
     """Runs the xid check on a simulated node the way one daemon runner does.
 
-    The harness makes a new Hardware per call; a runner keeps one for its life, and with it the
-    NVML event set the check keeps in ``ctx.extras``. So the first Hardware and one extras dict
-    are carried over every call.
+    The harness makes a new Hardware per call; a runner keeps one for its life, and one instance
+    of each check, which keeps its NVML event set. So the first Hardware and one check are
+    carried over every call.
     """
 
     def __init__(self, h: Any) -> None:
         self.h = h
         self.hw: Hardware | None = None
-        self.extras: dict[str, Any] = {}
+        self.check = XidCheck()
 
     def context(self, t: float, kernel_log: KernelLog | None = None) -> CheckContext:
         ctx: CheckContext = self.h.context(XidCheck, t)
         self.hw = self.hw or ctx.hw
-        ctx.hw, ctx.extras = self.hw, self.extras
+        ctx.hw = self.hw
         if kernel_log is not None:
             ctx.kernel_log = kernel_log
         return ctx
 
     def run(self, t: float, kernel_log: KernelLog | None = None) -> dict[tuple[str, int], Finding]:
-        findings = XidCheck().run(self.context(t, kernel_log))
+        findings = self.check.run(self.context(t, kernel_log))
         assert json.loads(json.dumps(self.h.states["xid"])) == self.h.states["xid"]  # JSON state only
         return {(f.component, f.evidence.get("code", 0)): f for f in findings}
 
@@ -347,7 +348,7 @@ def test_kernel_line_arriving_after_its_nvml_event_is_still_one_event(sim: Any) 
     ctx = r.context(10)
     late = ctx.kernel_log  # the line is in the log, but the check sees NVML's event first
     ctx.kernel_log = KernelLog(source=late.source, boot_time=late.boot_time)
-    early = {(f.component, f.evidence.get("code")): f for f in XidCheck().run(ctx)}
+    early = {(f.component, f.evidence.get("code")): f for f in r.check.run(ctx)}
     assert early[("gpu/4", 109)].evidence["source"] == "nvml"
     found = r.run(12, late)
     _expect(found[("gpu/4", 109)], Severity.FAIL, "reset_gpu", 1)
@@ -540,7 +541,7 @@ _GPUD_46 = DATA / "issue_gpud-46_dmesg-ctime_xid13-then-xid109-ctxsw-timeout.log
 
 
 def test_saved_log_is_judged_at_its_own_end(tmp_path: Path) -> None:
-    from gpumon.agent import SavedKernelLog
+    from gpumon.hw.kernellog import SavedKernelLog
 
     events = parse_file(_GPUD_46)
     end = datetime(2024, 8, 30, 11, 43, 14, tzinfo=timezone.utc).timestamp()

@@ -7,7 +7,7 @@ into their own tests, each case with what that project expects and what NVIDIA's
 check that owns it (xid; pcie for AER lines; nvswitch for SXid lines), and gpumon's verdict is
 asserted against ``gpumon-verdicts.jsonl``, which keeps NVIDIA's and the peer's verdicts next to
 it as comparison columns. Where gpumon's action is not one NVIDIA's catalog accepts, the row names
-the documented departure (an entry of ``xid_catalog.OVERRIDES``), and nothing else may differ.
+the documented departure (an entry of ``gpumon_checks.xid.catalog.OVERRIDES``), and nothing else may differ.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from gpumon.profiles import GENERIC
 from gpumon_checks.nvswitch import NvswitchCheck
 from gpumon_checks.pcie import PcieCheck
 from gpumon_checks.xid import XidCheck
-from gpumon_checks.xid_catalog import OVERRIDES
+from gpumon_checks.xid.catalog import OVERRIDES
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "peer-fixtures"
 PEER_FILES = ("gpud.txt", "nvsentinel.txt", "gcm.txt", "sichek.txt", "linux-docs.txt")

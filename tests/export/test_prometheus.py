@@ -19,8 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
 from gpumon.export.webserver import WebConfig, load_web_config, serve_metrics
-from gpumon.model import Action, Finding, Severity, reading
-from gpumon.runner import CheckRun
+from gpumon.model import Action, CheckRun, Finding, Severity, reading
 
 
 def _snapshot(temp: float = 41.0, xids: int = 3) -> Snapshot:

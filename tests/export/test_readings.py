@@ -15,8 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpumon.export.prometheus import FAMILIES, Snapshot, SnapshotHolder, make_registry
 from gpumon.export.readings import READINGS, generic_help, help_for, is_generic, kind_of
 from gpumon.health import Health
-from gpumon.model import Finding, Severity, reading
-from gpumon.runner import CheckRun
+from gpumon.model import CheckRun, Finding, Severity, reading
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _reading_calls() -> dict[str, set[str]]:
     """Reading name -> the files that publish it, from every ``reading(...)`` call in checks/ and gpumon/."""
     found: dict[str, set[str]] = {}
-    files = sorted([*(ROOT / "checks").glob("*.py"), *(ROOT / "gpumon").rglob("*.py")])
+    files = sorted([*(ROOT / "checks").rglob("*.py"), *(ROOT / "gpumon").rglob("*.py")])
     for path in files:
         rel = str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):

@@ -44,8 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
 from gpumon.health import Health
-from gpumon.model import Finding
-from gpumon.runner import CheckRun
+from gpumon.model import CheckRun, Finding
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "config" / "prometheus" / "gpumon-rules.yaml"
@@ -80,7 +79,7 @@ def _exported_names() -> set[str]:
     names: set[str] = set()
     for path in (ROOT / "gpumon").rglob("*.py"):
         names.update(re.findall(r"[\"'](gpumon_[a-z0-9_]+)[\"']", path.read_text()))
-    for path in (ROOT / "checks").glob("*.py"):
+    for path in (ROOT / "checks").rglob("*.py"):
         names.update(f"gpumon_{n}" for n in re.findall(r"\breading\(\s*\"([a-z0-9_]+)\"", path.read_text()))
     return names
 

@@ -21,8 +21,7 @@ from conftest import run_gpumon
 from gpumon.errors import ConfigError
 from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder
 from gpumon.export.webserver import WebConfig, load_web_config, serve_metrics
-from gpumon.model import Finding, Severity, reading
-from gpumon.runner import CheckRun
+from gpumon.model import CheckRun, Finding, Severity, reading
 
 Serve = Callable[..., int]  # serve(web, **serve_metrics options) -> port
 

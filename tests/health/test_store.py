@@ -26,8 +26,7 @@ from hypothesis import strategies as st
 
 from gpumon.health.state import Event, EventKind, Level, finding_event
 from gpumon.health.store import DAY_S, DB_NAME, STORE_CHECK, EventStore, Health, StoreError, load_view
-from gpumon.model import NODE, Action, Finding, Severity
-from gpumon.runner import CheckRun
+from gpumon.model import NODE, Action, CheckRun, Finding, Severity
 
 ROOT = Path(__file__).resolve().parents[2]
 B1, B2 = "boot-1", "boot-2"

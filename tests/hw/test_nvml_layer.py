@@ -14,7 +14,7 @@ from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState, write_s
 
 
 def _nvml(timeout: float = 5.0) -> Nvml:
-    nvml = Nvml(BoundedCaller(), timeout, simulated=True)
+    nvml = Nvml(BoundedCaller(), timeout, complete=True)
     nvml.init()
     return nvml
 

@@ -19,7 +19,7 @@ NODE, SYSTEM, MULTIPLE = 40, 50, 20  # NVML_TOPOLOGY_*
 
 
 def _nvml() -> NvmlReadings:
-    nvml = NvmlReadings(BoundedCaller(), 5.0, simulated=True)
+    nvml = NvmlReadings(BoundedCaller(), 5.0, complete=True)
     nvml.init()
     return nvml
 

@@ -23,12 +23,13 @@ import pytest
 import torch
 
 from conftest import clean_env
+from gpumon.hw import local_cpu_model
 from gpumon.model import Action, Severity
 from gpumon.sdc import cli as canary_cli
 from gpumon.sdc.bundle import deterministic_scope, read_manifest
-from gpumon.sdc.golden import DeviceKey, Golden, GoldenKey, cpu_model, device_key
+from gpumon.sdc.golden import DeviceKey, Golden, GoldenKey, device_key
 from gpumon.sdc.inject import FaultInjector, FaultSpec, FaultSpecError
-from gpumon.sdc.runner import Report, WorkerInfo, _compare, findings_of
+from gpumon.sdc.runner import Report, WorkerInfo, _compare
 from gpumon.sdc.workloads import (
     WORKLOAD_NAMES,
     Recorder,
@@ -37,6 +38,7 @@ from gpumon.sdc.workloads import (
     run_workload,
 )
 from gpumon_checks.sdc_canary import SdcCanaryCheck, SdcCanaryConfig
+from gpumon_checks.sdc_canary.verdict import findings as findings_of
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4
@@ -184,7 +186,7 @@ def test_bit_exact_across_processes_and_repeated_runs(golden: Path) -> None:
     this process computes the very same bits again, twice."""
     entries = Golden.load(golden)
     device = torch.device("cpu")
-    key = device_key(device, cpu_model=cpu_model())
+    key = device_key(device, cpu_model=local_cpu_model())
     with deterministic_scope():
         for name, workload in builtin_workloads("cpu").items():
             first, _ = run_workload(workload, device)
@@ -381,9 +383,10 @@ def test_a_hung_worker_is_a_failure_of_its_gpu(tmp_path: Path, monkeypatch: pyte
     marker.touch()
     monkeypatch.setenv(HANG_MARKER, str(marker))
     started = time.monotonic()
-    report = run(Options(workers=1, bundles=(bundle,), device="cpu", timeout_s=3, cpu_model=cpu_model()))
+    report = run(Options(workers=1, bundles=(bundle,), device="cpu", timeout_s=3,
+                         cpu_model=local_cpu_model()))
     assert time.monotonic() - started < 30
-    (f,) = report.findings()
+    (f,) = findings_of(report)
     assert (f.component, f.severity, f.action) == ("gpu/0", Severity.FAIL, Action.RESET_GPU)
     assert "hung" in f.message and "iteration 0" in f.message
 

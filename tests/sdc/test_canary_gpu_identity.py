@@ -139,6 +139,7 @@ def test_a_cuda_device_that_is_another_gpu_is_said() -> None:
     renumbered the devices, cuda:N is not NVML's GPU N, and the bundle and finding say which it is."""
     from gpumon.sdc.golden import DeviceKey
     from gpumon.sdc.runner import Report, WorkerInfo
+    from gpumon_checks.sdc_canary.verdict import findings as findings_of
 
     key = DeviceKey("NVIDIA H100 80GB HBM3", "550.90.07", "12.4", "2.13.0", "cuda sm_90")
     nvml = {6: {"uuid": "GPU-66666666-0000-0000-0000-000000000006", "serial": "6"},
@@ -150,5 +151,5 @@ def test_a_cuda_device_that_is_another_gpu_is_said() -> None:
                    iterations={0: 1}, workloads=[], gpu_indices=[6], gpu_identity=nvml)
     note = other.identity_of(0)["identity_note"]
     assert "NVML gives GPU 2, not GPU 6" in note and "trust the UUID" in note
-    [finding] = other.findings()
+    [finding] = findings_of(other)
     assert finding.evidence["identity_note"] == note

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from gpumon.check import CheckContext, KernelLog
-from gpumon.hw import Hardware
 from gpumon.hw.inventory import collect
 from gpumon.model import Finding, Severity
 from gpumon.profiles import builtin_profiles
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState, write_state
+from gpumon.sim.simulation import simulated_hardware
 from gpumon_checks.sdc_canary import SdcCanaryCheck, SdcCanaryConfig
 
 PROCESSES_SYMBOL = "nvmlDeviceGetComputeRunningProcesses_v3"
@@ -37,7 +37,7 @@ def run_on(nvml_state: Path, tmp_path: Path) -> Iterator[Run]:
         write_state(state, nvml_state)
         host = tmp_path / f"host{len(contexts)}"
         (host / "sys").mkdir(parents=True)
-        hw = Hardware(host, simulated=True)
+        hw = simulated_hardware(host)
         hw.nvml.init()
         params = dataclasses.replace(SdcCanaryConfig(), device="cpu", iterations=1, workloads=["gemm_fp32"],
                                      bundle_dir=str(tmp_path / "bundles"), **config)  # type: ignore[arg-type]

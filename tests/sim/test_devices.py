@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from gpumon.errors import ConfigError, HwFailure
-from gpumon.hw import Hardware
+from gpumon.hw.inventory import Inventory
+from gpumon.hw.placement import ComputeDevices
 from gpumon.schema import load_yaml
-from gpumon.sim.devices import SIM_DEVICES_FILE, DeviceModel, link_share
+from gpumon.sim.devices import SIM_DEVICES_FILE, DeviceModel, SimulatedDevices, link_share
 from gpumon.sim.render import SimNode
 from gpumon.sim.scenario import _build
 
@@ -24,7 +25,7 @@ def _node(tmp_path: Path, faults: str, gpus: int = 8) -> SimNode:
 
 
 def _models(node: SimNode) -> dict[int, DeviceModel]:
-    return Hardware(node.host_root, simulated=True).sim_devices()
+    return SimulatedDevices(node.host_root).models()
 
 
 def test_compute_faults_become_device_models_by_nvml_index(tmp_path: Path) -> None:
@@ -57,7 +58,8 @@ def test_a_healthy_node_has_no_models_and_a_real_node_reads_none(tmp_path: Path)
     node = _node(tmp_path, "", gpus=2)
     node.render(0)
     assert _models(node) == {}
-    assert Hardware(node.host_root, simulated=False).sim_devices() == {}  # never read on a real node
+    # a real node's devices have no stand-ins, whatever files its host root holds
+    assert ComputeDevices().stand_ins(Inventory()) == ()
 
 
 def test_garbage_in_the_models_file_is_a_hardware_failure(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 Every device runs the same square GEMM (``size``³, per dtype in ``dtypes``) for ``duration_s``,
 all devices together (they wait for each other before each dtype), then a device-to-device copy.
-From each device (gpumon/compute.py ``burn_worker``):
+From each device (kernels.py ``burn_worker``):
 
 - **speed**: achieved TFLOP/s (2n³ per GEMM over the GEMMs' own device time), compared with the
   node median (a device below ``straggler_share`` of it is a straggler: one slow GPU holds back
@@ -23,7 +23,7 @@ From each device (gpumon/compute.py ``burn_worker``):
 
 Without CUDA the same code runs on CPU worker processes with the ``cpu`` sizes and thresholds;
 there is no profile baseline, only the median. On a simulated node there is one worker per
-simulated GPU, behaving as the scenario's compute faults say (gpumon/sim/devices.py), and findings
+simulated GPU, behaving as the scenario's compute faults say (the placement's fault model), and findings
 name those GPUs with GPU remedies; on a machine without GPUs ``cpu.devices`` workers run and
 findings are on ``node`` (a CPU worker is not a GPU).
 """
@@ -35,11 +35,15 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gpumon import compute
+from gpumon import workers
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
+from gpumon.hw import placement
+from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvml import CLOCK_EVENT_REASONS
 from gpumon.model import NODE, Action, Finding, Phase, Severity, reading
+
+from . import kernels
 
 K = TypeVar("K", bound=Hashable)
 
@@ -65,8 +69,8 @@ class CpuStandIn:
 
     def __post_init__(self) -> None:
         for d in self.dtypes:
-            if d not in compute.CPU_DTYPES:
-                raise ValueError(f"cpu.dtypes: {d!r} is not one of {', '.join(compute.CPU_DTYPES)}")
+            if d not in kernels.CPU_DTYPES:
+                raise ValueError(f"cpu.dtypes: {d!r} is not one of {', '.join(kernels.CPU_DTYPES)}")
         if not self.dtypes:
             raise ValueError("cpu.dtypes must name at least one dtype")
 
@@ -112,8 +116,8 @@ class BurninConfig:
 
     def __post_init__(self) -> None:
         for d in (*self.dtypes, *self.baseline_tflops):
-            if d not in compute.DTYPES:
-                raise ValueError(f"unknown dtype {d!r} (known: {', '.join(compute.DTYPES)})")
+            if d not in kernels.DTYPES:
+                raise ValueError(f"unknown dtype {d!r} (known: {', '.join(kernels.DTYPES)})")
         if not self.dtypes:
             raise ValueError("dtypes must name at least one dtype")
 
@@ -181,12 +185,12 @@ class BurnSampler:
         self.samples: dict[int, list[dict[str, Any]]] = {}
         self.errors: dict[int, str] = {}
 
-    def tick(self, progress: Mapping[int, compute.Progress]) -> None:
+    def tick(self, progress: Mapping[int, workers.Progress]) -> None:
         nvml = self._ctx.hw.nvml
         for p in progress.values():
             if p.phase != "burn":
                 continue
-            uuid = compute.normalize_uuid(p.identity.get("uuid"))
+            uuid = placement.normalize_uuid(p.identity.get("uuid"))
             index = self._by_uuid.get(uuid or "")
             if index is None or index in self.errors:
                 continue
@@ -231,7 +235,6 @@ class BurninCheck(Check):
     phase = Phase.BOOTSTRAP
     description = ("sustained GEMM on all GPUs at once: TFLOP/s vs node median and profile, bit-identical "
                    "results across GPUs and runs, fp64 reference, device memory copy bandwidth")
-    interval = 86400.0
     # seconds a healthy run takes (suite order and ETA), an estimate, not measured:
     # 3 dtypes x 15 s + ~30 s start-up, operands and references on 8 GPUs
     cost = 75.0
@@ -239,48 +242,48 @@ class BurninCheck(Check):
     timeout = 600.0
     Config = BurninConfig
 
-    def supported(self, inventory: Any) -> str | None:
-        return compute.torch_missing()
+    def supported(self, inventory: Inventory) -> str | None:
+        return workers.torch_missing()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: BurninConfig = ctx.params or BurninConfig()
+        params = ctx.params_as(BurninConfig)
         try:
-            place = compute.node_placement(ctx.inventory, ctx.hw, params.cpu.devices)
-        except compute.NoCudaOnGpuNode as exc:
+            place = ctx.hw.devices.place(ctx.inventory, params.cpu.devices)
+        except placement.NoCudaOnGpuNode as exc:
             return [self.finding(NODE, Severity.UNKNOWN, f"GPUs not tested: {exc}", Action.NONE)]
         cuda = place.is_cuda
         if cuda:
-            spec = compute.BurnSpec(dtypes=tuple(params.dtypes), size=params.size,
+            spec = kernels.BurnSpec(dtypes=tuple(params.dtypes), size=params.size,
                                     duration_s=params.duration_s, reference_rows=params.reference_rows,
                                     copy_bytes=params.copy_bytes, copy_iters=params.copy_iterations)
         else:
-            spec = compute.BurnSpec(dtypes=tuple(params.cpu.dtypes), size=params.cpu.size,
+            spec = kernels.BurnSpec(dtypes=tuple(params.cpu.dtypes), size=params.cpu.size,
                                     duration_s=params.cpu.duration_s, reference_rows=params.reference_rows,
                                     copy_bytes=params.cpu.copy_bytes, copy_iters=params.copy_iterations)
-        by_uuid = compute.gpu_index_by_uuid(ctx.inventory)
+        by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
         sampler = BurnSampler(ctx, by_uuid) if place.names_gpus else None
         deadline = params.startup_s + len(spec.dtypes) * (spec.duration_s + params.startup_s / 4)
         try:
-            run = compute.run_workers(compute.burn_worker, [spec] * place.devices, kind=place.kind,
+            run = workers.run_workers(kernels.burn_worker, [spec] * place.devices, kind=place.kind,
                                       timeout_s=deadline, barrier=True,
                                       on_tick=sampler.tick if sampler else None, tick_s=1.0,
                                       peer_failure_grace_s=30.0, name=self.name,
-                                      lock_wait_s=compute.lock_wait(self.timeout, deadline),
-                                      stand_ins=place.stand_ins)
-        except compute.DevicesBusy as exc:
+                                      lock_wait_s=workers.lock_wait(self.timeout, deadline),
+                                      stand_ins=place.stand_ins, faults=place.faults)
+        except workers.DevicesBusy as exc:
             return [self.finding(NODE, Severity.UNKNOWN, str(exc))]
         return judge(run, place, params, ctx, sampler, by_uuid, deadline)
 
 
-def judge(run: compute.WorkerRun, place: compute.Placement, params: BurninConfig, ctx: CheckContext,
+def judge(run: workers.WorkerRun, place: placement.Placement, params: BurninConfig, ctx: CheckContext,
           sampler: BurnSampler | None, by_uuid: Mapping[str, int], deadline: float) -> list[Finding]:
     """Findings from the workers' reports: one per device, a node summary, untested GPUs."""
     check = BurninCheck()
     cuda = place.is_cuda  # real GPUs: GPU sizes, the profile's baselines
     as_gpu = place.names_gpus  # findings on GPUs with GPU remedies (real or simulated GPUs)
-    names = {o.rank: compute.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind)
+    names = {o.rank: workers.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind)
              for o in run.outcomes}
-    reports: dict[int, compute.BurnReport] = {o.rank: o.result for o in run.outcomes if o.ok}
+    reports: dict[int, kernels.BurnReport] = {o.rank: o.result for o in run.outcomes if o.ok}
     verdicts = {o.rank: _Verdict() for o in run.outcomes}
     evidence: dict[int, dict[str, Any]] = {o.rank: {"device": names[o.rank].label} for o in run.outcomes}
     # a stand-in that hung or crashed is gpumon's or torch's trouble, not a GPU to reset
@@ -391,7 +394,7 @@ def judge(run: compute.WorkerRun, place: compute.Placement, params: BurninConfig
     return out
 
 
-def _judge_copies(reports: Mapping[int, compute.BurnReport], verdicts: Mapping[int, _Verdict],
+def _judge_copies(reports: Mapping[int, kernels.BurnReport], verdicts: Mapping[int, _Verdict],
                   evidence: Mapping[int, dict[str, Any]], params: BurninConfig, cuda: bool,
                   ctx: CheckContext) -> None:
     copies = {r: rep.copy for r, rep in reports.items() if rep.copy is not None}
@@ -426,15 +429,15 @@ def _judge_copies(reports: Mapping[int, compute.BurnReport], verdicts: Mapping[i
             reading("burnin_memory_copy_bytes_per_second", c.gbps * 1e9))
 
 
-def _untested(ctx: CheckContext, run: compute.WorkerRun, as_gpu: bool,
+def _untested(ctx: CheckContext, run: workers.WorkerRun, as_gpu: bool,
               by_uuid: Mapping[str, int]) -> Sequence[Finding]:
     """GPUs NVML sees that no worker ran on (CUDA_VISIBLE_DEVICES, a GPU CUDA cannot open)."""
     if not as_gpu:
         return []
-    tested = {compute.normalize_uuid(o.identity.get("uuid")) for o in run.outcomes}
+    tested = {placement.normalize_uuid(o.identity.get("uuid")) for o in run.outcomes}
     out = []
     for info in ctx.inventory.gpus:
-        if compute.normalize_uuid(info.uuid) not in tested:
+        if placement.normalize_uuid(info.uuid) not in tested:
             out.append(Finding(BurninCheck.name, f"gpu/{info.index}", Severity.UNKNOWN,
                                f"GPU {info.index} not tested: no CUDA device with its UUID is visible "
                                "to torch",

@@ -14,7 +14,7 @@ the folded severity (see ``_merged``), so a healthy node is ``ok`` every run, no
   LTSSM Fault Up", "Severity 1 Engine instance 48 ...", "Data {...}"); they are folded into one
   *event*, and events into one finding per switch (``nvswitch/<N>`` from ``nvidia-nvswitchN``) and
   code for the boot, with counts. Fatal or not comes from the line's own word, else from the
-  catalog (checks/sxid_catalog.py, which also gives severity and action and argues them).
+  catalog (checks/nvswitch/catalog.py, which also gives severity and action and argues them).
 - ``fabric_state``: NVML's GPU fabric info per GPU. A GPU joins the NVLink fabric when fabric
   manager registers it (state 3 "completed" with status 0; NVML API reference, nvmlGpuFabricInfo_t:
   status "must be checked only if state returns complete"); a GPU that did not register "will
@@ -43,7 +43,8 @@ the folded severity (see ``_merged``), so a healthy node is ``ok`` every run, no
 
 Non-fatal findings stop being reported ``recent_window_s`` after they were last seen; fatal ones
 stay for the boot. A fatal SXid whose remedy is a reboot, seen again on the same switch in a later
-boot within ``repeat_window_s``, becomes inspect_hardware: "If the same SXid is returned, the
+boot within ``repeat_window_s`` (the repeat-after-reboot rule of ``gpumon.bootstate``), becomes
+inspect_hardware: "If the same SXid is returned, the
 NVSwitch should be inspected and repaired" (Fabric Manager user guide, fatal SXid table, as
 transcribed in leptonai/gpud components/accelerator/nvidia/sxid/sxid.go @ 09b59a5b).
 """
@@ -53,10 +54,12 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid as uuidlib
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import timezone, tzinfo
 from typing import Any
 
+from gpumon.bootstate import REPEAT_WINDOW_S, REPEAT_WINDOW_SOURCE, RepeatHistory, start_boot
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.fabricmanager import (
@@ -74,7 +77,7 @@ from gpumon.hw.nvml import FabricInfo, GpuInfo
 from gpumon.hw.nvrm import SXidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvswitch, pci
 
-from .sxid_catalog import NAME_PREFIX, SXidInfo, default_verdict, lookup
+from .catalog import NAME_PREFIX, SXidInfo, default_verdict, lookup
 
 _MAX_SAMPLES = 5
 _MAX_LINKS = 64
@@ -117,10 +120,8 @@ class NvswitchConfig:
         "them together with a wide margin and still separates events seconds apart"})
     recent_window_s: float = field(default=3600.0, metadata={
         "min": 0, "source": "gpumon's expiry of application-level faults, the same as xid.recent_window_s"})
-    repeat_window_s: float = field(default=7 * 86400.0, metadata={
-        "min": 0, "source": "NVIDIA Fabric Manager user guide, fatal SXid table: a fatal SXid that "
-        "returns after the reset means inspect the NVSwitch; the guide gives no window, a week is "
-        "gpumon's judgement of 'the same fault returning after the reboot meant to clear it'"})
+    repeat_window_s: float = field(default=REPEAT_WINDOW_S, metadata={
+        "min": 0, "source": REPEAT_WINDOW_SOURCE})
     fabric_grace_s: float = field(default=600.0, metadata={
         "min": 0, "source": "real captures: fabric manager opens the NVSwitches 197 s after the "
         "kernel starts (tests/data/kmsg-xid/dmesg-decode-iso_boot_8gpu_nvswitch_550.90.07.log: first "
@@ -173,14 +174,11 @@ class NvswitchCheck(Check):
                 "(Hopper or newer with NVLink)")
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: NvswitchConfig = ctx.params or NvswitchConfig()
+        params = ctx.params_as(NvswitchConfig)
         state = ctx.state
         boot = ctx.hw.fs.boot_id()
-        if state.get("boot_id") != boot:
-            history = state.get("history")
-            state.clear()
-            state["boot_id"] = boot
-            state["history"] = history if isinstance(history, dict) else {}
+        if start_boot(state, boot, keep=("history",)) and not isinstance(state.get("history"), dict):
+            state["history"] = {}
         now = ctx.clock()
         boot_time = ctx.hw.fs.boot_time() or ctx.kernel_log.boot_time
         findings = self._switch_count(ctx.inventory, params)
@@ -635,20 +633,12 @@ def _group_verdict(info: SXidInfo | None, g: dict[str, Any]) -> tuple[Severity, 
     return severity, action, "+".join(said)
 
 
-def _repeated(state: dict[str, Any] | Any, key: str, now: float, window: float) -> bool:
+def _repeated(state: MutableMapping[str, Any], key: str, now: float, window: float) -> bool:
     """Record a fatal (switch, code) for this boot; True if an earlier boot had it within ``window``."""
-    history: dict[str, list[list[Any]]] = state.setdefault("history", {})
-    boot = str(state.get("boot_id"))
-    boots = [b for b in history.get(key, []) if isinstance(b, list) and len(b) == 2
-             and isinstance(b[1], (int, float)) and now - b[1] <= window]
-    earlier = any(b[0] != boot for b in boots)
-    boots = [b for b in boots if b[0] != boot] + [[boot, now]]
-    history[key] = boots[-8:]
-    if len(history) > _MAX_HISTORY_KEYS:
-        for stale in sorted(history, key=lambda k: max((b[1] for b in history[k]), default=0))[
-                :len(history) - _MAX_HISTORY_KEYS]:
-            del history[stale]
-    return earlier
+    history = state.get("history")
+    if not isinstance(history, dict):
+        history = state["history"] = {}
+    return RepeatHistory(history, max_keys=_MAX_HISTORY_KEYS).record(key, state.get("boot_id"), now, window)
 
 
 def _catalog_evidence(info: SXidInfo | None) -> dict[str, Any]:

@@ -21,10 +21,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon import compute
+from gpumon import workers
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition
+from gpumon.hw import placement
+from gpumon.hw.inventory import Inventory
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+
+from . import kernels
 
 
 @dataclass(frozen=True)
@@ -73,29 +77,28 @@ class HostBandwidthCheck(Check):
     name = "host_bandwidth"
     phase = Phase.BOOTSTRAP
     description = "pinned host-to-device and device-to-host copy bandwidth per GPU vs the profile"
-    interval = 86400.0
     # seconds a healthy run takes (suite order and ETA), an estimate, not measured:
     # 8 GPUs x ~0.5 s plus start-up
     cost = 15.0
     timeout = 600.0
     Config = HostBandwidthConfig
 
-    def supported(self, inventory: Any) -> str | None:
+    def supported(self, inventory: Inventory) -> str | None:
         if not inventory.gpus and not inventory.unreadable_gpus:
             return "no GPUs visible to NVML"
-        return compute.torch_missing()
+        return workers.torch_missing()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: HostBandwidthConfig = ctx.params or HostBandwidthConfig()
+        params = ctx.params_as(HostBandwidthConfig)
         try:
-            place = compute.placement(0, nvml_gpus=len(ctx.inventory.gpus), simulated=ctx.hw.simulated)
-        except compute.NoCudaOnGpuNode as exc:
+            place = ctx.hw.devices.place(ctx.inventory, 0)
+        except placement.NoCudaOnGpuNode as exc:
             return [self.finding(NODE, Severity.UNKNOWN, f"GPUs not tested: {exc}")]
         if not place.is_cuda:
             return [self.finding(NODE, Severity.SKIPPED,
                                  "host-device bandwidth needs CUDA devices; torch sees none"
-                                 + (" (simulated node)" if ctx.hw.simulated else ""))]
-        by_uuid = compute.gpu_index_by_uuid(ctx.inventory)
+                                 + (f" ({where})" if (where := ctx.hw.devices.describe()) else ""))]
+        by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
         cpus = local_cpus(ctx) if params.numa_local else {}
         ordinals = tuple(range(place.devices))
         first = self._measure(params, ordinals, cpus, by_uuid)
@@ -117,16 +120,16 @@ class HostBandwidthCheck(Check):
 
     def _measure(self, params: HostBandwidthConfig, ordinals: tuple[int, ...],
                  cpus: Mapping[str, tuple[int, ...]], by_uuid: Mapping[str, int]
-                 ) -> tuple[dict[int, Measured], list[compute.HostCopy]] | Finding:
+                 ) -> tuple[dict[int, Measured], list[kernels.HostCopy]] | Finding:
         """Measurements by NVML index (and those of CUDA devices NVML does not know), or a finding."""
-        spec = compute.HostCopySpec(devices=ordinals, nbytes=params.nbytes, iterations=params.iterations,
+        spec = kernels.HostCopySpec(devices=ordinals, nbytes=params.nbytes, iterations=params.iterations,
                                     cpus_by_uuid=dict(cpus))
         deadline = params.startup_s + params.per_gpu_s * len(ordinals)
         try:
-            run = compute.run_workers(compute.host_copy_worker, [spec], kind="cuda", bind=False,
+            run = workers.run_workers(kernels.host_copy_worker, [spec], kind="cuda", bind=False,
                                       timeout_s=deadline, name=self.name,
-                                      lock_wait_s=compute.lock_wait(self.timeout, 2 * deadline))
-        except compute.DevicesBusy as exc:
+                                      lock_wait_s=workers.lock_wait(self.timeout, 2 * deadline))
+        except workers.DevicesBusy as exc:
             return self.finding(NODE, Severity.UNKNOWN, str(exc))
         outcome = run.outcomes[0]
         if not outcome.ok:
@@ -135,7 +138,7 @@ class HostBandwidthCheck(Check):
                                 Action.RESET_GPU if outcome.state in ("hung", "stuck") else Action.NONE,
                                 phase=outcome.phase, error=outcome.error[-2000:])
         out: dict[int, Measured] = {}
-        unmapped: list[compute.HostCopy] = []
+        unmapped: list[kernels.HostCopy] = []
         for c in outcome.result:
             index = by_uuid.get(c.uuid or "")
             if index is None:
@@ -150,19 +153,19 @@ def local_cpus(ctx: CheckContext) -> dict[str, tuple[int, ...]]:
     """Normalized GPU UUID -> its local CPUs from sysfs (empty where unreadable: not bound)."""
     out: dict[str, tuple[int, ...]] = {}
     for info in ctx.inventory.gpus:
-        uuid = compute.normalize_uuid(info.uuid)
+        uuid = placement.normalize_uuid(info.uuid)
         if not uuid:
             continue
         try:
             text = ctx.hw.fs.read_text(f"sys/bus/pci/devices/{info.pci_bus_id}/local_cpulist")
-            out[uuid] = compute.parse_cpulist(text)
+            out[uuid] = kernels.parse_cpulist(text)
         except (HwCondition, ValueError):
             continue
     return out
 
 
-def judge(ctx: CheckContext, results: Mapping[int, Measured], unmapped: Sequence[compute.HostCopy],
-          params: HostBandwidthConfig, place: compute.Placement) -> list[Finding]:
+def judge(ctx: CheckContext, results: Mapping[int, Measured], unmapped: Sequence[kernels.HostCopy],
+          params: HostBandwidthConfig, place: placement.Placement) -> list[Finding]:
     """One finding per GPU: both directions against the profile's minimum (best of the attempts)."""
     low = below(results, params.min_gbps)
     name = HostBandwidthCheck.name

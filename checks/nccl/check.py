@@ -1,7 +1,7 @@
 """nccl: intra-node all-reduce over every local device, checked element by element and timed.
 
 One process per device joins a torch.distributed process group (NCCL on GPUs, gloo on CPU
-stand-ins) and runs a sweep of all-reduce (sum) sizes (gpumon/compute.py ``allreduce_worker``):
+stand-ins) and runs a sweep of all-reduce (sum) sizes (kernels.py ``allreduce_worker``):
 
 - **correctness**: each rank contributes small integers in float32 (a pattern of rank, element and
   seed), so every expected sum is exact; the result is compared element by element before and
@@ -21,7 +21,7 @@ stand-ins) and runs a sweep of all-reduce (sum) sizes (gpumon/compute.py ``allre
   node (it would measure the machine's real GPUs). On GPUs with a profile minimum, a sweep with no
   size of at least ``judged_from_bytes`` (the tool lowered its maxBytes for memory) is unknown.
 - **simulated nodes**: one gloo rank per simulated GPU; a GPU whose device model corrupts its
-  all-reduce results (gpumon/sim/devices.py) is the only rank with wrong sums, and is named.
+  all-reduce results (the placement's fault model) is the only rank with wrong sums, and is named.
 - **hangs**: a rank that does not finish within the check's own deadline is killed and named
   with the phase it hung in; once one rank has died or failed, the others (stuck in a collective
   that can no longer complete) get ``peer_failure_grace_s`` before they are killed too.
@@ -39,11 +39,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon import compute
+from gpumon import workers
 from gpumon.check import Check, CheckContext, condition_finding
 from gpumon.errors import HwTimeout
-from gpumon.hw import nccltests
+from gpumon.hw import nccltests, placement
+from gpumon.hw.inventory import Inventory
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+
+from . import kernels
 
 NCCL_TESTS_MODES = ("auto", "always", "never")
 
@@ -129,7 +132,7 @@ class SizeRow:
     checked: int
 
 
-def combine(reports: Sequence[compute.AllReduceReport]) -> list[SizeRow]:
+def combine(reports: Sequence[kernels.AllReduceReport]) -> list[SizeRow]:
     """Sweep rows from every rank's report: time is the slowest rank's (the collective ends there)."""
     if not reports:
         return []
@@ -140,7 +143,7 @@ def combine(reports: Sequence[compute.AllReduceReport]) -> list[SizeRow]:
         seconds = max(p.seconds for p in points)
         algbw = first.nbytes / seconds / 1e9 if seconds > 0 else 0.0
         rows.append(SizeRow(nbytes=first.nbytes, seconds=seconds, algbw=algbw,
-                            busbw=compute.busbw(algbw, world),
+                            busbw=kernels.busbw(algbw, world),
                             wrong=sum(p.wrong for p in points),
                             wrong_by_rank={rep.rank: rep.sizes[i].wrong for rep in reports},
                             checked=sum(p.checked for p in points)))
@@ -151,7 +154,7 @@ def table(rows: Sequence[SizeRow]) -> list[str]:
     """The sweep as all_reduce_perf prints it (size, time, algbw, busbw, #wrong), for the report."""
     out = [f"{'size':>10} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>8}"]
     for r in rows:
-        out.append(f"{compute.size_label(r.nbytes):>10} {r.seconds * 1e6:>10.1f} {r.algbw:>12.2f} "
+        out.append(f"{kernels.size_label(r.nbytes):>10} {r.seconds * 1e6:>10.1f} {r.algbw:>12.2f} "
                    f"{r.busbw:>12.2f} {r.wrong:>8}")
     return out
 
@@ -202,7 +205,7 @@ def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str
                 if n:
                     label = sweep.labels.get(rank, f"rank {rank}")
                     by_device[label] = by_device.get(label, 0) + n
-        sizes = ", ".join(compute.size_label(r.nbytes) for r in rows if r.wrong)
+        sizes = ", ".join(kernels.size_label(r.nbytes) for r in rows if r.wrong)
         checked = sum(r.checked for r in rows)
         gpus = sweep.cuda or sweep.as_gpu
         message = (f"all-reduce gave {wrong} wrong element(s) of {checked} checked exact integer sums "
@@ -235,19 +238,19 @@ def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str
     if sweep.cuda and minimum is not None and measured is None:
         # a floor that was never measured against is no pass: the tool lowered its largest size for
         # lack of memory, or the configured sweep stops below the size the floor is for
-        judged = compute.size_label(params.judged_from_bytes)
+        judged = kernels.size_label(params.judged_from_bytes)
         largest = max(r.nbytes for r in [*rows, *(sweep.retry or [])])
         evidence.update(busbw_min_gbps=minimum, judged_from_bytes=params.judged_from_bytes, source=source)
         return [Finding(name, NODE, Severity.UNKNOWN,
                         f"all-reduce over {len(sweep.labels)} GPUs exact, but busbw not judged: the "
                         f"profile's minimum {minimum:g} GB/s is for sizes >= {judged} and the largest size "
-                        f"measured was {compute.size_label(largest)}", Action.NONE, evidence)]
+                        f"measured was {kernels.size_label(largest)}", Action.NONE, evidence)]
     if not sweep.cuda or minimum is None or measured is None:
         why = ("CPU stand-ins: no profile reference" if not sweep.cuda
                else "no busbw_min_gbps in the profile")
         return [Finding(name, NODE, Severity.OK,
                         f"all-reduce over {len(sweep.labels)} device(s) exact; busbw {top.busbw:.4g} GB/s at "
-                        f"{compute.size_label(top.nbytes)} (not judged: {why})", Action.NONE, evidence)]
+                        f"{kernels.size_label(top.nbytes)} (not judged: {why})", Action.NONE, evidence)]
     attempts = 2 if sweep.retry is not None else 1
     evidence.update(busbw_min_gbps=minimum, judged_busbw_gbps=round(measured, 3), source=source,
                     retryable=True, attempts=attempts)
@@ -255,14 +258,14 @@ def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str
         twice = "; low again on a second measurement" if attempts > 1 else ""
         return [Finding(name, NODE, Severity.FAIL,
                         f"all-reduce busbw {measured:.4g} GB/s is below the profile's {minimum:g} "
-                        f"(sizes >= {compute.size_label(params.judged_from_bytes)}{twice})",
+                        f"(sizes >= {kernels.size_label(params.judged_from_bytes)}{twice})",
                         Action.REBOOT_NODE, evidence)]
     return [Finding(name, NODE, Severity.OK,
                     f"all-reduce over {len(sweep.labels)} GPUs exact; busbw {measured:.4g} GB/s "
                     f"(profile minimum {minimum:g})", Action.NONE, evidence)]
 
 
-def worker_failures(run: compute.WorkerRun, cuda: bool, by_uuid: Mapping[str, int]) -> list[Finding]:
+def worker_failures(run: workers.WorkerRun, cuda: bool, by_uuid: Mapping[str, int]) -> list[Finding]:
     """A rank that died or hung: the dead ones are the cause, the hung ones waited for them."""
     name = NcclCheck.name
     kind = "cuda" if cuda else "cpu"
@@ -270,7 +273,7 @@ def worker_failures(run: compute.WorkerRun, cuda: bool, by_uuid: Mapping[str, in
     dead = [o for o in run.failed if o.state in ("died", "error")]
     hung = [o for o in run.failed if o.state in ("hung", "stuck")]
     for o in dead:
-        dev = compute.device_name(o.identity, by_uuid, rank=o.rank, kind=kind)
+        dev = workers.device_name(o.identity, by_uuid, rank=o.rank, kind=kind)
         if cuda and dev.gpu_index is not None:
             out.append(Finding(name, dev.component, Severity.FAIL,
                                f"all-reduce worker on {dev.label}: {o.describe()}", Action.RESET_GPU,
@@ -284,10 +287,10 @@ def worker_failures(run: compute.WorkerRun, cuda: bool, by_uuid: Mapping[str, in
     # a collective that hangs with every rank alive points at the interconnect, not one GPU
     action = (Action.REBOOT_NODE if hung and not dead else Action.RESET_GPU) if cuda else Action.NONE
     severity = Severity.FAIL if cuda or hung else Severity.UNKNOWN
-    workers = [{"rank": o.rank, "state": o.state, "phase": o.phase, "device": o.identity.get("device"),
-                "seconds": round(o.seconds, 1)} for o in run.outcomes]
+    ranks = [{"rank": o.rank, "state": o.state, "phase": o.phase, "device": o.identity.get("device"),
+              "seconds": round(o.seconds, 1)} for o in run.outcomes]
     out.append(Finding(name, NODE, severity, f"{why}: " + "; ".join(o.describe() for o in run.failed), action,
-                       {"workers": workers, "wall_s": round(run.wall_s, 1)}))
+                       {"workers": ranks, "wall_s": round(run.wall_s, 1)}))
     return out
 
 
@@ -296,18 +299,17 @@ class NcclCheck(Check):
     phase = Phase.BOOTSTRAP
     description = ("intra-node all-reduce over every GPU (NCCL; gloo on CPU): exact integer sums checked "
                    "element by element, algbw/busbw per size, busbw vs the profile")
-    interval = 86400.0
     # seconds a healthy run takes (suite order and ETA), an estimate, not measured:
     # a 1 MiB..16 GiB sweep on 8 GPUs plus start-up
     cost = 30.0
     timeout = 900.0
     Config = NcclConfig
 
-    def supported(self, inventory: Any) -> str | None:
-        return compute.torch_missing()
+    def supported(self, inventory: Inventory) -> str | None:
+        return workers.torch_missing()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: NcclConfig = ctx.params or NcclConfig()
+        params = ctx.params_as(NcclConfig)
         started = time.monotonic()
         by_tool = nccl_tests_findings(ctx, params)
         if isinstance(by_tool, list):
@@ -331,8 +333,8 @@ def torch_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding]:
     """The torch sweep: one process per device, the judged sizes measured again before a low busbw fails."""
     name = NcclCheck.name
     try:
-        place = compute.node_placement(ctx.inventory, ctx.hw, params.cpu.devices)
-    except compute.NoCudaOnGpuNode as exc:
+        place = ctx.hw.devices.place(ctx.inventory, params.cpu.devices)
+    except placement.NoCudaOnGpuNode as exc:
         return [Finding(name, NODE, Severity.UNKNOWN, f"GPUs not tested: {exc}", Action.NONE, {})]
     if place.devices < 2:
         return [Finding(name, NODE, Severity.SKIPPED, f"an all-reduce needs at least 2 devices; {place.note}",
@@ -341,7 +343,7 @@ def torch_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding]:
         sizes, iterations, warmup = params.sweep(), params.iterations, params.warmup
     else:
         sizes, iterations, warmup = tuple(params.cpu.sizes), params.cpu.iterations, params.cpu.warmup
-    by_uuid = compute.gpu_index_by_uuid(ctx.inventory)
+    by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
     minimum = params.busbw_min_gbps if place.is_cuda else None
     try:
         first = measure(place, sizes, iterations, warmup, params)
@@ -357,34 +359,34 @@ def torch_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding]:
             if again.failed:
                 return worker_failures(again, place.is_cuda, by_uuid)
             retry = combine(again.results)
-    except compute.DevicesBusy as exc:
+    except workers.DevicesBusy as exc:
         return [Finding(name, NODE, Severity.UNKNOWN, str(exc), Action.NONE, {})]
-    labels = {o.rank: compute.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind).label
+    labels = {o.rank: workers.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind).label
               for o in first.outcomes}
     gpu_of = {o.rank: n.gpu_index for o in first.outcomes
-              if (n := compute.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind)).gpu_index
+              if (n := workers.device_name(o.identity, by_uuid, rank=o.rank, kind=place.kind)).gpu_index
               is not None}
     sweep = Sweep(rows, place.is_cuda, labels, retry, place.note, first.wall_s,
                   first.waited_for_devices_s, as_gpu=place.names_gpus, gpu_of=gpu_of)
     return verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
 
 
-def measure(place: compute.Placement, sizes: tuple[int, ...], iterations: int, warmup: int,
-            params: NcclConfig) -> compute.WorkerRun:
+def measure(place: placement.Placement, sizes: tuple[int, ...], iterations: int, warmup: int,
+            params: NcclConfig) -> workers.WorkerRun:
     """One all-reduce sweep on every device, in a fresh process group (rendezvous file removed after)."""
     store_dir = tempfile.mkdtemp(prefix="gpumon-nccl-")
     try:
         deadline = params.startup_s + params.per_size_s * len(sizes)
-        spec = compute.AllReduceSpec(backend="nccl" if place.is_cuda else "gloo",
+        spec = kernels.AllReduceSpec(backend="nccl" if place.is_cuda else "gloo",
                                      store_path=os.path.join(store_dir, "store"), sizes=sizes,
                                      iterations=iterations, warmup=warmup, timeout_s=deadline)
         # the first sweep and a retry of the judged sizes both fit in the check's time budget
         budget = 2 * deadline
-        return compute.run_workers(compute.allreduce_worker, [spec] * place.devices, kind=place.kind,
+        return workers.run_workers(kernels.allreduce_worker, [spec] * place.devices, kind=place.kind,
                                    timeout_s=deadline, peer_failure_grace_s=params.peer_failure_grace_s,
                                    name=NcclCheck.name,
-                                   lock_wait_s=compute.lock_wait(NcclCheck.timeout, budget),
-                                   stand_ins=place.stand_ins)
+                                   lock_wait_s=workers.lock_wait(NcclCheck.timeout, budget),
+                                   stand_ins=place.stand_ins, faults=place.faults)
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(store_dir)
@@ -436,12 +438,13 @@ def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] 
     if mode not in NCCL_TESTS_MODES:
         return [_tool_finding(Severity.UNKNOWN, f"checks.nccl.nccl_tests must be one of "
                               f"{', '.join(NCCL_TESTS_MODES)}; got {mode!r}")]
-    if ctx.hw.simulated:
-        # the tool would run on this machine's real GPUs and be judged as the simulated ones
-        # (compute.placement: a simulation never measures real hardware)
+    if not ctx.hw.devices.tools_measure_gpus:
+        # the tool would run on this machine's own GPUs and be judged as the node's GPUs (CPU
+        # workers stand in for those)
         return None if mode == "auto" else TorchInstead({"nccl_tests_not_used": (
-            f"checks.nccl.nccl_tests is 'always', but {TOOL} is not used on a simulated node: it would "
-            "measure this machine's real GPUs; the torch sweep's stand-ins for the simulated GPUs measured")})
+            f"checks.nccl.nccl_tests is 'always', but {TOOL} is not used on a {ctx.hw.devices.describe()}: "
+            "it would measure this machine's real GPUs; the torch sweep's stand-ins for the "
+            f"{ctx.hw.devices.describe().split()[0]} GPUs measured")})
     if ctx.hw.tools.which(TOOL) is None:
         if mode == "auto":
             return None
@@ -460,10 +463,10 @@ def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] 
                               params.iterations, params.warmup)
     try:
         # the tool loads every GPU: not while another compute check runs
-        with compute.devices_held(NcclCheck.name, compute.lock_wait(NcclCheck.timeout,
+        with workers.devices_held(NcclCheck.name, workers.lock_wait(NcclCheck.timeout,
                                                                    2 * _tool_deadline(params, spec))):
             found = measure_with_tool(ctx, params, spec, note)
-    except compute.DevicesBusy as exc:
+    except workers.DevicesBusy as exc:
         return [NcclCheck().finding(NODE, Severity.UNKNOWN, str(exc))]
     if start_note is None:
         return found
@@ -476,12 +479,12 @@ def _tool_gpus(ctx: CheckContext, params: NcclConfig, mode: str) -> tuple[int, s
     """How many GPUs to give the tool (``-g``) and why; None where 'auto' leaves it to torch.
 
     CUDA's count first: the tool sees the same CUDA devices (CUDA_VISIBLE_DEVICES included),
-    which NVML's count ignores. Never called on a simulated node.
+    which NVML's count ignores. Only where the tool measures the GPUs NVML reports.
     """
     nvml = len(ctx.inventory.gpus)
     try:
-        place = compute.placement(params.cpu.devices, nvml_gpus=nvml, simulated=False)
-    except compute.NoCudaOnGpuNode as exc:
+        place = ctx.hw.devices.place(ctx.inventory, params.cpu.devices)
+    except placement.NoCudaOnGpuNode as exc:
         # 'auto': the torch path says the same as an unknown finding
         return None if mode == "auto" else (nvml, str(exc))
     if place.is_cuda:
@@ -529,7 +532,7 @@ def measure_with_tool(ctx: CheckContext, params: NcclConfig, spec: nccltests.Per
         extra["nccl_tests_reduced_max_bytes"] = reduced
     found = verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
     return [dataclasses.replace(f, evidence={**f.evidence, **extra}, message=f.message + (
-                f" ({TOOL} lowered its largest size to {compute.size_label(reduced)} for lack of GPU "
+                f" ({TOOL} lowered its largest size to {kernels.size_label(reduced)} for lack of GPU "
                 "memory: 'Reducing maxBytes ... due to memory limitation')"
                 if reduced is not None and f.severity is Severity.UNKNOWN else ""))
             for f in found]
@@ -588,7 +591,7 @@ def tool_rows(run: nccltests.PerfRun, spec: nccltests.PerfSpec,
         size_row = _size_row(row)
         if size_row is None:
             return _tool_finding(Severity.UNKNOWN, f"{TOOL} printed no usable time and bandwidth "
-                                 f"for {compute.size_label(row.size)}{again}", **evidence)
+                                 f"for {kernels.size_label(row.size)}{again}", **evidence)
         rows.append(size_row)
     return rows
 
@@ -599,7 +602,7 @@ def tool_wrong(result: nccltests.NcclResult) -> str | None:
     oob = result.out_of_bounds or 0
     if not rows and not oob and result.out_of_bounds_ok is not False:
         return None
-    sizes = ", ".join(compute.size_label(r.size) for r in result.rows if r.wrong)
+    sizes = ", ".join(kernels.size_label(r.size) for r in result.rows if r.wrong)
     parts = [f"{max(rows, oob)} wrong element(s) in the all-reduce results"]
     if sizes:
         parts.append(f"at {sizes}")

@@ -18,7 +18,7 @@ one finding with a count. Catalog workflows applied here:
   status), else the Fatal/Nonfatal word; a line NVIDIA resolves as XID_154_EVAL follows the Xid
   154 that accompanies it on the same GPU (from ``burst_gap_s`` before the NVLink line on), else
   it is restart_app. Xid 74 decodes NVIDIA's bit lists of registers 1, 3, 4 and 5
-  (``xid_catalog.decode_xid74``), and a bit class NVIDIA qualifies with "more than 2 times on the
+  (``catalog.decode_xid74``), and a bit class NVIDIA qualifies with "more than 2 times on the
   same link" / "if seen repeatedly" / "if it persists" escalates past ``XID74_REPEAT_LIMIT`` lines
   of the link. Both are link faults on ``nvlink/<gpu>/<link>``.
 - Xid 63 (row remap event) asks NVML whether the remap is still pending.
@@ -26,7 +26,7 @@ one finding with a count. Catalog workflows applied here:
 - Xid 13/31 repeated on the same GPU (default 3 bursts in 24 h) escalate from
   restart_app to inspect_hardware; spread over GPUs they stay app errors.
 - A code NVIDIA's catalog does not list, and a Xid 154 whose new action cannot be read, are
-  warn / inspect_hardware (``xid_catalog.UNKNOWN``).
+  warn / inspect_hardware (``catalog.UNKNOWN``).
 
 A saved kernel log judged on purpose (``gpumon check --kmsg-file``: the kernel log handed in has
 a ``judged_at`` time) is judged at the time of its newest record, as the node would have been
@@ -37,8 +37,9 @@ Application-level Xids (restart_app) stop being reported ``recent_window_s``
 after their last line; GPU-level ones stay for the boot (a reboot or GPU reset
 is what clears them).
 
-The open NVML event set is a live object, not state: it is kept in ``ctx.extras`` (shared by
-every run of one runner) under this check's name, and re-opened when it breaks.
+The open NVML event set is a live object, not state: it is kept by the check instance (which
+lives as long as the daemon, or one ``gpumon check``), re-opened when it breaks or when the
+check is handed a new hardware session.
 """
 
 from __future__ import annotations
@@ -49,14 +50,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from gpumon.bootstate import start_boot
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.inventory import Inventory
+from gpumon.hw.kernellog import SavedKernelLog
 from gpumon.hw.nvml import XidEventSet
 from gpumon.hw.nvrm import FallenOffBus, GpuIdentity, XidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci, reading
 
-from .xid_catalog import UNKNOWN, decode_nvlink5, decode_xid74, lookup, xid74_repeats
+from .catalog import UNKNOWN, decode_nvlink5, decode_xid74, lookup, xid74_repeats
 
 # nvmlGpuRecoveryAction_t values as printed in Xid 154 lines
 _RECOVERY = {
@@ -98,7 +101,7 @@ class XidConfig:
 
 @dataclass
 class _NvmlSource:
-    """The NVML Xid event set of one runner, kept in ctx.extras between runs."""
+    """The NVML Xid event set of one hardware session, kept by the check between runs."""
 
     hw: Any
     events: XidEventSet | None
@@ -138,23 +141,23 @@ class XidCheck(Check):
     kernel_log_events = (XidEvent, FallenOffBus, GpuIdentity)
     kernel_log_records = False
 
+    def __init__(self) -> None:
+        self._nvml: _NvmlSource | None = None
+
     def supported(self, inventory: Inventory) -> str | None:
         if not inventory.gpus and not inventory.nvidia_pci_gpus and not inventory.unreadable_gpus:
             return "no NVIDIA GPU on this node"
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: XidConfig = ctx.params or XidConfig()
+        params = ctx.params_as(XidConfig)
         log = ctx.kernel_log
         state = ctx.state
         boot = ctx.hw.fs.boot_id()
-        if state.get("boot_id") != boot:
-            state.clear()
-            state["boot_id"] = boot
+        start_boot(state, boot)
         groups: dict[str, dict[str, Any]] = state.setdefault("groups", {})
-        judged_at = getattr(log, "judged_at", None)
-        saved = isinstance(judged_at, (int, float))
-        now = float(judged_at) if isinstance(judged_at, (int, float)) else ctx.clock()
+        saved = isinstance(log, SavedKernelLog)
+        now = log.judged_at if isinstance(log, SavedKernelLog) else ctx.clock()
         if saved:
             # a saved log of another boot: this host's NVML has nothing to say about it
             poll = _Poll(False, [], now, now, False, "not used for a saved kernel log", now)
@@ -180,13 +183,12 @@ class XidCheck(Check):
     # -- NVML events --------------------------------------------------------
 
     def _nvml_source(self, ctx: CheckContext, now: float) -> _NvmlSource:
-        src = ctx.extras.get(self.name)
-        if isinstance(src, _NvmlSource) and src.hw is not ctx.hw:
+        src = self._nvml
+        if src is not None and src.hw is not ctx.hw:
             src.close()  # a new hardware session: the old set belongs to the old one
             src = None
-        if not isinstance(src, _NvmlSource) or (src.events is None and not src.permanent):
-            src = _open_events(ctx, now)
-            ctx.extras[self.name] = src
+        if src is None or (src.events is None and not src.permanent):
+            src = self._nvml = _open_events(ctx, now)
         return src
 
     def _poll(self, src: _NvmlSource, now: float) -> _Poll:

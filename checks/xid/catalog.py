@@ -1,7 +1,7 @@
 """NVIDIA's Xid catalog, and what gpumon does about each code.
 
 NVIDIA's facts (every code 1-172 with its mnemonic, immediate and investigatory action, the
-"XID 144-150 Decode" sheet and the workflow texts) are data in ``xid_catalog_data``, generated
+"XID 144-150 Decode" sheet and the workflow texts) are data in ``catalog_data``, generated
 from the team's extract of NVIDIA's ``Xid-Catalog.xlsx`` by ``tools/gen_xid_catalog.py`` (a new
 NVIDIA release is one regeneration; provenance in tests/data/peer-fixtures/SOURCES.md). This
 module says what gpumon does with them: one mapping from NVIDIA's action tokens to gpumon's
@@ -47,12 +47,12 @@ from types import MappingProxyType
 
 from gpumon.model import Action, Severity
 
-from . import xid_catalog_data as _data
+from . import catalog_data as _data
 
 CATALOG_SOURCE = (
     "NVIDIA XID catalog, https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html "
     "(also https://docs.nvidia.com/deploy/xid-errors/index.html): " + _data.SOURCE
-    + "; generated into checks/xid_catalog_data.py by tools/gen_xid_catalog.py"
+    + "; generated into checks/xid/catalog_data.py by tools/gen_xid_catalog.py"
 )
 
 #: NVIDIA's text for each workflow token (WORKFLOW_NVLINK_ERR, XID_154_EVAL, ...)
@@ -398,7 +398,7 @@ def xid74_repeats(lines_by_class: Mapping[str, int]) -> tuple[Severity, Action, 
 
 # -- WORKFLOW_NVLINK5_ERR (Xids 144-150, Blackwell NVLink5) -------------------------------
 #
-# NVIDIA's "XID 144-150 Decode" sheet (xid_catalog_data.NVL5_DECODE): the line prints
+# NVIDIA's "XID 144-150 Decode" sheet (catalog_data.NVL5_DECODE): the line prints
 # "<unit> <Fatal|Nonfatal> XC<n> i<n> Link <n> (<intrInfo> <errorStatus> <debug words>...)"; a rule
 # applies when the Xid and the printed unit match it and the IntrInfo word matches its V1 (drivers
 # before R575) or V2 pattern (IntrInfo bits 25..20 are the sub-code of NETIR_LINK_EVT: 38 and 40

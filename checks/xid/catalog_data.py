@@ -3,7 +3,7 @@
 Input: tests/data/peer-fixtures/peer-catalogs.json, NVIDIA's columns only
 (sha256 f2fc2743b38f316ea9c41c3e9e11b5d1b138475f3ac86e109548145a0a1ca92c).
 To take a new NVIDIA release, update that file and run ``python tools/gen_xid_catalog.py``; what
-gpumon does with each NVIDIA action, and where it departs from NVIDIA, is checks/xid_catalog.py.
+gpumon does with each NVIDIA action, and where it departs from NVIDIA, is checks/xid/catalog.py.
 """
 
 from __future__ import annotations

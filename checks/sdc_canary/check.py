@@ -31,14 +31,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpumon import workers
 from gpumon.check import Check, CheckContext
 from gpumon.errors import ConfigError, HwCondition
 from gpumon.idle import idle_gate
 from gpumon.model import NODE, Finding, Phase, Severity, gpu
 
 if TYPE_CHECKING:
+    from gpumon.hw.inventory import Inventory
+    from gpumon.hw.placement import StandIn
     from gpumon.sdc.inject import FaultSpec
-
+    from gpumon.sdc.runner import Report
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class SdcCanaryConfig:
         "min": 0, "max": 100,
         "source": "argued: NVML utilization is the share of the last sample period with a kernel "
                   "running; an idle GPU reads 0, monitoring agents' own probes stay in single digits"})
-    # empty: <state_dir>/sdc/bundles, the agent's state directory (a simulated node's own one)
+    # empty: <state_dir>/sdc/bundles, the agent's state directory
     bundle_dir: str = ""
     device: str = field(default="auto", metadata={
         "choices": ("auto", "cuda", "cpu"),
@@ -86,7 +89,7 @@ class SdcCanaryCheck(Check):
     timeout = 3600.0
     Config = SdcCanaryConfig
 
-    def supported(self, inventory: Any) -> str | None:
+    def supported(self, inventory: Inventory) -> str | None:
         if importlib.util.find_spec("torch") is None:
             return "torch is not installed (pip install 'gpumon[compute]')"
         if not inventory.gpus:
@@ -94,7 +97,7 @@ class SdcCanaryCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: SdcCanaryConfig = ctx.params or SdcCanaryConfig()
+        params = ctx.params_as(SdcCanaryConfig)
         if not params.golden_file and not params.majority:
             return [self.finding(NODE, Severity.SKIPPED,
                                  "no golden_file configured and majority mode off: nothing to compare with")]
@@ -157,22 +160,32 @@ class SdcCanaryCheck(Check):
             return False
 
         device, inject = params.device, None
-        if ctx.hw.simulated:
-            # a simulated node's GPUs are CPU workers: never the machine's real GPUs under their names;
-            # a GPU the scenario makes compute wrong bits runs its worker under the fault harness
-            device, inject = "cpu", simulated_sdc(ctx, idle)
+        stand_ins = ctx.hw.devices.stand_ins(ctx.inventory)
+        if stand_ins:
+            # CPU workers stand in for the GPUs: never the machine's real GPUs under their names;
+            # a GPU whose stand-in computes wrong bits runs its worker under the fault harness
+            device, inject = ctx.hw.devices.only_device or "cpu", stand_in_sdc(stand_ins, idle)
         options = runner.Options(
             workers=len(idle), device_indices=tuple(idle), iterations=params.iterations,
             workloads=tuple(params.workloads), bundles=tuple(Path(b) for b in params.bundles),
             golden=golden, bundle_dir=bundle_dir(params, ctx), device=device,
             timeout_s=params.iteration_timeout_s, driver=ctx.inventory.driver_version, cpu_model=cpu,
             should_stop=wanted_elsewhere if others else None, inject=inject,
-            gpu_identity=gpu_identity(ctx, idle))
+            gpu_identity=gpu_identity(ctx, idle),
+            lock_wait_s=workers.lock_wait(self.timeout, params.iterations * params.iteration_timeout_s))
         try:
             report = runner.run(options)
-        except (runner.CanaryError, BundleError) as exc:
+        except (runner.CanaryError, BundleError, workers.DevicesBusy) as exc:
             return [self.finding(NODE, Severity.UNKNOWN, f"canary could not run: {exc}")]
-        return report.findings(self.name)
+        return self.verdict(report, self.name)
+
+    @staticmethod
+    def verdict(report: Report, check: str) -> list[Finding]:
+        """One finding per GPU from a canary run (``gpumon.sdc.runner.CanaryJudge``, also what
+        ``gpumon canary`` judges by)."""
+        from . import verdict
+
+        return verdict.findings(report, check)
 
 
 def with_idle_gate(findings: list[Finding], gates: dict[int, dict[str, Any]]) -> list[Finding]:
@@ -182,14 +195,12 @@ def with_idle_gate(findings: list[Finding], gates: dict[int, dict[str, Any]]) ->
             if f.component in by_component else f for f in findings]
 
 
-def simulated_sdc(ctx: CheckContext, idle: list[int]) -> FaultSpec | None:
-    """The fault harness spec for the first idle simulated GPU whose device model computes wrong bits
-    (scenario fault ``sdc``, gpumon/sim/devices.py), for its worker; None when there is none."""
-    from gpumon import compute
-    from gpumon.sdc.inject import simulated_fault  # at run time: it imports torch
+def stand_in_sdc(stand_ins: tuple[StandIn, ...], idle: list[int]) -> FaultSpec | None:
+    """The fault harness spec for the first idle GPU whose stand-in computes wrong bits
+    (``StandIn.sdc``), for its worker; None when there is none."""
+    from gpumon.sdc.inject import stand_in_fault  # at run time: it imports torch
 
-    stand_ins = compute.node_placement(ctx.inventory, ctx.hw, 0).stand_ins
-    return simulated_fault({s.index: str(s.model.get("sdc", "")) for s in stand_ins}, idle)
+    return stand_in_fault({s.index: s.sdc for s in stand_ins}, idle)
 
 
 def gpu_identity(ctx: CheckContext, indices: list[int]) -> dict[int, dict[str, Any]]:

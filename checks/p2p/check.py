@@ -29,10 +29,14 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon import compute
+from gpumon import workers
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition
+from gpumon.hw import placement
+from gpumon.hw.inventory import Inventory
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+
+from . import kernels
 
 # NVML nvmlGpuP2PCapsIndex_t, nvmlGpuP2PStatus_t, nvmlGpuTopologyLevel_t (nvml.h; the same values in
 # nvidia-ml-py's NVML_P2P_CAPS_INDEX_*, NVML_P2P_STATUS_*, NVML_TOPOLOGY_*). Checks never import pynvml.
@@ -165,20 +169,19 @@ class P2pCheck(Check):
     phase = Phase.BOOTSTRAP
     description = ("all ordered GPU pairs: NVML P2P status and topology vs the profile (NVLink expected on "
                    "NVLink SKUs), peer copy bandwidth per pair and direction vs the profile")
-    interval = 86400.0
     # seconds a healthy run takes (suite order and ETA), an estimate, not measured:
     # 56 ordered pairs x ~0.1 s plus start-up
     cost = 20.0
     timeout = 900.0
     Config = P2pConfig
 
-    def supported(self, inventory: Any) -> str | None:
+    def supported(self, inventory: Inventory) -> str | None:
         if len(inventory.gpus) + len(inventory.unreadable_gpus) < 2:
             return "fewer than 2 GPUs: no GPU pairs"
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params: P2pConfig = ctx.params or P2pConfig()
+        params = ctx.params_as(P2pConfig)
         indices = sorted(g.index for g in ctx.inventory.gpus)
         expect_nvlink = params.expect_nvlink
         if expect_nvlink is None:
@@ -190,7 +193,7 @@ class P2pCheck(Check):
         return judge(ctx, indices, paths, copies, copy_note, params, expect_nvlink, evidence, missing, plan)
 
     def _copies(self, ctx: CheckContext, params: P2pConfig, indices: Sequence[int], evidence: dict[str, Any],
-                plan: CopyPlan) -> tuple[dict[Pair, compute.PeerCopy] | None, str, Severity]:
+                plan: CopyPlan) -> tuple[dict[Pair, kernels.PeerCopy] | None, str, Severity]:
         """Peer copy bandwidth by NVML index pair; or None, why it was not measured, and how bad that is.
 
         No torch or a simulated node: ``skipped``. A real GPU node whose GPUs torch cannot use, or a
@@ -199,22 +202,22 @@ class P2pCheck(Check):
         if not params.copies:
             return (None, "copy bandwidth not measured: switched off (checks.p2p.copies: false)",
                     Severity.SKIPPED)
-        reason = compute.torch_missing()
+        reason = workers.torch_missing()
         if reason:
             return None, f"copy bandwidth not measured: {reason}", Severity.SKIPPED
         try:
-            place = compute.node_placement(ctx.inventory, ctx.hw, 0)
-        except compute.NoCudaOnGpuNode as exc:
+            place = ctx.hw.devices.place(ctx.inventory, 0)
+        except placement.NoCudaOnGpuNode as exc:
             return None, f"copy bandwidth not measured: {exc}", Severity.UNKNOWN
         if not place.names_gpus:
-            where = " (simulated node)" if ctx.hw.simulated else ""
+            where = f" ({ctx.hw.devices.describe()})" if ctx.hw.devices.describe() else ""
             return None, f"copy bandwidth needs CUDA devices; torch sees none{where}", Severity.SKIPPED
         if place.devices < 2:
             return (None, f"copy bandwidth needs 2 or more CUDA devices; torch sees {place.devices} of the "
                           f"{len(ctx.inventory.gpus)} GPUs NVML sees", Severity.UNKNOWN)
         ordinals = list(range(place.devices))
         pairs = tuple(itertools.permutations(ordinals, 2))
-        by_uuid = compute.gpu_index_by_uuid(ctx.inventory)
+        by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
         first = self._measure(params, pairs, by_uuid, place)
         if isinstance(first, str):
             return None, first, Severity.UNKNOWN
@@ -244,7 +247,7 @@ class P2pCheck(Check):
                     attempts[p].append(round(c.gbps, 2))
                     if c.gbps > results[p].gbps or not c.verified:
                         results[p] = c
-        by_index: dict[tuple[int, int], compute.PeerCopy] = {}
+        by_index: dict[tuple[int, int], kernels.PeerCopy] = {}
         for (a, b), c in results.items():
             if a in to_nvml and b in to_nvml:
                 pair = (to_nvml[a], to_nvml[b])
@@ -265,21 +268,21 @@ class P2pCheck(Check):
         return by_index, note, Severity.OK
 
     def _measure(self, params: P2pConfig, pairs: tuple[tuple[int, int], ...], by_uuid: Mapping[str, int],
-                 place: compute.Placement
-                 ) -> tuple[dict[tuple[int, int], compute.PeerCopy], dict[int, int]] | str:
+                 place: placement.Placement
+                 ) -> tuple[dict[tuple[int, int], kernels.PeerCopy], dict[int, int]] | str:
         """Copies of ``pairs`` (device ordinals) and the ordinal -> NVML index map, or why not."""
         if place.is_cuda:
-            spec = compute.PeerCopySpec(pairs=pairs, nbytes=params.nbytes, iterations=params.iterations)
+            spec = kernels.PeerCopySpec(pairs=pairs, nbytes=params.nbytes, iterations=params.iterations)
         else:
-            spec = compute.PeerCopySpec(pairs=pairs, nbytes=params.cpu.nbytes,
+            spec = kernels.PeerCopySpec(pairs=pairs, nbytes=params.cpu.nbytes,
                                         iterations=params.cpu.iterations)
         deadline = params.startup_s + params.per_pair_s * len(pairs)
         try:
-            run = compute.run_workers(compute.peer_copy_worker, [spec], kind=place.kind, bind=False,
+            run = workers.run_workers(kernels.peer_copy_worker, [spec], kind=place.kind, bind=False,
                                       timeout_s=deadline, name=self.name,
-                                      lock_wait_s=compute.lock_wait(self.timeout, 2 * deadline),
-                                      stand_ins=place.stand_ins)
-        except compute.DevicesBusy as exc:
+                                      lock_wait_s=workers.lock_wait(self.timeout, 2 * deadline),
+                                      stand_ins=place.stand_ins, faults=place.faults)
+        except workers.DevicesBusy as exc:
             return str(exc)
         outcome = run.outcomes[0]
         if not outcome.ok:
@@ -295,7 +298,7 @@ class CopyPlan:
     measured: bool = False  # False: copies came from elsewhere (judged against params.min_gbps)
 
 
-def peer_floors(rates: Mapping[Pair, compute.PeerCopy], share: float) -> dict[Pair, float]:
+def peer_floors(rates: Mapping[Pair, kernels.PeerCopy], share: float) -> dict[Pair, float]:
     """Each pair's floor: ``share`` of the median of the pairs that involve neither of its GPUs.
 
     Against the median of all pairs, a GPU slow to every peer drags the median down with it (it is in
@@ -310,7 +313,7 @@ def peer_floors(rates: Mapping[Pair, compute.PeerCopy], share: float) -> dict[Pa
     return out
 
 
-def faults_for(paths: Mapping[Pair, PairPath], copies: Mapping[Pair, compute.PeerCopy] | None,
+def faults_for(paths: Mapping[Pair, PairPath], copies: Mapping[Pair, kernels.PeerCopy] | None,
                expect_nvlink: bool, min_gbps: float | Mapping[Pair, float] | None,
                measured_twice: Collection[Pair] | None = None
                ) -> tuple[dict[Pair, list[str]], dict[Pair, Action]]:
@@ -344,7 +347,7 @@ def faults_for(paths: Mapping[Pair, PairPath], copies: Mapping[Pair, compute.Pee
 
 
 def judge(ctx: CheckContext, indices: Sequence[int], paths: Mapping[tuple[int, int], PairPath],
-          copies: Mapping[tuple[int, int], compute.PeerCopy] | None, copy_note: str, params: P2pConfig,
+          copies: Mapping[tuple[int, int], kernels.PeerCopy] | None, copy_note: str, params: P2pConfig,
           expect_nvlink: bool, evidence: Mapping[str, Any] | None = None,
           copies_missing: Severity = Severity.SKIPPED, plan: CopyPlan | None = None) -> list[Finding]:
     """Findings per GPU (a GPU in most of its pairs' faults fails) and for the node (the rest, by pair).
@@ -414,7 +417,7 @@ def ordinal_map(identity: Mapping[str, Any], by_uuid: Mapping[str, int]) -> dict
     """CUDA ordinal -> NVML index, matched by UUID, from an unbound worker's identity."""
     out: dict[int, int] = {}
     for d in identity.get("devices", []):
-        index = by_uuid.get(compute.normalize_uuid(d.get("uuid")) or "")
+        index = by_uuid.get(placement.normalize_uuid(d.get("uuid")) or "")
         if index is not None:
             out[int(d["index"])] = index
     return out

@@ -1,0 +1,325 @@
+"""The daemon's kernel-log pump: follows the kernel log (``gpumon.hw.kernellog``) on its own
+thread and hands each check that reads it what it declared, once, with a watermark per check.
+
+The source (open, follow, parse) is the hw layer's; what is here is the distribution: per-check
+queues (:class:`_Feed`) bounded in size, the minimum gap between two runs of a check for what the
+log brings (a new key runs it at once), and the marks that say how far each check has been handed
+the log, so that a restarted daemon neither skips nor repeats lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+from gpumon.check import Check, KernelLog
+from gpumon.errors import HwCondition
+from gpumon.hw.kernellog import KernelLogSource
+
+log = logging.getLogger("gpumon.daemon")
+# kept beside the checks' own state (a check may clear its state on a new boot)
+WATERMARK_STATE = "kernel-log-watermarks"
+# How long a kernel-log check waits, at daemon start, for the pump's first read of the log.
+_FIRST_READ_WAIT_S = 2.0
+# A check that reads the kernel log runs for what the log brings at most once per
+# KERNEL_LOG_GAP_S (a storm would otherwise run it at every turn of the pump, ~5 times a
+# second), unless a batch holds a key it has not seen for KERNEL_LOG_NEW_KEY_S (an Xid code on a
+# GPU, an uncorrectable error on a device): that runs it at once, so a new fault is still seen
+# within one poll of the log.
+KERNEL_LOG_GAP_S = 0.5
+KERNEL_LOG_NEW_KEY_S = 60.0
+# What the pump keeps for one check between two of its runs, at most (events, records): beyond
+# that the oldest go, counted in the check's lost_records (a check stuck until its timeout in a
+# storm). 20,000 Xid events with their records are ~12 MB.
+KERNEL_LOG_QUEUE_MAX = 20_000
+
+
+def _last_stamps(records: Sequence[Any]) -> tuple[int | None, int | None]:
+    """The sequence number and the kernel time of the last records that have one."""
+    seq = next((r.seq for r in reversed(records) if r.seq is not None), None)
+    us = next((r.monotonic_us for r in reversed(records) if r.monotonic_us is not None), None)
+    return seq, us
+
+
+def _event_key(event: Any) -> Hashable:
+    """What makes an NVRM event new to a check: its kind, device and code (an Xid 79 on a GPU)."""
+    return (type(event).__name__, getattr(event, "pci", None), getattr(event, "code", None))
+
+
+class _Feed:
+    """What the pump keeps for one check between its runs: only what the check reads
+    (``Check.kernel_log_events`` / ``kernel_log_records`` / ``kernel_log_fold``)."""
+
+    def __init__(self, check: Check, mark: Mapping[str, Any] | None, cap: int) -> None:
+        self.types = check.kernel_log_events
+        self.want_records = check.kernel_log_records
+        self.words = check.kernel_log_match
+        self.fold = check.kernel_log_fold()
+        self.events: deque[Any] = deque(maxlen=cap)
+        self.records: deque[Any] = deque(maxlen=cap)
+        self.dropped = 0
+        seq = mark.get("seq") if mark else None
+        us = mark.get("us") if mark else None
+        # the last record handled for this check (queued, folded, or of no interest to it), by
+        # kernel sequence number, else kernel time; at the start, the last one that a completed
+        # run counted before the daemon restarted
+        self.seq: int | None = seq if isinstance(seq, int) else None
+        self.us: int | None = us if isinstance(us, int) else None
+        # when the log is (re)opened it is read from its start again (the ring after a restart,
+        # a new follower after a failure of the pump, a replaced file that repeats the old lines):
+        # what is at or before this floor is not handed over again; set from the mark at each
+        # opening, gone once a record beyond it arrives
+        self.floor_seq: int | None = None
+        self.floor_us: int | None = None
+        self.due_at: float | None = None  # monotonic time from which it is to run
+        self.last_take = -math.inf
+        self.keys: dict[Hashable, float] = {}  # key -> when it was last seen (monotonic)
+
+    def seen(self, rec: Any) -> bool:
+        """Handed over already, before the log was (re)opened: at or before the floor."""
+        seq = rec.seq
+        if seq is not None and self.floor_seq is not None:
+            if seq <= self.floor_seq:
+                return True
+        else:
+            us = rec.monotonic_us
+            if us is None or self.floor_us is None:
+                return False  # nothing to compare it with
+            if us <= self.floor_us:
+                return True
+        # beyond it: the log is read in order, so what follows is new too
+        self.floor_seq = self.floor_us = None
+        return False
+
+    def push(self, queue: deque[Any], items: Sequence[Any], *, counts: bool = True) -> None:
+        over = len(queue) + len(items) - (queue.maxlen or 0)
+        if over > 0 and counts:
+            self.dropped += over
+        queue.extend(items)
+
+    def schedule(self, keys: Sequence[Hashable], now: float) -> bool:
+        """Something this check reads arrived: when is it to run? True if that is sooner than
+        it was going to."""
+        fresh = False
+        for key in keys:
+            last = self.keys.get(key)
+            self.keys[key] = now
+            if last is None or now - last > KERNEL_LOG_NEW_KEY_S:
+                fresh = True
+        if len(self.keys) > 4096:  # keys come from the log: bounded
+            self.keys = {k: t for k, t in self.keys.items() if now - t <= KERNEL_LOG_NEW_KEY_S}
+        at = now if fresh else max(now, self.last_take + KERNEL_LOG_GAP_S)
+        if self.due_at is None or at < self.due_at:
+            self.due_at = at
+            return True
+        return False
+
+
+class KernelLogPump:
+    """Follows the kernel log on its own thread and hands each subscribed check what it reads.
+
+    Every subscriber gets what it declared (``Check.kernel_log_events``, ``kernel_log_records``,
+    ``kernel_log_fold``; see gpumon.check), once: two checks reading the kernel log (xid,
+    nvswitch) do not steal each other's lines, and a check keeps nothing it does not read until
+    its next run (nvswitch, run every 60 s, kept every record of a storm). A check runs for what
+    it reads at most every KERNEL_LOG_GAP_S, at once for a key it has not seen lately.
+
+    A log that cannot be read (missing, a directory, permission denied, vanished) is handed
+    over as unavailable with the reason, so those checks say ``unknown``, never ``ok``; the pump
+    keeps trying, and a failure of its own thread is reported the same way instead of ending
+    the daemon.
+
+    Watermarks: ``take`` also returns the mark of the last record handled for the check (what it
+    hands over includes everything of interest up to it). The daemon stores it beside the
+    check's state once a run that used it has completed and that state is saved, never before,
+    so a daemon that dies mid-run reads those lines again rather than skipping them; a new pump
+    drops what is at or before the stored mark.
+    """
+
+    def __init__(self, source: Callable[[], KernelLogSource], wake: threading.Event,
+                 subscribers: Sequence[Check], *, boot: str | None, marks: Mapping[str, Any],
+                 queue_max: int = KERNEL_LOG_QUEUE_MAX) -> None:
+        """``source`` makes a new source of the log (again after a failure of the pump); ``boot``:
+        this boot's id; ``marks``: the watermarks stored by the daemon (check name -> mark)."""
+        self._new_source = source
+        self.wake = wake
+        self.lock = threading.Lock()
+        self.boot = boot
+        self.feeds: dict[str, _Feed] = {}
+        for check in subscribers:
+            mark = marks.get(check.name)
+            if not isinstance(mark, dict) or mark.get("boot") != self.boot:
+                mark = None
+            self.feeds[check.name] = _Feed(check, mark, queue_max)
+        self.records = 0
+        self.error: str | None = None
+        self.source: KernelLogSource | None = None
+        self._first: KernelLogSource | None = source()  # opened by the pump's thread
+        self.path = self._first.path
+        # epoch seconds of this boot for records with kernel time only: fixed once known
+        self.boot_anchor: float | None = None
+        # set once the log has been read (or failed to be) for the first time: until then a
+        # check must not be handed an empty log as if it had been read
+        self.first_read = threading.Event()
+        self._waited = False
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="gpumon-kmsg", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self._turn()
+            except Exception as exc:  # the pump outlives any one failure
+                log.exception("kernel-log reader failed")
+                self.error = f"kernel-log reader failed: {type(exc).__name__}: {exc}"
+                self.first_read.set()
+                if self.source is not None:
+                    self.source.close()
+                    self.source = None  # a new one, with a new parser, at the next turn
+                self.stop.wait(1.0)
+
+    def _turn(self) -> None:
+        if self.source is None:
+            source, self._first = self._first or self._new_source(), None
+            try:
+                source.open()
+            except (OSError, HwCondition) as exc:
+                self.error = f"cannot open {source.path}: {exc}"
+                self.first_read.set()
+                self.stop.wait(5.0)
+                return
+            self.source = source
+        source = self.source
+        batch = source.read(1.0 if self.first_read.is_set() else 0.0)
+        records, events = batch.records, batch.events
+        if batch.reopened:
+            # (re)opened: read from its start again, what each check was handed is dropped
+            with self.lock:
+                for feed in self.feeds.values():
+                    feed.floor_seq, feed.floor_us = feed.seq, feed.us
+        if batch.error is not None:
+            if self.error is None:
+                log.warning("kernel log unreadable: %s", batch.error)
+            self.error = batch.error
+        elif self.error is not None:
+            log.info("kernel log %s readable again", source.path)
+            self.error = None
+        anchor = batch.boot_anchor
+        if records and anchor is not None and (self.boot_anchor is None or anchor < self.boot_anchor):
+            # fixed once known; moved only earlier, when the follower found a record that it
+            # would otherwise date in the future
+            self.boot_anchor = anchor
+        woken = False
+        if records or events:
+            dating = KernelLog(boot_time=self.boot_anchor)
+            wall, now = time.time(), time.monotonic()
+            last_seq, last_us = _last_stamps(records)
+            with self.lock:
+                self.records += len(records)
+                for feed in self.feeds.values():
+                    woken = self._hand(feed, records, events, dating, wall, now, last_seq, last_us) or woken
+        self.first_read.set()
+        if woken:
+            self.wake.set()
+
+    def _hand(self, feed: _Feed, records: list[Any], events: list[Any], dating: KernelLog, wall: float,
+              now: float, last_seq: int | None, last_us: int | None) -> bool:
+        """One turn's records and events for one check (under the lock); True: it is due sooner."""
+        if feed.floor_seq is not None or feed.floor_us is not None:
+            fresh = [r for r in records if not feed.seen(r)]
+            if len(fresh) != len(records):
+                kept = {id(r) for r in fresh}
+                events = [e for e in events if getattr(e, "record", None) is None or id(e.record) in kept]
+                records = fresh
+                last_seq, last_us = _last_stamps(records)
+        keys: list[Hashable] = []
+        relevant = False
+        if feed.types is None:
+            mine = events
+        else:
+            mine = [e for e in events if isinstance(e, feed.types)] if feed.types else []
+        if mine:
+            keys.extend(_event_key(e) for e in mine)
+            feed.push(feed.events, mine, counts=not feed.want_records)
+            # a check that reads every record runs for the records it matches (below)
+            relevant = feed.types is not None or not feed.want_records
+        if feed.want_records and records:
+            feed.push(feed.records, records)
+            words = feed.words
+            if not words or any(w in r.text for r in records for w in words):
+                relevant = True
+        if feed.fold is not None:
+            for rec in records:
+                said = feed.fold.add(rec, dating.time_of(rec, wall))
+                if said:
+                    keys.extend(said)
+                    relevant = True
+        if last_seq is not None:
+            feed.seq = last_seq
+        if last_us is not None:
+            feed.us = last_us
+        return relevant and feed.schedule(keys, now)
+
+    def take(self, name: str) -> tuple[KernelLog, dict[str, Any] | None]:
+        """What the check ``name`` reads of the log since its last take, and the watermark to
+        store once a run that used it has completed (None: nothing to store)."""
+        # the first read is one non-blocking pass over what the log holds: normally milliseconds;
+        # waited for once (this runs on the daemon's main loop), not at every take
+        waited, self._waited = self._waited, True
+        source = str(self.path)
+        if not self.first_read.wait(0.0 if waited else _FIRST_READ_WAIT_S):
+            return KernelLog(available=False, source=source,
+                             error=f"{self.path} not read yet (still reading it after "
+                                   f"{_FIRST_READ_WAIT_S:g} s)"), None
+        feed = self.feeds.get(name)
+        if feed is None:
+            return KernelLog(available=False, source=source, error="not subscribed to the kernel log"), None
+        with self.lock:
+            events, records = list(feed.events), list(feed.records)
+            feed.events.clear()
+            feed.records.clear()
+            folded = feed.fold.take() if feed.fold is not None else None
+            mark = {"boot": self.boot, "seq": feed.seq, "us": feed.us}
+            feed.due_at = None
+            feed.last_take = time.monotonic()
+            dropped = feed.dropped
+            total = self.records
+        reader = self.source
+        lost = (reader.lost_records if reader is not None else 0) + dropped
+        error = self.error
+        if error is None and self.thread.ident is not None and not self.thread.is_alive() \
+                and not self.stop.is_set():
+            error = "the kernel-log reader thread has stopped"
+        if error is not None and not (events or records or folded is not None):
+            return KernelLog(available=False, error=error, source=source), mark
+        return KernelLog(events=events, records=records, available=True, source=source,
+                         records_read=total, lost_records=lost, boot_time=self.boot_anchor,
+                         folded=folded), mark
+
+    def has_pending(self, name: str) -> bool:
+        """Something this check reads has arrived since its last run, and it is time to run it."""
+        with self.lock:
+            feed = self.feeds.get(name)
+            return feed is not None and feed.due_at is not None and feed.due_at <= time.monotonic()
+
+    def next_due(self) -> float | None:
+        """The soonest monotonic time at which a check that waits out KERNEL_LOG_GAP_S is due."""
+        now = time.monotonic()
+        with self.lock:
+            return min((f.due_at for f in self.feeds.values() if f.due_at is not None and f.due_at > now),
+                       default=None)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2.0)
+        if self.source is not None and not self.thread.is_alive():
+            self.source.close()
+
