@@ -50,7 +50,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstate import dump_state, restore
+from gpumon.bootstate import dump_state, enter_boot, restore
 from gpumon.check import Check, CheckContext
 from gpumon.checkstate import save_now
 from gpumon.errors import HwCondition, NotSupported
@@ -199,9 +199,7 @@ class IbCheck(Check):
         # the daemon's next timed save would otherwise lose its start, and shorten it
         self._save_now = False
         changed = False
-        if state.boot_id != boot:
-            changed = _new_boot(state)
-            state.boot_id = boot
+        changed = enter_boot(state, boot)
         try:
             devices = [d for d in list_devices(ctx.hw.fs) if d not in params.ignore_devices]
         except HwCondition as cond:
@@ -591,26 +589,25 @@ class _IbState:
         if bad:
             raise ValueError(f"port key(s) {', '.join(map(repr, bad))} are not device/port")
 
-
-def _new_boot(state: _IbState) -> bool:
-    """Counters restart with the driver and an open outage cannot be followed across the
-    reboot: close it at the last sample that saw it, forget ports that are gone. True when
-    an outage was closed or a port forgotten."""
-    ports = state.ports
-    changed = False
-    for key in list(ports):
-        p = ports[key]
-        if p.missing_since is not None:
-            del ports[key]
-            changed = True
-            continue
-        if p.down_since is not None:
-            _close(p, end=p.last_down_t or p.down_since, kind="state (closed by reboot)")
-            changed = True
-        p.last_t = p.last_up = p.detail = None
-        p.counters = {}
-    state.layout = _Layout()
-    return changed
+    def new_boot(self) -> bool:
+        """Counters restart with the driver and an open outage cannot be followed across the
+        reboot: close it at the last sample that saw it, forget ports that are gone. True when
+        an outage was closed or a port forgotten."""
+        ports = self.ports
+        changed = False
+        for key in list(ports):
+            p = ports[key]
+            if p.missing_since is not None:
+                del ports[key]
+                changed = True
+                continue
+            if p.down_since is not None:
+                _close(p, end=p.last_down_t or p.down_since, kind="state (closed by reboot)")
+                changed = True
+            p.last_t = p.last_up = p.detail = None
+            p.counters = {}
+        self.layout = _Layout()
+        return changed
 
 
 def _record(start: float, end: float, down_s: float, max_s: float, kind: str, n: int = 1) -> _Record:

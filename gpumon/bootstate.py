@@ -28,7 +28,7 @@ import math
 import types
 import typing
 from collections.abc import Iterable, Mapping, MutableMapping
-from typing import Any, TypeVar, Union
+from typing import Any, Protocol, TypeVar, Union
 
 log = logging.getLogger("gpumon.bootstate")
 
@@ -56,6 +56,28 @@ def start_boot(state: MutableMapping[str, Any], boot: str | None, *, keep: Itera
     state["boot_id"] = boot
     state.update(kept)
     return True
+
+
+class BootScoped(Protocol):
+    """A check's typed state that carries more than named keys across a reboot (ib: an outage open
+    at the reboot is closed at the last reading that saw it, not dropped)."""
+
+    boot_id: str | None
+
+    def new_boot(self) -> bool:
+        """Keep of this state what outlives a reboot; True when that changed anything worth saving
+        at once."""
+        ...
+
+
+def enter_boot(state: BootScoped, boot: str | None) -> bool:
+    """``start_boot`` for a typed state: on a boot other than the state's, let it keep what outlives
+    the reboot (``new_boot``) and stamp it with ``boot``; True when that changed anything."""
+    if state.boot_id == boot:
+        return False
+    changed = state.new_boot()
+    state.boot_id = boot
+    return changed
 
 
 class RepeatHistory:

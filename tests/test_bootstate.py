@@ -14,6 +14,7 @@ from gpumon.bootstate import (
     RepeatHistory,
     StateError,
     dump_state,
+    enter_boot,
     load_state,
     restore,
     start_boot,
@@ -38,6 +39,30 @@ def test_start_boot_with_an_unreadable_boot_id_keeps_one_state() -> None:
     assert not start_boot(state, None)  # no boot id ever read: nothing to tell apart
     assert state == {"x": 1}
     assert start_boot({"boot_id": "b1"}, None)
+
+
+@dataclass
+class _Outages:
+    boot_id: str | None = None
+    open_since: float | None = None
+    closed: list[float] = field(default_factory=list)
+
+    def new_boot(self) -> bool:
+        if self.open_since is None:
+            return False
+        self.closed.append(self.open_since)
+        self.open_since = None
+        return True
+
+
+def test_enter_boot_lets_a_typed_state_keep_what_outlives_the_reboot() -> None:
+    state = _Outages(boot_id="b1", open_since=10.0)
+    assert not enter_boot(state, "b1")  # same boot: untouched
+    assert state.open_since == 10.0
+    assert enter_boot(state, "b2")  # the open outage is closed, not dropped
+    assert (state.boot_id, state.open_since, state.closed) == ("b2", None, [10.0])
+    assert not enter_boot(state, "b3")  # nothing to carry: nothing worth saving at once
+    assert state.boot_id == "b3"
 
 
 def test_a_fault_again_after_a_reboot_within_the_window_escalates() -> None:
