@@ -1,0 +1,99 @@
+"""The shape of the code stays what README's Layout says: the simulator out of the production path,
+a framework that knows no individual check, and a layout section that names what the tree holds."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# the one place where --simulate builds the simulated node
+EDGE = ROOT / "gpumon" / "cli.py"
+SIM = ROOT / "gpumon" / "sim"
+
+
+def _sources(*tops: str) -> list[Path]:
+    return sorted(p for top in tops for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_only_the_cli_knows_the_simulator() -> None:
+    """Nothing that runs on a real node imports the simulator or asks whether the node is simulated
+    (issue 13's grep, which also catches the words in comments and strings)."""
+    pattern = re.compile(r"gpumon.sim|\.simulated")
+    found = []
+    for path in _sources("gpumon", "checks"):
+        if path == EDGE or SIM in path.parents:
+            continue
+        found += [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+                  for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+        found += [f"{path.relative_to(ROOT)}: imports {m}" for m in _imports(path)
+                  if m == "gpumon.sim" or m.startswith("gpumon.sim.")]
+    assert not found, "\n".join(found)
+
+
+def test_the_framework_imports_no_check() -> None:
+    found = [f"{p.relative_to(ROOT)}: imports {m}" for p in _sources("gpumon") for m in _imports(p)
+             if m.split(".")[0] == "gpumon_checks"]
+    assert not found, "\n".join(found)
+
+
+def test_protocol_members_are_not_looked_up_by_name() -> None:
+    members = ("cost", "after_suite", "interval", "timeout", "phase", "Config", "supported", "extras",
+               "uses_kernel_log", "kernel_log_events", "kernel_log_records", "kernel_log_match",
+               "kernel_log_fold", "retry", "params")
+    pattern = re.compile(r"getattr\([^)]*,\s*[\"'](" + "|".join(members) + r")[\"']")
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in _sources("gpumon", "checks")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)
+
+
+def _layout() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Layout\n")
+    block = re.search(r"```\n(.*?)```", text[start:], re.S)
+    assert block is not None, "README's Layout section has no code block"
+    return block.group(1)
+
+
+def test_readme_layout_names_every_module_and_check() -> None:
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", _layout()))
+    missing = []
+    for path in _sources("gpumon"):
+        if SIM / "nvml_inject" in path.parents or path.name in ("__init__.py", "__main__.py"):
+            continue
+        if path.stem not in words:
+            missing.append(str(path.relative_to(ROOT)))
+    for entry in sorted((ROOT / "checks").iterdir()):
+        name = entry.stem if entry.suffix == ".py" else entry.name
+        if name.startswith("__") or not (entry.suffix == ".py" or (entry / "__init__.py").exists()):
+            continue
+        if name not in words:
+            missing.append(str(entry.relative_to(ROOT)))
+        if entry.is_dir():
+            missing += [str(p.relative_to(ROOT)) for p in entry.glob("*.py")
+                        if p.name != "__init__.py" and p.stem not in words]
+    assert not missing, "README Layout does not name: " + ", ".join(missing)
+
+
+def test_readme_layout_names_nothing_that_is_gone() -> None:
+    tree = [p for top in ("gpumon", "checks", "config", "tools", "deploy") for p in (ROOT / top).rglob("*")
+            if "__pycache__" not in p.parts]
+    names = {p.name for p in tree} | {p.name for p in ROOT.iterdir()}
+    gone = [token for token in re.findall(r"\b((?:[a-z_]+/)+|[a-z_]+\.py)(?=[\s,)]|$)", _layout())
+            if token.rstrip("/").split("/")[-1] not in names]
+    for pkg in re.findall(r"^  ([a-z_]+)/", _layout(), re.M):
+        if not (ROOT / "checks" / pkg / "__init__.py").exists():
+            gone.append(f"checks/{pkg}/")
+    assert not gone, "README Layout names what the tree does not hold: " + ", ".join(gone)
