@@ -105,11 +105,7 @@ class MemoryCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params = ctx.params_as(MemoryConfig)
-        out: list[Finding] = []
-        for index, why in sorted(ctx.inventory.unreadable_gpus.items()):
-            out.append(self.finding(gpu(index), Severity.FAIL,
-                                    f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
-                                    Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason))
+        out = self.unreadable_gpus(ctx.inventory)
         for info in ctx.inventory.gpus:
             try:
                 out.extend(self._gpu(ctx, params, info))

@@ -37,7 +37,7 @@ from typing import Any
 from gpumon.bootstate import REPEAT_WINDOW_S, REPEAT_WINDOW_SOURCE, RepeatHistory, start_boot
 from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
-from gpumon.hw.inventory import Inventory, UnreadableGpu
+from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvml import GpuInfo, NvlinkErrors
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink
 
@@ -230,7 +230,7 @@ class NvlinkCheck(Check):
         boot = ctx.hw.fs.boot_id()
         _prepare_state(ctx.state, boot)
         now = ctx.clock()
-        out: list[Finding] = [self._unreadable(i, r) for i, r in sorted(inv.unreadable_gpus.items())]
+        out = self.unreadable_gpus(inv)
         linkless = [g for g in inv.gpus if (g.nvlink_count or 0) == 0]
         results: dict[int, _GpuResult] = {}
         for info in inv.gpus:
@@ -248,11 +248,6 @@ class NvlinkCheck(Check):
         return out
 
     # -- per GPU ---------------------------------------------------------
-
-    def _unreadable(self, index: int, why: UnreadableGpu) -> Finding:
-        return self.finding(gpu(index), Severity.FAIL,
-                            f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
-                            Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason)
 
     def _no_links(self, info: GpuInfo, expected: int, *, every_gpu: bool) -> Finding:
         # NVML answering NOT_SUPPORTED for NVLink on a SKU built with it: on every GPU this is the

@@ -35,7 +35,7 @@ from typing import Any
 
 from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
-from gpumon.hw.inventory import Inventory, UnreadableGpu
+from gpumon.hw.inventory import Inventory
 from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
 
 # Bounds of a believable limit (the profile schema's thermal.* bounds): a threshold outside them
@@ -100,8 +100,7 @@ class ThermalCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params = ctx.params_as(ThermalConfig)
-        out = [_unreadable(self.name, index, reason)
-               for index, reason in sorted(ctx.inventory.unreadable_gpus.items())]
+        out = self.unreadable_gpus(ctx.inventory)
         for info in ctx.inventory.gpus:
             try:
                 out.extend(self._gpu(ctx, params, info.index))
@@ -268,7 +267,3 @@ def _read(read: Callable[[], int]) -> int | HwCondition:
         return cond
 
 
-def _unreadable(check: str, index: int, why: UnreadableGpu) -> Finding:
-    return Finding(check, gpu(index), Severity.FAIL,
-                   f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
-                   Action.REBOOT_NODE if why.lost else Action.RESET_GPU, {"nvml": why.reason})

@@ -209,11 +209,7 @@ class ThrottleCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params = ctx.params_as(ThrottleConfig)
-        out: list[Finding] = []
-        for index, why in sorted(ctx.inventory.unreadable_gpus.items()):
-            out.append(self.finding(gpu(index), Severity.FAIL,
-                                    f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
-                                    Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason))
+        out = self.unreadable_gpus(ctx.inventory)
         state = ctx.state
         boot = ctx.hw.fs.boot_id()
         start_boot(state, boot)  # a reboot restarts every counter and ends every slowdown

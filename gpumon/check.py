@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_chec
 
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported, ToolMissing
 from gpumon.hw.kernellog import KernelLog as KernelLog  # what a check is handed: part of the protocol
-from gpumon.model import Action, Finding, Phase, Severity
+from gpumon.model import Action, Finding, Phase, Severity, gpu
 
 if TYPE_CHECKING:
     from gpumon.hw import Hardware
@@ -147,6 +147,14 @@ class Check:
 
     def from_condition(self, cond: HwCondition, component: str | None = None) -> Finding:
         return condition_finding(self.name, cond, component)
+
+    def unreadable_gpus(self, inventory: Inventory) -> list[Finding]:
+        """A finding for each GPU NVML counts but could not describe (``Inventory.unreadable_gpus``),
+        from every check that reads GPUs through NVML: a lost GPU needs a reboot, another a reset."""
+        return [self.finding(gpu(index), Severity.FAIL,
+                             f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
+                             Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason)
+                for index, why in sorted(inventory.unreadable_gpus.items())]
 
 
 @runtime_checkable
