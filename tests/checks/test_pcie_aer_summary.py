@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pci_tree import add_function
 
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
@@ -22,25 +23,11 @@ from gpumon_checks.pcie import PcieCheck
 PORT, GPU = "0000:00:03.0", "0000:03:00.0"
 
 
-def _function(root: Path, path: str, vendor: str, cls: str) -> None:
-    bdf = path.rsplit("/", 1)[-1]
-    d = root / "sys/devices" / path
-    d.mkdir(parents=True)
-    files = {"vendor": vendor, "device": "0x2330" if vendor == "0x10de" else "0x6f08", "class": cls,
-             "current_link_speed": "16.0 GT/s PCIe", "max_link_speed": "16.0 GT/s PCIe",
-             "current_link_width": "16", "max_link_width": "16",
-             "aer_dev_correctable": "RxErr 0\nTOTAL_ERR_COR 0",
-             "aer_dev_nonfatal": "DLP 0\nTOTAL_ERR_NONFATAL 0", "aer_dev_fatal": "DLP 0\nTOTAL_ERR_FATAL 0"}
-    for name, text in files.items():
-        (d / name).write_text(text + "\n")
-    bus = root / "sys/bus/pci/devices"
-    bus.mkdir(parents=True, exist_ok=True)
-    (bus / bdf).symlink_to(f"../../../devices/{path}")
 
 
 def _run(root: Path, *lines: str) -> dict[str, Finding]:
-    _function(root, f"pci0000:00/{PORT}", "0x8086", "0x060400")
-    _function(root, f"pci0000:00/{PORT}/{GPU}", "0x10de", "0x030200")
+    add_function(root, f"pci0000:00/{PORT}", "0x8086", "0x060400", device="0x6f08")
+    add_function(root, f"pci0000:00/{PORT}/{GPU}", "0x10de", "0x030200", device="0x2330")
     inv = Inventory(gpus=[GpuInfo(0, "GPU-0", None, GPU, "NVIDIA H100 80GB HBM3", "hopper", 18, 0)])
     log = KernelLog(records=[parse_line(line) for line in lines], source="test", boot_time=1.7e9)
     ctx = CheckContext(hw=Hardware(root), inventory=inv, profile=GENERIC, params=None, state={},

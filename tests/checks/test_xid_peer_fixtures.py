@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pci_tree import add_function
 
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
@@ -116,20 +117,10 @@ def _sxid(case: dict[str, Any], records: list[KernelRecord], events: list[NvrmEv
     return _picked(NvswitchCheck().run(ctx), case["expected_code"])
 
 
-def _function(root: Path, path: str, vendor: str, cls: str) -> None:
-    bdf = path.rsplit("/", 1)[-1]
-    d = root / "sys/devices" / path
-    d.mkdir(parents=True)
-    files = {"vendor": vendor, "device": "0x2330" if vendor == "0x10de" else "0x0329", "class": cls,
-             "current_link_speed": "32.0 GT/s PCIe", "max_link_speed": "32.0 GT/s PCIe",
-             "current_link_width": "16", "max_link_width": "16",
-             "aer_dev_correctable": "RxErr 0\nTOTAL_ERR_COR 0",
-             "aer_dev_nonfatal": "DLP 0\nTOTAL_ERR_NONFATAL 0", "aer_dev_fatal": "DLP 0\nTOTAL_ERR_FATAL 0"}
-    for name, text in files.items():
-        (d / name).write_text(text + "\n")
-    bus = root / "sys/bus/pci/devices"
-    bus.mkdir(parents=True, exist_ok=True)
-    (bus / bdf).symlink_to(f"../../../devices/{path}")
+
+
+# the link speed of the test trees (a Gen5 root port and GPU)
+GEN5 = "32.0 GT/s PCIe"
 
 
 # AER cases: the PCI path each line is on (root port, then the GPU below it), from the line's ids
@@ -144,8 +135,8 @@ AER_TREES = {
 
 def _aer(case: dict[str, Any], records: list[KernelRecord], tmp_path: Path) -> dict[str, Any]:
     port, gpu = AER_TREES[case["id"]]
-    _function(tmp_path, f"pci0000:00/{port}", "0x8086", "0x060400")
-    _function(tmp_path, f"pci0000:00/{port}/{gpu}", "0x10de", "0x030200")
+    add_function(tmp_path, f"pci0000:00/{port}", "0x8086", "0x060400", device="0x0329", speed=GEN5)
+    add_function(tmp_path, f"pci0000:00/{port}/{gpu}", "0x10de", "0x030200", device="0x2330", speed=GEN5)
     inv = Inventory(gpus=[GpuInfo(0, "GPU-0", None, gpu, "NVIDIA H100 80GB HBM3", "hopper", 18, 0)])
     log = KernelLog(records=records, source=case["id"], boot_time=BOOT)
     now = _now(log)
