@@ -117,8 +117,6 @@ def _sxid(case: dict[str, Any], records: list[KernelRecord], events: list[NvrmEv
     return _picked(NvswitchCheck().run(ctx), case["expected_code"])
 
 
-
-
 # the link speed of the test trees (a Gen5 root port and GPU)
 GEN5 = "32.0 GT/s PCIe"
 

@@ -36,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from slurm_conf import common_lines
+
 from .netns import SBIN_PATH, SWITCH_NAME, TestNet, unavailable, which
 
 CONTROLLER_NAME = SWITCH_NAME
@@ -105,26 +107,8 @@ class SlurmCluster:
         self.conf.write_text("\n".join([
             "ClusterName=gpmfabric",
             f"SlurmctldHost={CONTROLLER_NAME}({self.net.switch_ip})",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
-            f"StateSaveLocation={base / 'state'}",
-            f"SlurmdSpoolDir={base / 'spool'}/%n",
-            f"SlurmctldPidFile={base / 'slurmctld.pid'}",
-            f"SlurmdPidFile={base}/slurmd-%n.pid",
-            f"SlurmctldLogFile={base / 'slurmctld.log'}",
-            f"SlurmdLogFile={base}/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/none",
-            "MpiDefault=none",
-            "SelectType=select/cons_tres",
+            *common_lines(base, self.munge_socket),
             "SelectTypeParameters=CR_Core",
-            "ReturnToService=2",
             # short waits: a test kills steps and restarts nodes, and must not sit in Slurm's defaults
             "KillWait=2",
             "MessageTimeout=5",

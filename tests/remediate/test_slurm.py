@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from slurm_conf import common_lines
 
 from gpumon.hw.tools import ToolRunner
 from gpumon.model import Action
@@ -160,27 +161,7 @@ def _run_cluster(base: Path, exe: dict[str, str]) -> Iterator[Slurm]:
         "ClusterName=gpumontest",
         "SlurmctldHost=localhost",
         f"SlurmctldPort={ctld_port}",
-        "SlurmUser=root",
-        "SlurmdUser=root",
-        "AuthType=auth/munge",
-        "CredType=cred/munge",
-        # our own munged socket, so the host's munge (if any) is not used or needed
-        f"AuthInfo=socket={sock}",
-        f"StateSaveLocation={base / 'state'}",
-        f"SlurmdSpoolDir={base / 'spool'}/%n",
-        f"SlurmctldPidFile={base / 'slurmctld.pid'}",
-        f"SlurmdPidFile={base}/slurmd-%n.pid",
-        f"SlurmctldLogFile={base / 'slurmctld.log'}",
-        f"SlurmdLogFile={base}/slurmd-%n.log",
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        "JobCompType=jobcomp/none",
-        "MpiDefault=none",
-        "SelectType=select/cons_tres",
-        # a node that registers again after a DOWN goes back to service by itself
-        "ReturnToService=2",
+        *common_lines(base, sock),
         *(f"NodeName={n} NodeHostname=localhost Port={p} CPUs=1 RealMemory=100 State=UNKNOWN"
           for n, p in node_ports.items()),
         f"PartitionName=main Nodes={','.join(NODES)} Default=YES State=UP",
