@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import http.client
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,14 +36,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _machine import describe
+from _snapshot import node_snapshot
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpumon import __version__
 from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder, make_registry
 from gpumon.export.webserver import serve_metrics
-from gpumon.health import Health
-from gpumon.model import CheckRun, Finding
 
 # What Prometheus 2.42 sends with every scrape (scrape/scrape.go: scrapeAcceptHeader).
 PROMETHEUS_HEADERS = {
@@ -54,31 +50,6 @@ PROMETHEUS_HEADERS = {
     "Accept-Encoding": "gzip",
     "User-Agent": "Prometheus/2.42.0",
 }
-
-
-def node_snapshot(scenario: str, state_dir: Path) -> Snapshot:
-    proc = subprocess.run([sys.executable, "-m", "gpumon", "check", "--simulate", scenario, "--json", "-v"],
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode not in (0, 1, 2):
-        raise SystemExit(f"gpumon check failed ({proc.returncode}): {proc.stderr}")
-    doc = json.loads(proc.stdout)
-    findings: dict[str, list[Finding]] = {}
-    for f in doc["findings"]:
-        findings.setdefault(f["check"], []).append(Finding.from_json(f))
-    runs = {c["check"]: CheckRun(c["check"], findings.get(c["check"], []), doc["time"] - c["seconds"],
-                                 c["seconds"], c["outcome"]) for c in doc["checks"]}
-    health = Health.open(state_dir, boot_id="bench-boot")
-    try:
-        for run in runs.values():
-            health.record_run(run)
-        view = health.view()
-    finally:
-        health.close()
-    # components first: view.components has a "node" entry of its own (the node-scoped findings
-    # only); the exported component="node" is the node's roll-up, so it goes last
-    states = {name: (c.level.value, c.action.value) for name, c in view.components.items()}
-    states["node"] = (view.node.level.value, view.node.action.value)
-    return Snapshot(doc["node"], doc["profile"], __version__, runs, states)
 
 
 def timed(fn: Callable[[], object], n: int, warmup: int) -> list[float]:
