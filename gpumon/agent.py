@@ -68,7 +68,7 @@ class Agent:
         self.node = self.config.node_name or self.machine.node_name() or socket.gethostname()
         self.check_state = CheckStateStore(self.state_dir / "checks" if self.persist_state else None)
         self.runner = Runner(self.hw, self.inventory, self.profile, self.config, node=self.node,
-                             state=self.check_state.get, state_dir=self.state_dir)
+                             states=self.check_state, state_dir=self.state_dir)
 
     def stop(self) -> None:
         self.hw.nvml.shutdown()

@@ -7,6 +7,10 @@ an Xid history. A check whose state just changed in a way a crash must not lose
 (an IB port went down or came back) saves it at once with :func:`save_now`. A
 state file that cannot be read is set aside (renamed ``*.corrupt``) and the
 check starts afresh; a write that fails is logged and retried on the next run.
+A state file that reads but that the check cannot use (valid JSON of another shape: a hand edit,
+another release) would make the check raise on every run, forever: a check that raises on its
+first run with state loaded from disk gets that state set aside the same way (:meth:`set_aside`,
+called by the runner), and its next run starts afresh.
 
 Every write goes to a temporary file that is fsync'd, renamed over the old one,
 and the directory fsync'd: after a crash (``kill -9``, power loss) the file holds
@@ -57,6 +61,8 @@ class CheckStateStore:
         # watermarks) at once: one writer at a time, or both would write the same .tmp file
         self._lock = threading.Lock()
         self.last_error: str | None = None
+        # checks whose state came from a file and has not yet carried a run to its end
+        self._unproven: set[str] = set()
 
     def _path(self, name: str) -> Path | None:
         return None if self.directory is None else self.directory / f"{name}.json"
@@ -73,12 +79,42 @@ class CheckStateStore:
                 if not isinstance(loaded, dict):
                     raise ValueError("not a JSON object")
                 state = loaded
+                self._unproven.add(name)
             except (OSError, ValueError) as exc:
                 log.warning("state of check %s unreadable (%s): starting afresh", name, exc)
                 with contextlib.suppress(OSError):  # set aside for a post-mortem
                     os.replace(path, path.with_suffix(".corrupt"))
         self._states[name] = got = CheckState(state, self, name)
         return got
+
+    def proven(self, name: str) -> None:
+        """The check completed a run with its state: what it loaded from disk was usable."""
+        self._unproven.discard(name)
+
+    def set_aside(self, name: str, why: str) -> Path | None:
+        """The check raised on its first run with state loaded from disk: that state is the likely
+        cause (it reads, but not as this check expects). Set the file aside (``*.corrupt``) and
+        empty the state in place, so that the next run starts afresh. Returns where the file went;
+        None when the state did not come from disk (a check that raises on fresh state is a bug,
+        which no reset cures)."""
+        if name not in self._unproven:
+            return None
+        self._unproven.discard(name)
+        with self._lock:
+            path = self._path(name)
+            moved = None if path is None else path.with_suffix(".corrupt")
+            log.warning("state of check %s set aside (%s): the next run starts afresh", name, why)
+            if path is not None and moved is not None:
+                try:
+                    os.replace(path, moved)
+                except OSError as exc:
+                    log.warning("cannot set aside %s: %s", path, exc)
+                    moved = None
+            state = self._states.get(name)
+            if state is not None:
+                state.clear()
+            self._saved.pop(name, None)
+            return moved
 
     def save(self, name: str) -> bool:
         with self._lock:

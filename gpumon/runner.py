@@ -17,12 +17,13 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpumon.check import Check, CheckContext, KernelLog, RetryRequest, condition_finding
+from gpumon.checkstate import CheckStateStore
 from gpumon.config import Config
 from gpumon.errors import HwCondition
 from gpumon.hw import Hardware
@@ -108,7 +109,7 @@ class _Slot:
 class Runner:
     def __init__(self, hw: Hardware, inventory: Inventory, profile: Profile, config: Config,
                  *, node: str, clock: Callable[[], float] = time.time,
-                 state: Callable[[str], MutableMapping[str, Any]] | None = None,
+                 states: CheckStateStore | None = None,
                  state_dir: Path | None = None) -> None:
         self.hw = hw
         self.state_dir = state_dir
@@ -117,15 +118,15 @@ class Runner:
         self.config = config
         self.node = node
         self.clock = clock
-        self._states: dict[str, MutableMapping[str, Any]] = {}
-        self._state_factory = state or (lambda name: self._states.setdefault(name, {}))
+        # a one-shot command keeps its checks' state in memory only (CheckStateStore(None))
+        self.states = states if states is not None else CheckStateStore(None)
         self._inflight: dict[str, _Slot] = {}
         self._workers: dict[str, Worker] = {}
 
     def _context(self, check: Check, kernel_log: KernelLog, retry: RetryRequest | None) -> CheckContext:
         settings = self.config.settings(type(check))
         return CheckContext(hw=self.hw, inventory=self.inventory, profile=self.profile,
-                            params=settings.params, state=self._state_factory(check.name),
+                            params=settings.params, state=self.states.get(check.name),
                             kernel_log=kernel_log, clock=self.clock, node=self.node,
                             state_dir=self.state_dir, retry=retry)
 
@@ -235,9 +236,13 @@ class Runner:
             if isinstance(exc, HwCondition):
                 return CheckRun(check.name, [condition_finding(check.name, exc)], started, elapsed,
                                 "error")
-            f = Finding(check.name, NODE, Severity.UNKNOWN,
-                        f"check raised {type(exc).__name__}: {exc}", Action.NONE,
-                        {"traceback": slot.tb[-2000:]})
+            message = f"check raised {type(exc).__name__}: {exc}"
+            evidence: dict[str, Any] = {"traceback": slot.tb[-2000:]}
+            moved = self.states.set_aside(check.name, message)
+            if moved is not None:
+                message += f"; its saved state ({moved.name}) was set aside and the next run starts afresh"
+                evidence["state_set_aside"] = str(moved)
+            f = Finding(check.name, NODE, Severity.UNKNOWN, message, Action.NONE, evidence)
             return CheckRun(check.name, [f], started, elapsed, "error")
         findings = slot.result or []
         bad = [f for f in findings if not isinstance(f, Finding)]
@@ -245,4 +250,5 @@ class Runner:
             why = "returned no findings" if not findings else f"returned {type(bad[0]).__name__}"
             f = Finding(check.name, NODE, Severity.UNKNOWN, f"check {why}", Action.NONE, {})
             return CheckRun(check.name, [f], started, elapsed, "error")
+        self.states.proven(check.name)
         return CheckRun(check.name, findings, started, elapsed, "completed")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from gpumon.check import Check, CheckContext
+from gpumon.checkstate import CheckStateStore
 from gpumon.config import CheckSettings, Config
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory
@@ -226,3 +227,55 @@ def test_worker_takes_one_job_at_a_time() -> None:
     gate.set()
     assert w.idle.wait(2) and not w.busy
     assert w.submit(ran.set) and ran.wait(2)
+
+
+class Counts(Check):
+    """Keeps a run counter in its persisted state, trusting its shape as a check of an older
+    release would (the state is JSON the daemon saved)."""
+
+    name = "counts"
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        ctx.state["runs"] = ctx.state.get("runs", 0) + 1
+        return [self.ok(NODE, f"run {ctx.state['runs']}")]
+
+
+def _persisted_runner(tmp_path: Path, states: CheckStateStore) -> Runner:
+    config = Config(check_settings={"counts": CheckSettings(timeout_s=5.0)})
+    return Runner(Hardware(tmp_path), Inventory(), GENERIC, config, node="test", states=states)
+
+
+def test_saved_state_the_check_cannot_use_is_set_aside_and_the_next_run_starts_afresh(tmp_path: Path) -> None:
+    store_dir = tmp_path / "checks"
+    first = CheckStateStore(store_dir)
+    runner = _persisted_runner(tmp_path, first)
+    assert [f.message for f in runner.run([Counts()])[0].findings] == ["run 1"]
+    assert first.save("counts")
+    # valid JSON of another shape (a hand edit, another release): the check raises on it
+    (store_dir / "counts.json").write_text('{"runs": "seven"}')
+    restarted = CheckStateStore(store_dir)
+    runner = _persisted_runner(tmp_path, restarted)
+    run = runner.run([Counts()])[0]
+    assert run.outcome == "error"
+    (f,) = run.findings
+    assert f.severity is Severity.UNKNOWN and "set aside" in f.message
+    assert (store_dir / "counts.corrupt").read_text() == '{"runs": "seven"}'
+    assert not (store_dir / "counts.json").exists()
+    assert [f.message for f in runner.run([Counts()])[0].findings] == ["run 1"]  # afresh, for good
+    assert restarted.save("counts") and (store_dir / "counts.json").read_text() == '{"runs":1}'
+
+
+def test_state_the_check_ran_with_is_kept_when_it_raises_later(tmp_path: Path) -> None:
+    """Only the first run on loaded state can blame the state: once a run completed with it, a
+    later exception is the check's own (kept state, say, of an outage in progress, is not lost)."""
+    store_dir = tmp_path / "checks"
+    store_dir.mkdir()
+    (store_dir / "counts.json").write_text('{"runs": 3}')
+    store = CheckStateStore(store_dir)
+    runner = _persisted_runner(tmp_path, store)
+    assert [f.message for f in runner.run([Counts()])[0].findings] == ["run 4"]
+    store.get("counts")["runs"] = "broken by the check itself"
+    run = runner.run([Counts()])[0]
+    assert run.outcome == "error" and "set aside" not in run.findings[0].message
+    assert store.get("counts")["runs"] == "broken by the check itself"
+    assert not (store_dir / "counts.corrupt").exists()
