@@ -188,7 +188,8 @@ class IbCheck(Check):
         """The state read from ``raw`` once per mapping: a mapping loaded from disk may hold
         anything, but the one this check wrote itself a second ago needs no second look (the
         check runs every second, and a full check costs more than the sampling)."""
-        if raw is not self._state_of:
+        # emptied in place: set aside by the runner (gpumon.checkstate), start afresh too
+        if raw is not self._state_of or not raw:
             self._state = restore(_IbState, raw, check=self.name)
             self._state_of = raw
         return self._state

@@ -8,7 +8,9 @@ normal electrical and thermal life; a GPU held down for a large share of the win
 
 Per GPU and run the check reads the current reasons mask (``nvmlDeviceGetCurrentClocksEventReasons``)
 and the NVML violation counters (``nvmlDeviceGetViolationStatus``, cumulative ns), and keeps
-them in ``ctx.state``. The share of the window each reason was active comes from:
+them in ``ctx.state`` (typed, ``_ThrottleState``, read back through ``gpumon.bootstate``: saved
+state of another shape is logged and started afresh, never raised on). The share of the window
+each reason was active comes from:
 
 - sampling: the masks read run after run, time-weighted (the time between two readings is
   split evenly between them; a gap longer than ``max_sample_gap_s`` counts for neither);
@@ -36,7 +38,7 @@ from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstate import start_boot
+from gpumon.bootstate import dump_state, enter_boot, restore
 from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
@@ -196,6 +198,40 @@ def window_shares(samples: Sequence[Sequence[float]], spans: Mapping[str, Sequen
     return Window(observed, fractions, basis, counters)
 
 
+@dataclass
+class _History:
+    """One GPU's readings in the window (JSON: lists for the tuples, as the untyped releases wrote)."""
+
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (time, reasons mask)
+    # counter name -> (t0, t1, ns it ran between two readings)
+    spans: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    counters: dict[str, tuple[float, int]] = field(default_factory=dict)  # name -> last (time, ns)
+    resets: int = 0  # counters seen going backwards; left out of the JSON while 0, as before
+
+
+@dataclass
+class _ThrottleState:
+    """The check's persisted state (``ctx.state``): ``{"boot_id", "gpus": {index: history}}``."""
+
+    boot_id: str | None = None
+    gpus: dict[str, _History] = field(default_factory=dict)
+
+    def new_boot(self) -> bool:
+        """A reboot restarts every counter and ends every slowdown: nothing is kept. False:
+        nothing here must reach the disk before the daemon's next save."""
+        self.gpus = {}
+        return False
+
+
+def _dump(state: _ThrottleState) -> dict[str, Any]:
+    """``state`` as the JSON the untyped releases wrote, which an older release can still read."""
+    out = dump_state(state)
+    for history in out["gpus"].values():
+        if not history["resets"]:
+            del history["resets"]
+    return out
+
+
 class ThrottleCheck(Check):
     name = "throttle"
     phase = Phase.CONTINUOUS
@@ -204,16 +240,39 @@ class ThrottleCheck(Check):
     timeout = 20.0
     Config = ThrottleConfig
 
+    def __init__(self) -> None:
+        # The typed state and the mapping it was read from (see _typed_state)
+        self._state = _ThrottleState()
+        self._state_of: MutableMapping[str, Any] | None = None
+
     def supported(self, inventory: Inventory) -> str | None:
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
+        state = self._typed_state(ctx.state)
+        try:
+            return self._run(ctx, state)
+        finally:
+            # the persisted mapping follows the typed state after every run (one that raised
+            # included), so that the daemon's timed save sees what this run left
+            ctx.state.clear()
+            ctx.state.update(_dump(state))
+
+    def _typed_state(self, raw: MutableMapping[str, Any]) -> _ThrottleState:
+        """The state read from ``raw`` once per mapping: one loaded from disk may hold anything,
+        but the one this check wrote itself on its last run needs no second look. An emptied
+        mapping is read again: the daemon empties a state it sets aside, and this check never
+        leaves its own empty."""
+        if raw is not self._state_of or not raw:
+            self._state = restore(_ThrottleState, raw, check=self.name)
+            self._state_of = raw
+        return self._state
+
+    def _run(self, ctx: CheckContext, state: _ThrottleState) -> list[Finding]:
         params = ctx.params_as(ThrottleConfig)
         out = self.unreadable_gpus(ctx.inventory)
-        state = ctx.state
-        boot = ctx.hw.fs.boot_id()
-        start_boot(state, boot)  # a reboot restarts every counter and ends every slowdown
-        gpus: dict[str, Any] = state.setdefault("gpus", {})
+        enter_boot(state, ctx.hw.fs.boot_id())  # a reboot restarts every counter and ends every slowdown
+        gpus = state.gpus
         for info in ctx.inventory.gpus:
             comp = gpu(info.index)
             try:
@@ -224,12 +283,13 @@ class ThrottleCheck(Check):
                 out.append(self.from_condition(cond, comp))
                 continue
             now = ctx.clock()
-            history = gpus.setdefault(str(info.index), {})
+            history = gpus.get(key := str(info.index))
+            if history is None:
+                history = gpus[key] = _History()
             _record(history, now, mask, counters, params)
-            win = window_shares(history["samples"], history["spans"], now, params.window_s,
+            win = window_shares(history.samples, history.spans, now, params.window_s,
                                 params.max_sample_gap_s)
-            out.append(self._verdict(info.index, mask, win, readings, int(history.get("resets", 0)),
-                                     params))
+            out.append(self._verdict(info.index, mask, win, readings, history.resets, params))
         return out
 
     def _verdict(self, index: int, mask: int, win: Window, readings: dict[str, Any], resets: int,
@@ -325,32 +385,30 @@ def _action(reasons: Sequence[str]) -> Action:
     return max(_ACTIONS.get(r, Action.INSPECT_HARDWARE) for r in reasons)
 
 
-def _record(history: MutableMapping[str, Any], now: float, mask: int, counters: Mapping[str, int],
+def _record(history: _History, now: float, mask: int, counters: Mapping[str, int],
             params: ThrottleConfig) -> None:
     """Add one reading (mask and violation counters) to a GPU's history, trimmed to the window."""
-    samples: list[list[float]] = history.setdefault("samples", [])
-    spans: dict[str, list[list[float]]] = history.setdefault("spans", {})
-    last: dict[str, list[float]] = history.setdefault("counters", {})
+    samples, spans, last = history.samples, history.spans, history.counters
     if samples and now < samples[-1][0]:
         # the clock stepped back: earlier readings cannot be placed on it any more
         samples.clear()
         spans.clear()
         last.clear()
-    samples.append([now, mask])
+    samples.append((now, mask))
     for name in ("thermal", "power"):
         if name not in counters:
             continue
         value = counters[name]
         prev = last.get(name)
-        last[name] = [now, value]
+        last[name] = (now, value)
         if prev is None or now <= prev[0]:
             continue
         elapsed, delta = now - prev[0], value - prev[1]
         if delta < 0 or delta / 1e9 > elapsed * _COUNTER_SLACK + _COUNTER_SLACK_S:
             # restarted (driver reload, GPU reset) or garbage: count again from this reading
-            history["resets"] = int(history.get("resets", 0)) + 1
+            history.resets += 1
             continue
-        spans.setdefault(name, []).append([prev[0], now, min(delta, elapsed * 1e9)])
+        spans.setdefault(name, []).append((prev[0], now, min(delta, elapsed * 1e9)))
     start = now - params.window_s
     # keep the last reading before the window: the gap from it reaches into the window
     first = next((i for i, s in enumerate(samples) if s[0] >= start), len(samples))

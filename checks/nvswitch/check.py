@@ -47,6 +47,10 @@ boot within ``repeat_window_s`` (the repeat-after-reboot rule of ``gpumon.bootst
 inspect_hardware: "If the same SXid is returned, the
 NVSwitch should be inspected and repaired" (Fabric Manager user guide, fatal SXid table, as
 transcribed in leptonai/gpud components/accelerator/nvidia/sxid/sxid.go @ 09b59a5b).
+
+The state (SXid groups, the fabric manager log's cursor and groups, the history across boots) is
+typed (checks/nvswitch/state.py) and read back through ``gpumon.bootstate``: saved state of another
+shape is refused, with its reason logged, and the check starts afresh.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from dataclasses import dataclass, field
 from datetime import timezone, tzinfo
 from typing import Any
 
-from gpumon.bootstate import REPEAT_WINDOW_S, REPEAT_WINDOW_SOURCE, RepeatHistory, start_boot
+from gpumon.bootstate import REPEAT_WINDOW_S, REPEAT_WINDOW_SOURCE, RepeatHistory, enter_boot, restore
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.fabricmanager import (
@@ -78,6 +82,16 @@ from gpumon.hw.nvrm import SXidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvswitch, pci
 
 from .catalog import NAME_PREFIX, SXidInfo, default_verdict, lookup
+from .state import (
+    FmOtherGroup,
+    FmStats,
+    FmSwitchGroup,
+    NvswitchState,
+    OpenEvent,
+    SxidGroup,
+    SxidMark,
+    to_json,
+)
 
 _MAX_SAMPLES = 5
 _MAX_LINKS = 64
@@ -162,6 +176,11 @@ class NvswitchCheck(Check):
     kernel_log_events = (SXidEvent,)
     kernel_log_records = False
 
+    def __init__(self) -> None:
+        # The typed state and the mapping it was read from (see _typed_state)
+        self._state = NvswitchState()
+        self._state_of: MutableMapping[str, Any] | None = None
+
     def supported(self, inventory: Inventory) -> str | None:
         if any(d.is_nvswitch for d in inventory.pci_devices):
             return None
@@ -175,17 +194,30 @@ class NvswitchCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params = ctx.params_as(NvswitchConfig)
-        state = ctx.state
-        boot = ctx.hw.fs.boot_id()
-        if start_boot(state, boot, keep=("history",)) and not isinstance(state.get("history"), dict):
-            state["history"] = {}
-        now = ctx.clock()
-        boot_time = ctx.hw.fs.boot_time() or ctx.kernel_log.boot_time
-        findings = self._switch_count(ctx.inventory, params)
-        findings += self._sxid(ctx, params, now)
-        findings += self._fabric(ctx, params, now, boot_time)
-        findings += self._fm_log(ctx, params, now, boot_time)
-        return self._one_per_component(findings)
+        state = self._typed_state(ctx.state)
+        try:
+            enter_boot(state, ctx.hw.fs.boot_id())
+            now = ctx.clock()
+            boot_time = ctx.hw.fs.boot_time() or ctx.kernel_log.boot_time
+            findings = self._switch_count(ctx.inventory, params)
+            findings += self._sxid(ctx, state, params, now)
+            findings += self._fabric(ctx, params, now, boot_time)
+            findings += self._fm_log(ctx, state, params, now, boot_time)
+            return self._one_per_component(findings)
+        finally:
+            # the persisted mapping follows the typed state after every run, so that the daemon's
+            # save (and a test) sees what this run left
+            ctx.state.clear()
+            ctx.state.update(to_json(state))
+
+    def _typed_state(self, raw: MutableMapping[str, Any]) -> NvswitchState:
+        """The state read from ``raw`` once per mapping: one loaded from disk may hold anything,
+        the one this check wrote back itself needs no second look. An emptied mapping (the
+        runner set the state aside) is read again: the check starts afresh."""
+        if raw is not self._state_of or not raw:
+            self._state = restore(NvswitchState, raw, check=self.name)
+            self._state_of = raw
+        return self._state
 
     # -- one finding per component (and fault) -----------------------------------------
 
@@ -259,15 +291,15 @@ class NvswitchCheck(Check):
 
     # -- SXid lines -------------------------------------------------------------------
 
-    def _sxid(self, ctx: CheckContext, p: NvswitchConfig, now: float) -> list[Finding]:
+    def _sxid(self, ctx: CheckContext, state: NvswitchState, p: NvswitchConfig, now: float) -> list[Finding]:
         log = ctx.kernel_log
         if not log.available:
             return [self.finding(NODE, Severity.UNKNOWN,
                                  f"kernel log unreadable: {log.error or 'unknown reason'}; SXid errors "
                                  "cannot be ruled out", reading="sxid", source=log.source)]
-        groups: dict[str, dict[str, Any]] = ctx.state.setdefault("sxid", {})
-        switch_pci: dict[str, int] = ctx.state.setdefault("switch_pci", {})
-        seen = _Watermark(ctx.state)
+        groups = state.sxid
+        switch_pci = state.switch_pci
+        seen = _Watermark(state)
         for event in log.events:
             if not isinstance(event, SXidEvent) or event.code in p.ignore_codes or seen.before(event.record):
                 continue
@@ -277,7 +309,7 @@ class NvswitchCheck(Check):
         seen.save()
         findings = []
         for g in groups.values():
-            f = self._sxid_finding(g, ctx, now, p)
+            f = self._sxid_finding(g, state, now, p)
             if f is not None:
                 findings.append(f)
         if not findings:
@@ -289,35 +321,35 @@ class NvswitchCheck(Check):
                                     records_read=log.records_read, lost_records=log.lost_records))
         return findings
 
-    def _sxid_finding(self, g: dict[str, Any], ctx: CheckContext, now: float,
+    def _sxid_finding(self, g: SxidGroup, state: NvswitchState, now: float,
                       p: NvswitchConfig) -> Finding | None:
-        code: int = g["code"]
+        code = g.code
         info = lookup(code)
         severity, action, said = _group_verdict(info, g)
-        if severity is Severity.WARN and now - g["last"] > p.recent_window_s:
+        if severity is Severity.WARN and now - g.last > p.recent_window_s:
             return None
         note = ""
         if severity is Severity.FAIL and action is Action.REBOOT_NODE and _repeated(
-                ctx.state, f"{g['pci'] or g['switch']}|{code}", now, p.repeat_window_s):
+                state, f"{g.pci or g.switch}|{code}", now, p.repeat_window_s):
             action = Action.INSPECT_HARDWARE
             note = (f"; seen on this switch in an earlier boot within {p.repeat_window_s / 86400:g} days "
                     "(NVIDIA: a fatal SXid that returns after the reset means inspect the NVSwitch)")
         counts = []
-        if g["fatal_events"]:
-            counts.append(f"{g['fatal_events']} fatal")
-        if g["nonfatal_events"]:
-            counts.append(f"{g['nonfatal_events']} non-fatal")
-        if g["unsaid_events"]:
-            counts.append(f"{g['unsaid_events']} without a Fatal/Non-fatal line")
-        links = f", links {', '.join(map(str, sorted(g['links'])))}" if g["links"] else ""
-        component = nvswitch(g["switch"])
-        message = (f"SXid {code} {_short_name(info)} on {component}: {g['events']} event"
-                   f"{'s' if g['events'] != 1 else ''} ({', '.join(counts)}){links}{note}")
+        if g.fatal_events:
+            counts.append(f"{g.fatal_events} fatal")
+        if g.nonfatal_events:
+            counts.append(f"{g.nonfatal_events} non-fatal")
+        if g.unsaid_events:
+            counts.append(f"{g.unsaid_events} without a Fatal/Non-fatal line")
+        links = f", links {', '.join(map(str, sorted(g.links)))}" if g.links else ""
+        component = nvswitch(g.switch)
+        message = (f"SXid {code} {_short_name(info)} on {component}: {g.events} event"
+                   f"{'s' if g.events != 1 else ''} ({', '.join(counts)}){links}{note}")
         evidence: dict[str, Any] = {
-            "reading": "sxid", "code": code, "pci_bus_id": g["pci"], "events": g["events"],
-            "lines": g["lines"], "fatal_events": g["fatal_events"], "nonfatal_events": g["nonfatal_events"],
-            "unsaid_events": g["unsaid_events"], "class_from": said, "links": sorted(g["links"]),
-            "first_seen": g["first"], "last_seen": g["last"], "samples": g["samples"],
+            "reading": "sxid", "code": code, "pci_bus_id": g.pci, "events": g.events,
+            "lines": g.lines, "fatal_events": g.fatal_events, "nonfatal_events": g.nonfatal_events,
+            "unsaid_events": g.unsaid_events, "class_from": said, "links": sorted(g.links),
+            "first_seen": g.first, "last_seen": g.last, "samples": g.samples,
         }
         evidence.update(_catalog_evidence(info))
         return self.finding(component, severity, message, action, **evidence)
@@ -396,21 +428,21 @@ class NvswitchCheck(Check):
 
     # -- fabric manager log -------------------------------------------------------------
 
-    def _fm_log(self, ctx: CheckContext, p: NvswitchConfig, now: float,
+    def _fm_log(self, ctx: CheckContext, state: NvswitchState, p: NvswitchConfig, now: float,
                 boot_time: float | None) -> list[Finding]:
         rel = p.fm_log_path or DEFAULT_LOG_PATH
-        fm: dict[str, Any] = ctx.state.setdefault("fm", {})
-        groups: dict[str, dict[str, Any]] = fm.setdefault("groups", {})
+        fm = state.fm
+        groups = fm.groups
         reader = FabricManagerLog(ctx.hw.fs, rel, max_read_bytes=p.fm_log_max_read_bytes,
                                   initial_tail_bytes=p.fm_log_initial_tail_bytes)
         try:
-            res = reader.follow(fm.get("cursor"))
+            res = reader.follow(fm.cursor)
         except HwCondition as exc:
             failed = _tagged(self.from_condition(exc, NODE), "fm_log")
-            return [failed, *self._fm_findings(groups, ctx, now, p)]
+            return [failed, *self._fm_findings(groups, state, now, p)]
         source = str(reader.path)
         if res.missing:
-            fm["cursor"] = None
+            fm.cursor = None
             if p.fm_log_path is None:
                 # an optional source: a note on the node's finding, not its verdict (see _merged)
                 head = self.finding(NODE, Severity.SKIPPED,
@@ -420,26 +452,27 @@ class NvswitchCheck(Check):
             else:
                 head = self.finding(NODE, Severity.UNKNOWN, f"the configured fabric manager log {source} "
                                     "does not exist", reading="fm_log", source=source)
-            return [head, *self._fm_findings(groups, ctx, now, p)]
-        fm["cursor"] = res.cursor
+            return [head, *self._fm_findings(groups, state, now, p)]
+        fm.cursor = res.cursor
         tz, tz_note = _fm_timezone(ctx, p.fm_log_timezone)
-        stats = fm.setdefault("stats", {"entries": 0, "older_boot": 0, "orphan_lines": 0, "malformed": 0,
-                                        "skipped_bytes": 0, "rotations": 0, "truncations": 0})
-        stats["entries"] += len(res.entries)
-        stats["orphan_lines"] += res.orphan_lines
-        stats["malformed"] += res.malformed_lines
-        stats["skipped_bytes"] += res.skipped_bytes
-        stats["rotations"] += int(res.replaced)
-        stats["truncations"] += int(res.truncated)
+        if fm.stats is None:
+            fm.stats = FmStats()
+        stats = fm.stats
+        stats.entries += len(res.entries)
+        stats.orphan_lines += res.orphan_lines
+        stats.malformed += res.malformed_lines
+        stats.skipped_bytes += res.skipped_bytes
+        stats.rotations += int(res.replaced)
+        stats.truncations += int(res.truncated)
         for entry in res.entries:
             if older_than_boot(entry_epoch(entry, tz), boot_time):
-                stats["older_boot"] += 1
+                stats.older_boot += 1
                 continue
-            self._add_fm_entry(groups, entry, ctx, now, p)
-        findings = self._fm_findings(groups, ctx, now, p)
+            self._add_fm_entry(groups, entry, ctx, state, now, p)
+        findings = self._fm_findings(groups, state, now, p)
         if not findings:
-            ev = dict(stats, reading="fm_log", source=source, behind_bytes=res.behind_bytes,
-                      quiet_groups=len(groups))
+            ev = dict(dataclasses.asdict(stats), reading="fm_log", source=source,
+                      behind_bytes=res.behind_bytes, quiet_groups=len(groups))
             if tz_note:
                 ev["timezone_note"] = tz_note
             message = ("no NVSwitch or other errors in the fabric manager log this boot" if not groups else
@@ -448,72 +481,72 @@ class NvswitchCheck(Check):
             findings.append(self.ok(NODE, message, **ev))
         return findings
 
-    def _add_fm_entry(self, groups: dict[str, dict[str, Any]], entry: FmLogEntry, ctx: CheckContext,
-                      now: float, p: NvswitchConfig) -> None:
+    def _add_fm_entry(self, groups: dict[str, FmSwitchGroup | FmOtherGroup], entry: FmLogEntry,
+                      ctx: CheckContext, state: NvswitchState, now: float, p: NvswitchConfig) -> None:
         err = nvswitch_error(entry.message)
         if err is not None:
             if err.code not in p.ignore_codes:
-                _add_fm_error(groups, err, entry, _fm_component(ctx, err), now)
+                _add_fm_error(groups, err, entry, _fm_component(ctx, state, err), now)
         elif entry.level in _FM_ERROR_LEVELS:
-            g = groups.setdefault("other", {"kind": "other", "count": 0, "levels": [],
-                                            "first_stamp": entry.stamp, "last_stamp": entry.stamp,
-                                            "seen": now, "samples": []})
-            g["count"] += 1
-            g["last_stamp"] = entry.stamp
-            g["seen"] = now
-            if entry.level not in g["levels"]:
-                g["levels"].append(entry.level)
-            _sample(g["samples"], f"[{entry.level}] {entry.message}")
+            g = groups.get("other")
+            if not isinstance(g, FmOtherGroup):  # a switch's key never reads "other" (it has a "|")
+                g = groups["other"] = FmOtherGroup("other", 0, [], entry.stamp, entry.stamp, now, [])
+            g.count += 1
+            g.last_stamp = entry.stamp
+            g.seen = now
+            if entry.level not in g.levels:
+                g.levels.append(entry.level)
+            _sample(g.samples, f"[{entry.level}] {entry.message}")
 
-    def _fm_findings(self, groups: dict[str, dict[str, Any]], ctx: CheckContext, now: float,
+    def _fm_findings(self, groups: dict[str, FmSwitchGroup | FmOtherGroup], state: NvswitchState, now: float,
                      p: NvswitchConfig) -> list[Finding]:
         out: list[Finding] = []
         for g in groups.values():
-            f = self._fm_finding(g, ctx, now, p)
+            f = self._fm_finding(g, state, now, p)
             if f is not None:
                 out.append(f)
         return out
 
-    def _fm_finding(self, g: dict[str, Any], ctx: CheckContext, now: float,
+    def _fm_finding(self, g: FmSwitchGroup | FmOtherGroup, state: NvswitchState, now: float,
                     p: NvswitchConfig) -> Finding | None:
-        if g["kind"] == "other":
-            if now - g["seen"] > p.recent_window_s:
+        if isinstance(g, FmOtherGroup):
+            if now - g.seen > p.recent_window_s:
                 return None
-            entries = "entry" if g["count"] == 1 else "entries"
-            message = f"{g['count']} error {entries} in the fabric manager log"
-            return self.finding(NODE, Severity.WARN, message, reading="fm_log", count=g["count"],
-                                levels=g["levels"], first_stamp=g["first_stamp"],
-                                last_stamp=g["last_stamp"], samples=g["samples"])
-        code: int = g["code"]
+            entries = "entry" if g.count == 1 else "entries"
+            message = f"{g.count} error {entries} in the fabric manager log"
+            return self.finding(NODE, Severity.WARN, message, reading="fm_log", count=g.count,
+                                levels=g.levels, first_stamp=g.first_stamp,
+                                last_stamp=g.last_stamp, samples=g.samples)
+        code = g.code
         info = lookup(code)
         verdicts = []
-        if g["fatal"]:
+        if g.fatal:
             verdicts.append(info.verdict(True) if info else default_verdict("", True))
-        if g["nonfatal"]:
+        if g.nonfatal:
             verdicts.append(info.verdict(False) if info else default_verdict("", False))
         severity, action = max(verdicts, key=lambda v: (v[0].rank, v[1].rank))
-        if severity is Severity.WARN and now - g["seen"] > p.recent_window_s:
+        if severity is Severity.WARN and now - g.seen > p.recent_window_s:
             return None
         note = ""
-        if severity is Severity.FAIL and action is Action.REBOOT_NODE and g["pci"] and _repeated(
-                ctx.state, f"{g['pci']}|{code}", now, p.repeat_window_s):
+        if severity is Severity.FAIL and action is Action.REBOOT_NODE and g.pci and _repeated(
+                state, f"{g.pci}|{code}", now, p.repeat_window_s):
             action = Action.INSPECT_HARDWARE
             note = "; seen on this switch in an earlier boot too"
-        words = [w for w, n in (("fatal", g["fatal"]), ("non-fatal", g["nonfatal"])) if n]
-        count = g["fatal"] + g["nonfatal"]
-        ports = ", ".join(f"{k} ({v}x)" if v > 1 else k for k, v in sorted(g["ports"].items(),
+        words = [w for w, n in (("fatal", g.fatal), ("non-fatal", g.nonfatal)) if n]
+        count = g.fatal + g.nonfatal
+        ports = ", ".join(f"{k} ({v}x)" if v > 1 else k for k, v in sorted(g.ports.items(),
                                                                          key=lambda kv: int(kv[0])))
         message = (f"fabric manager: {' and '.join(words)} NVSwitch error {code} {_short_name(info)} on "
-                   f"{g['component']}: {count} entr{'y' if count == 1 else 'ies'}"
+                   f"{g.component}: {count} entr{'y' if count == 1 else 'ies'}"
                    f"{', ports ' + ports if ports else ''}{note}")
         evidence: dict[str, Any] = {
-            "reading": "fm_log", "code": code, "pci_bus_id": g["pci"], "count": count,
-            "fatal_count": g["fatal"], "nonfatal_count": g["nonfatal"], "ports": g["ports"],
-            "physical_ids": g["physical_ids"], "first_stamp": g["first_stamp"], "last_stamp": g["last_stamp"],
-            "samples": g["samples"],
+            "reading": "fm_log", "code": code, "pci_bus_id": g.pci, "count": count,
+            "fatal_count": g.fatal, "nonfatal_count": g.nonfatal, "ports": g.ports,
+            "physical_ids": g.physical_ids, "first_stamp": g.first_stamp, "last_stamp": g.last_stamp,
+            "samples": g.samples,
         }
         evidence.update(_catalog_evidence(info))
-        return self.finding(g["component"], severity, message, action, **evidence)
+        return self.finding(g.component, severity, message, action, **evidence)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -538,11 +571,11 @@ class _Watermark:
     is unknown (both restart at a reboot).
     """
 
-    def __init__(self, state: dict[str, Any] | Any) -> None:
+    def __init__(self, state: NvswitchState) -> None:
         self._state = state
-        mark = state.get("sxid_mark") if state.get("boot_id") is not None else None
-        self._seq: int | None = mark.get("seq") if isinstance(mark, dict) else None
-        self._mono: int | None = mark.get("mono") if isinstance(mark, dict) else None
+        mark = state.sxid_mark if state.boot_id is not None else None
+        self._seq: int | None = mark.seq if mark is not None else None
+        self._mono: int | None = mark.mono if mark is not None else None
         self._new_seq, self._new_mono = self._seq, self._mono
 
     def before(self, record: Any) -> bool:
@@ -559,8 +592,8 @@ class _Watermark:
         return False
 
     def save(self) -> None:
-        if self._state.get("boot_id") is not None:
-            self._state["sxid_mark"] = {"seq": self._new_seq, "mono": self._new_mono}
+        if self._state.boot_id is not None:
+            self._state.sxid_mark = SxidMark(self._new_seq, self._new_mono)
 
 
 def _sample(samples: list[str], text: str) -> None:
@@ -573,7 +606,7 @@ def _add_link(links: list[int], link: int | None) -> None:
         links.append(link)
 
 
-def _add_sxid_line(groups: dict[str, dict[str, Any]], ev: SXidEvent, when: float, gap: float) -> None:
+def _add_sxid_line(groups: dict[str, SxidGroup], ev: SXidEvent, when: float, gap: float) -> None:
     """Fold one SXid line into its switch+code group; lines close in time make one event.
 
     A line that says Fatal/Non-fatal starts an event, except when it completes a headless one
@@ -583,49 +616,48 @@ def _add_sxid_line(groups: dict[str, dict[str, Any]], ev: SXidEvent, when: float
     key = f"{ev.switch}|{ev.code}"
     g = groups.get(key)
     if g is None:
-        g = groups[key] = {"switch": ev.switch, "pci": ev.pci, "code": ev.code, "lines": 0, "events": 0,
-                           "fatal_events": 0, "nonfatal_events": 0, "unsaid_events": 0, "links": [],
-                           "first": when, "last": when, "samples": [], "open": None}
+        g = groups[key] = SxidGroup(ev.switch, ev.pci, ev.code, 0, 0, 0, 0, 0, [], when, when, [], None)
     m = _ENGINE_RE.search(ev.message)
     engine = int(m.group(1)) if m else None
-    open_ev: dict[str, Any] | None = g["open"]
-    within = open_ev is not None and abs(when - open_ev["t"]) <= gap
+    open_ev = g.open
+    within = open_ev is not None and abs(when - open_ev.t) <= gap
     if ev.fatal is not None:
-        adopt = (within and open_ev is not None and not open_ev["headed"]
-                 and open_ev.get("engine") in (None, ev.link))
+        adopt = within and open_ev is not None and not open_ev.headed and open_ev.engine in (None, ev.link)
         if adopt and open_ev is not None:
-            g["unsaid_events"] -= 1
+            g.unsaid_events -= 1
+            open_ev.t, open_ev.headed, open_ev.engine = when, True, ev.link
         else:
-            g["events"] += 1
-            open_ev = {}
-        g["fatal_events" if ev.fatal else "nonfatal_events"] += 1
-        open_ev.update({"t": when, "headed": True, "engine": ev.link})
-        g["open"] = open_ev
+            g.events += 1
+            g.open = OpenEvent(when, True, ev.link)
+        if ev.fatal:
+            g.fatal_events += 1
+        else:
+            g.nonfatal_events += 1
     elif within and open_ev is not None:
-        open_ev["t"] = when
+        open_ev.t = when
     else:
-        g["events"] += 1
-        g["unsaid_events"] += 1
-        g["open"] = {"t": when, "headed": False, "engine": engine}
-    _add_link(g["links"], ev.link if ev.link is not None else engine)
-    g["lines"] += 1
-    g["first"] = min(g["first"], when)
-    g["last"] = max(g["last"], when)
-    g["pci"] = g["pci"] or ev.pci
-    _sample(g["samples"], ev.message)
+        g.events += 1
+        g.unsaid_events += 1
+        g.open = OpenEvent(when, False, engine)
+    _add_link(g.links, ev.link if ev.link is not None else engine)
+    g.lines += 1
+    g.first = min(g.first, when)
+    g.last = max(g.last, when)
+    g.pci = g.pci or ev.pci
+    _sample(g.samples, ev.message)
 
 
-def _group_verdict(info: SXidInfo | None, g: dict[str, Any]) -> tuple[Severity, Action, str]:
+def _group_verdict(info: SXidInfo | None, g: SxidGroup) -> tuple[Severity, Action, str]:
     """Worst verdict over the group's events, and where their class came from."""
     verdicts: list[tuple[Severity, Action]] = []
     said: list[str] = []
-    if g["fatal_events"]:
+    if g.fatal_events:
         verdicts.append(info.verdict(True) if info else default_verdict("", True))
-    if g["nonfatal_events"]:
+    if g.nonfatal_events:
         verdicts.append(info.verdict(False) if info else default_verdict("", False))
-    if g["fatal_events"] or g["nonfatal_events"]:
+    if g.fatal_events or g.nonfatal_events:
         said.append("line")
-    if g["unsaid_events"]:
+    if g.unsaid_events:
         said.append("catalog" if info else "unknown")
         # a code neither source lists and no line saying fatal: a warning, not a guess at fatal
         verdicts.append(info.verdict(info.fatal) if info else (Severity.WARN, Action.NONE))
@@ -633,12 +665,9 @@ def _group_verdict(info: SXidInfo | None, g: dict[str, Any]) -> tuple[Severity, 
     return severity, action, "+".join(said)
 
 
-def _repeated(state: MutableMapping[str, Any], key: str, now: float, window: float) -> bool:
+def _repeated(state: NvswitchState, key: str, now: float, window: float) -> bool:
     """Record a fatal (switch, code) for this boot; True if an earlier boot had it within ``window``."""
-    history = state.get("history")
-    if not isinstance(history, dict):
-        history = state["history"] = {}
-    return RepeatHistory(history, max_keys=_MAX_HISTORY_KEYS).record(key, state.get("boot_id"), now, window)
+    return RepeatHistory(state.history, max_keys=_MAX_HISTORY_KEYS).record(key, state.boot_id, now, window)
 
 
 def _catalog_evidence(info: SXidInfo | None) -> dict[str, Any]:
@@ -675,14 +704,14 @@ def _fm_timezone(ctx: CheckContext, name: str) -> tuple[tzinfo, str | None]:
     return ZoneInfo(name), None
 
 
-def _fm_component(ctx: CheckContext, err: NvSwitchError) -> str:
+def _fm_component(ctx: CheckContext, state: NvswitchState, err: NvSwitchError) -> str:
     """nvswitch/<N> for the switch at the error's PCI address: N as the driver numbered it in SXid
     lines this boot, else its place among the NVSwitches on the bus (the driver probes them in bus
     order, tests/data/kmsg-xid/dmesg-decode-iso_boot_8gpu_nvswitch_550.90.07.log), else pci/<bus>."""
     if err.pci is None:
         return NODE
-    learned = ctx.state.get("switch_pci", {}).get(err.pci)
-    if isinstance(learned, int):
+    learned = state.switch_pci.get(err.pci)
+    if learned is not None:
         return nvswitch(learned)
     buses = sorted(d.bus_id for d in ctx.inventory.pci_devices if d.is_nvswitch)
     if err.pci in buses:
@@ -690,19 +719,21 @@ def _fm_component(ctx: CheckContext, err: NvSwitchError) -> str:
     return pci(err.pci)
 
 
-def _add_fm_error(groups: dict[str, dict[str, Any]], err: NvSwitchError, entry: FmLogEntry, component: str,
-                  now: float) -> None:
+def _add_fm_error(groups: dict[str, FmSwitchGroup | FmOtherGroup], err: NvSwitchError, entry: FmLogEntry,
+                  component: str, now: float) -> None:
     key = f"{component}|{err.code}"
     g = groups.get(key)
-    if g is None:
-        g = groups[key] = {"kind": "nvswitch", "component": component, "code": err.code, "pci": err.pci,
-                           "fatal": 0, "nonfatal": 0, "ports": {}, "physical_ids": [],
-                           "first_stamp": entry.stamp, "last_stamp": entry.stamp, "seen": now, "samples": []}
-    g["fatal" if err.fatal else "nonfatal"] += 1
-    if err.port is not None and (str(err.port) in g["ports"] or len(g["ports"]) < _MAX_LINKS):
-        g["ports"][str(err.port)] = g["ports"].get(str(err.port), 0) + 1
-    if err.physical_id is not None and err.physical_id not in g["physical_ids"]:
-        g["physical_ids"].append(err.physical_id)
-    g["last_stamp"] = entry.stamp
-    g["seen"] = now
-    _sample(g["samples"], f"[{entry.stamp}] [{entry.level}] {entry.message}")
+    if not isinstance(g, FmSwitchGroup):  # "other" never has a "|"
+        g = groups[key] = FmSwitchGroup("nvswitch", component, err.code, err.pci, int(err.fatal),
+                                        int(not err.fatal), {}, [], entry.stamp, entry.stamp, now, [])
+    elif err.fatal:
+        g.fatal += 1
+    else:
+        g.nonfatal += 1
+    if err.port is not None and (str(err.port) in g.ports or len(g.ports) < _MAX_LINKS):
+        g.ports[str(err.port)] = g.ports.get(str(err.port), 0) + 1
+    if err.physical_id is not None and err.physical_id not in g.physical_ids:
+        g.physical_ids.append(err.physical_id)
+    g.last_stamp = entry.stamp
+    g.seen = now
+    _sample(g.samples, f"[{entry.stamp}] [{entry.level}] {entry.message}")

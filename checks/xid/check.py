@@ -37,6 +37,10 @@ Application-level Xids (restart_app) stop being reported ``recent_window_s``
 after their last line; GPU-level ones stay for the boot (a reboot or GPU reset
 is what clears them).
 
+The state kept across runs and restarts (``ctx.state``: the groups, GPU identities and the two
+de-duplication ledgers) is typed (``state.py``) and read back through ``gpumon.bootstate``: saved
+state of another shape is logged and started afresh, never raised on at every run.
+
 The open NVML event set is a live object, not state: it is kept by the check instance (which
 lives as long as the daemon, or one ``gpumon check``), re-opened when it breaks or when the
 check is handed a new hardware session.
@@ -50,7 +54,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from gpumon.bootstate import start_boot
+from gpumon.bootstate import enter_boot, restore
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.inventory import Inventory
@@ -60,6 +64,7 @@ from gpumon.hw.nvrm import FallenOffBus, GpuIdentity, XidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci, reading
 
 from .catalog import UNKNOWN, decode_nvlink5, decode_xid74, lookup, xid74_repeats
+from .state import XidDetail, XidGroup, XidState, dump_xid_state
 
 # nvmlGpuRecoveryAction_t values as printed in Xid 154 lines
 _RECOVERY = {
@@ -143,6 +148,9 @@ class XidCheck(Check):
 
     def __init__(self) -> None:
         self._nvml: _NvmlSource | None = None
+        # The typed state and the mapping it was read from (see _typed_state)
+        self._state = XidState()
+        self._state_of: MutableMapping[str, Any] | None = None
 
     def supported(self, inventory: Inventory) -> str | None:
         if not inventory.gpus and not inventory.nvidia_pci_gpus and not inventory.unreadable_gpus:
@@ -150,34 +158,51 @@ class XidCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
+        state = self._typed_state(ctx.state)
+        try:
+            return self._run(ctx, state)
+        finally:
+            # the persisted mapping follows the typed state after every run (one that raised
+            # included), so that the daemon's timed save sees what this run left
+            ctx.state.clear()
+            ctx.state.update(dump_xid_state(state))
+
+    def _typed_state(self, raw: MutableMapping[str, Any]) -> XidState:
+        """The state read from ``raw`` once per mapping: a mapping loaded from disk may hold
+        anything, but the one this check wrote itself on its last run needs no second look (in a
+        kernel-log storm the check runs twice a second). An emptied mapping is read again: the
+        daemon empties a state it sets aside, and this check never leaves its own empty."""
+        if raw is not self._state_of or not raw:
+            self._state = restore(XidState, raw, check=self.name)
+            self._state_of = raw
+        return self._state
+
+    def _run(self, ctx: CheckContext, state: XidState) -> list[Finding]:
         params = ctx.params_as(XidConfig)
         log = ctx.kernel_log
-        state = ctx.state
-        boot = ctx.hw.fs.boot_id()
-        start_boot(state, boot)
-        groups: dict[str, dict[str, Any]] = state.setdefault("groups", {})
+        enter_boot(state, ctx.hw.fs.boot_id())  # a reboot clears every Xid: nothing is kept
+        groups = state.groups
         saved = isinstance(log, SavedKernelLog)
         now = log.judged_at if isinstance(log, SavedKernelLog) else ctx.clock()
         if saved:
             # a saved log of another boot: this host's NVML has nothing to say about it
             poll = _Poll(False, [], now, now, False, "not used for a saved kernel log", now)
             if log.available:
-                self._kernel_events(ctx, groups, params, now, watching=False)
+                self._kernel_events(ctx, state, params, now, watching=False)
         else:
             source = self._nvml_source(ctx, now)
             if log.available:
-                self._kernel_events(ctx, groups, params, now, watching=source.events is not None)
+                self._kernel_events(ctx, state, params, now, watching=source.events is not None)
             poll = self._poll(source, now)
             for gpu_index, code in poll.events:
                 if code not in params.ignore_codes:
-                    self._nvml_event(ctx, groups, gpu_index, code, poll, params)
+                    self._nvml_event(ctx, state, gpu_index, code, poll, params)
             self._prune(state, now, params)
         remaps = {} if saved else {i: r for i in _gpus_with(groups, 63)
                                    if (r := _remap_state(ctx, i)) is not None}
-        identities: dict[str, dict[str, str]] = state.setdefault("identities", {})
         recoveries = _recoveries(groups)
         findings = [f for g in list(groups.values())
-                    if (f := self._finding(g, now, params, identities, remaps, recoveries))]
+                    if (f := self._finding(g, now, params, state.identities, remaps, recoveries))]
         return findings + self._node_findings(log, poll, bool(findings), saved=saved)
 
     # -- NVML events --------------------------------------------------------
@@ -207,10 +232,10 @@ class XidCheck(Check):
         src.polls += 1
         return _Poll(True, got, lo, now, new, None, src.opened_at)
 
-    def _nvml_event(self, ctx: CheckContext, groups: dict[str, dict[str, Any]], gpu_index: int,
-                    code: int, poll: _Poll, params: XidConfig) -> None:
-        state = ctx.state
-        ledger: list[list[Any]] = state.setdefault("kernel_unmatched", [])
+    def _nvml_event(self, ctx: CheckContext, state: XidState, gpu_index: int, code: int, poll: _Poll,
+                    params: XidConfig) -> None:
+        groups = state.groups
+        ledger = state.kernel_unmatched
         lo, hi = poll.lo - params.dedup_window_s, poll.hi + params.dedup_window_s
         for i, (k_gpu, k_code, k_when, key) in enumerate(ledger):
             # The event happened after the previous poll (else it would have come then)
@@ -226,18 +251,18 @@ class XidCheck(Check):
         g = _group(groups, key, component, code, _bus_of(ctx.inventory, gpu_index), poll.hi)
         _count(g, poll.hi, params)
         _mark(g, _NVML)
-        if len(g["samples"]) < _MAX_SAMPLES:
-            g["samples"].append(f"NVML Xid event {code} (no kernel log line seen for it)")
-        pending: list[list[Any]] = state.setdefault("nvml_unmatched", [])
-        pending.append([gpu_index, code, poll.lo, poll.hi, key])
+        if len(g.samples) < _MAX_SAMPLES:
+            g.samples.append(f"NVML Xid event {code} (no kernel log line seen for it)")
+        pending = state.nvml_unmatched
+        pending.append((gpu_index, code, poll.lo, poll.hi, key))
         del pending[:-_MAX_LEDGER]
 
     # -- kernel log -----------------------------------------------------------
 
-    def _kernel_events(self, ctx: CheckContext, groups: dict[str, dict[str, Any]], params: XidConfig,
-                       now: float, *, watching: bool) -> None:
+    def _kernel_events(self, ctx: CheckContext, state: XidState, params: XidConfig, now: float, *,
+                       watching: bool) -> None:
         log = ctx.kernel_log
-        identities: dict[str, dict[str, str]] = ctx.state.setdefault("identities", {})
+        groups, identities = state.groups, state.identities
         for event in log.events:
             if isinstance(event, GpuIdentity):
                 ident = identities.setdefault(event.pci or "?", {})
@@ -261,37 +286,35 @@ class XidCheck(Check):
             gpu_index = _gpu_index(ctx.inventory, event.pci)
             if gpu_index is None:
                 continue  # NVML events name a GPU index: nothing to match against
-            if self._matches_pending(ctx.state, groups, gpu_index, code, when, params):
+            if self._matches_pending(state, gpu_index, code, when, params):
                 _mark(groups[key], _NVML)
             elif watching:
-                ledger: list[list[Any]] = ctx.state.setdefault("kernel_unmatched", [])
-                ledger.append([gpu_index, code, when, key])
+                ledger = state.kernel_unmatched
+                ledger.append((gpu_index, code, when, key))
                 del ledger[:-_MAX_LEDGER]
 
-    def _matches_pending(self, state: MutableMapping[str, Any], groups: dict[str, dict[str, Any]],
-                         gpu_index: int, code: int, when: float, params: XidConfig) -> bool:
+    def _matches_pending(self, state: XidState, gpu_index: int, code: int, when: float,
+                         params: XidConfig) -> bool:
         """A kernel line arriving after its NVML event: take the event back out of its NVML-only group."""
-        pending: list[list[Any]] = state.setdefault("nvml_unmatched", [])
+        groups, pending = state.groups, state.nvml_unmatched
         w = params.dedup_window_s
         for i, (n_gpu, n_code, lo, hi, key) in enumerate(pending):
             if n_gpu == gpu_index and n_code == code and lo - w <= when <= hi + w:
                 del pending[i]
                 g = groups.get(key)
                 if g is not None:
-                    g["count"] -= 1
-                    if g["count"] <= 0:
+                    g.count -= 1
+                    if g.count <= 0:
                         del groups[key]
                 return True
         return False
 
-    def _prune(self, state: MutableMapping[str, Any], now: float, params: XidConfig) -> None:
+    def _prune(self, state: XidState, now: float, params: XidConfig) -> None:
         # the next NVML events cover (now, next run]: older kernel lines cannot match them
-        ledger: list[list[Any]] = state.setdefault("kernel_unmatched", [])
-        ledger[:] = [e for e in ledger if e[2] >= now - params.dedup_window_s]
-        pending: list[list[Any]] = state.setdefault("nvml_unmatched", [])
-        pending[:] = [e for e in pending if e[3] >= now - _PENDING_KEEP_S]
+        state.kernel_unmatched[:] = [e for e in state.kernel_unmatched if e[2] >= now - params.dedup_window_s]
+        state.nvml_unmatched[:] = [e for e in state.nvml_unmatched if e[3] >= now - _PENDING_KEEP_S]
 
-    def _add(self, groups: dict[str, dict[str, Any]], inv: Inventory, event: Any, bus: str | None,
+    def _add(self, groups: dict[str, XidGroup], inv: Inventory, event: Any, bus: str | None,
              code: int, when: float, params: XidConfig) -> str | None:
         gpu_index = _gpu_index(inv, bus)
         via: int | None = None
@@ -309,25 +332,25 @@ class XidCheck(Check):
             component = NODE
         key = f"{component}|{code}"
         g = _group(groups, key, component, code, bus, when)
-        if isinstance(event, FallenOffBus) and g["count"]:
+        if isinstance(event, FallenOffBus) and g.count:
             return None  # the same fall reported again in the driver's own words: one event
         _count(g, when, params)
         _mark(g, _KERNEL)
-        if via is not None and via not in g["via"]:
-            g["via"].append(via)
+        if via is not None and via not in g.via:
+            g.via.append(via)
         if isinstance(event, XidEvent):
             _details(g, event, code, via)
-        elif isinstance(event, FallenOffBus) and len(g["samples"]) < _MAX_SAMPLES:
-            g["samples"].append("GPU has fallen off the bus (no Xid line)")
+        elif isinstance(event, FallenOffBus) and len(g.samples) < _MAX_SAMPLES:
+            g.samples.append("GPU has fallen off the bus (no Xid line)")
         return key
 
     # -- verdicts ---------------------------------------------------------------
 
-    def _finding(self, g: dict[str, Any], now: float, params: XidConfig,
+    def _finding(self, g: XidGroup, now: float, params: XidConfig,
                  identities: dict[str, dict[str, str]],
                  remaps: dict[int, dict[str, Any]],
-                 recoveries: dict[str, dict[str, Any]]) -> Finding | None:
-        code: int = g["code"]
+                 recoveries: dict[str, XidGroup]) -> Finding | None:
+        code = g.code
         info = lookup(code)
         severity = info.severity if info else UNKNOWN.severity
         action = info.action if info else UNKNOWN.action
@@ -336,9 +359,9 @@ class XidCheck(Check):
         advice = info.advice if info else UNKNOWN.advice
         note = f": {advice}" if advice else ""
         extra: dict[str, Any] = {}
-        detail = g.get("detail")
+        detail = g.detail
         if code == 154:
-            to = g["recovery_to"]
+            to = g.recovery_to
             if to is None:
                 severity, action = UNKNOWN.severity, UNKNOWN.action
                 note = (": the GPU's recovery action changed, but to what cannot be read (a damaged line, "
@@ -347,66 +370,68 @@ class XidCheck(Check):
                 severity, action = _RECOVERY.get(int(to[0]), (Severity.WARN, Action.RESET_GPU))
                 note = f": GPU recovery action is now {to[1]}"
         elif detail is not None:
-            severity, action = Severity(detail["severity"]), Action(detail["action"])
-            note = f": {detail['basis']}"
-            if detail.get("resolution") == "XID_154_EVAL":
-                follow = recoveries.get(g["pci"] or "")
-                if follow is not None and follow["last"] >= g["first"] - params.burst_gap_s:
-                    to = follow["recovery_to"]
+            severity, action = Severity(detail.severity), Action(detail.action)
+            note = f": {detail.basis}"
+            if detail.resolution == "XID_154_EVAL":
+                follow = recoveries.get(g.pci or "")
+                if follow is not None and follow.last >= g.first - params.burst_gap_s:
+                    to = follow.recovery_to
+                    assert to is not None  # _recoveries keeps only groups with one
                     severity, action = _RECOVERY.get(int(to[0]), (Severity.WARN, Action.RESET_GPU))
                     note += f"; follows the Xid 154 on this GPU: recovery action {to[1]}"
                 else:
                     note += "; no Xid 154 with it, so NVIDIA says restart the application"
             if code == 74:
-                repeated = xid74_repeats(g.get("x74_lines") or {})
+                repeated = xid74_repeats(g.x74_lines or {})
                 if repeated is not None and (repeated[0], repeated[1]) > (severity, action):
                     severity, action = repeated[0], repeated[1]
                     note += f"; {repeated[2]}"
-            extra = {k: g[k] for k in ("register_words", "nvlink_classes", "nvlink_unit", "error_status",
-                                       "nvidia_resolution", "nvidia_investigatory")
-                     if g.get(k) is not None}
-        elif code == 45 and not g["via"]:
+            extra = {k: v for k in ("register_words", "nvlink_classes", "nvlink_unit", "error_status",
+                                    "nvidia_resolution", "nvidia_investigatory")
+                     if (v := getattr(g, k)) is not None}
+        elif code == 45 and not g.via:
             # Solo Xid 45: NVIDIA says restart fabric manager; the job itself was killed.
             severity, action = Severity.WARN, Action.RESTART_APP
             note = ": solo (no root Xid named): NVIDIA says restart the fabric manager (WORKFLOW_XID_45)"
-        elif code == 63 and g["component"].startswith("gpu/"):
-            remap = remaps.get(int(g["component"].split("/")[1]))
+        elif code == 63 and g.component.startswith("gpu/"):
+            remap = remaps.get(int(g.component.split("/")[1]))
             if remap is not None:
                 severity, action, note = remap["severity"], remap["action"], f": {remap['note']}"
                 extra = {"remap": remap["evidence"]}
-        bursts = [b for b in g["bursts"] if now - b <= params.repeat_window_s]
-        if code in (13, 31) and g["component"].startswith("gpu/") and len(bursts) >= params.repeat_count:
+        bursts = [b for b in g.bursts if now - b <= params.repeat_window_s]
+        if code in (13, 31) and g.component.startswith("gpu/") and len(bursts) >= params.repeat_count:
             severity, action = Severity.FAIL, Action.INSPECT_HARDWARE
             note = (f": {len(bursts)} separate bursts on this GPU within "
                     f"{params.repeat_window_s / 3600:g} h (NVIDIA WORKFLOW_XID_{code}: suspect hardware)")
-        elif action <= Action.RESTART_APP and now - g["last"] > params.recent_window_s:
+        elif action <= Action.RESTART_APP and now - g.last > params.recent_window_s:
             return None  # an application fault that has gone quiet
         if severity is Severity.OK and not (code == 63 and extra):
             return None
-        ident = identities.get(g["pci"] or "", {})
+        ident = identities.get(g.pci or "", {})
         evidence: dict[str, Any] = {
-            "code": code, "count": g["count"], "first_seen": g["first"], "last_seen": g["last"],
-            "pci_bus_id": g["pci"], "samples": g["samples"], "bursts": len(bursts),
-            "source": "+".join(g.get("sources") or [_KERNEL]),
+            "code": code, "count": g.count, "first_seen": g.first, "last_seen": g.last,
+            "pci_bus_id": g.pci, "samples": g.samples, "bursts": len(bursts),
+            "source": "+".join(g.sources or [_KERNEL]),
         }
         if info:
             evidence["mnemonic"] = info.mnemonic
             evidence["nvidia_action"] = info.nvidia_action
             if info.override:
                 evidence["gpumon_override"] = info.override
-        for key in ("pids", "processes"):
-            if g[key]:
-                evidence[key] = g[key]
-        if g["via"]:
-            evidence["reported_via_xid"] = g["via"]
+        if g.pids:
+            evidence["pids"] = g.pids
+        if g.processes:
+            evidence["processes"] = g.processes
+        if g.via:
+            evidence["reported_via_xid"] = g.via
         evidence.update(extra)
         evidence.update({k: v for k, v in ident.items()})
         # counted per boot: the series restarts at 0 after a reboot, as a counter may
-        evidence["readings"] = [reading("xid_events_total", g["count"], code=code)]
-        times = "" if g["count"] == 1 else f" ({g['count']} events)"
-        where = g["component"] if g["component"] != NODE else "an unidentified GPU"
-        via = " via Xid 45" if g["via"] else ""
-        return self.finding(g["component"], severity, f"{label} on {where}{via}{times}{note}", action,
+        evidence["readings"] = [reading("xid_events_total", g.count, code=code)]
+        times = "" if g.count == 1 else f" ({g.count} events)"
+        where = g.component if g.component != NODE else "an unidentified GPU"
+        via = " via Xid 45" if g.via else ""
+        return self.finding(g.component, severity, f"{label} on {where}{via}{times}{note}", action,
                             **evidence)
 
     def _node_findings(self, log: Any, poll: _Poll, have_findings: bool, *, saved: bool) -> list[Finding]:
@@ -460,89 +485,87 @@ def _open_events(ctx: CheckContext, now: float) -> _NvmlSource:
     return _NvmlSource(ctx.hw, events, now, now, unsupported_gpus=missing)
 
 
-def _group(groups: dict[str, dict[str, Any]], key: str, component: str, code: int, bus: str | None,
-           when: float) -> dict[str, Any]:
+def _group(groups: dict[str, XidGroup], key: str, component: str, code: int, bus: str | None,
+           when: float) -> XidGroup:
     g = groups.get(key)
     if g is None:
-        g = groups[key] = {"component": component, "code": code, "pci": bus, "count": 0,
-                           "first": when, "last": when, "bursts": [], "samples": [],
-                           "pids": [], "processes": [], "via": [], "recovery_to": None,
-                           "sources": [], "detail": None}
+        g = groups[key] = XidGroup(component=component, code=code, pci=bus, first=when, last=when)
     return g
 
 
-def _count(g: dict[str, Any], when: float, params: XidConfig) -> None:
-    g["count"] += 1
-    g["first"] = min(g["first"], when)
-    g["last"] = max(g["last"], when)
-    bursts: list[float] = g["bursts"]
+def _count(g: XidGroup, when: float, params: XidConfig) -> None:
+    g.count += 1
+    g.first = min(g.first, when)
+    g.last = max(g.last, when)
+    bursts = g.bursts
     if not bursts or when - bursts[-1] > params.burst_gap_s:
         bursts.append(when)
         del bursts[:-50]
 
 
-def _mark(g: dict[str, Any], source: str) -> None:
-    sources: list[str] = g.setdefault("sources", [])
+def _mark(g: XidGroup, source: str) -> None:
+    sources = g.sources
     if source not in sources:
         sources.append(source)
         sources.sort()
 
 
-def _details(g: dict[str, Any], event: XidEvent, code: int, via: int | None) -> None:
-    if len(g["samples"]) < _MAX_SAMPLES:
-        g["samples"].append(event.message[:300])
-    if event.pid is not None and event.pid not in g["pids"] and len(g["pids"]) < _MAX_SAMPLES:
-        g["pids"].append(event.pid)
-    if event.process and event.process not in g["processes"] and len(g["processes"]) < _MAX_SAMPLES:
-        g["processes"].append(event.process)
+def _details(g: XidGroup, event: XidEvent, code: int, via: int | None) -> None:
+    if len(g.samples) < _MAX_SAMPLES:
+        g.samples.append(event.message[:300])
+    if event.pid is not None and event.pid not in g.pids and len(g.pids) < _MAX_SAMPLES:
+        g.pids.append(event.pid)
+    if event.process and event.process not in g.processes and len(g.processes) < _MAX_SAMPLES:
+        g.processes.append(event.process)
     if code == 154 and event.recovery_to is not None:
-        g["recovery_to"] = list(event.recovery_to)
+        g.recovery_to = event.recovery_to
     if via is not None:
         return  # the Xid 45 line carries none of its root's detail
     if 144 <= code <= 150:
         nvl5 = decode_nvlink5(code, event.nvlink_unit, event.nvlink_fatal, event.nvlink_words)
         if nvl5 is not None:
             if _worst_detail(g, nvl5.severity, nvl5.action, nvl5.basis, nvl5.resolution):
-                g["nvidia_resolution"] = nvl5.resolution or None
-                g["nvidia_investigatory"] = nvl5.investigatory or None
+                g.nvidia_resolution = nvl5.resolution or None
+                g.nvidia_investigatory = nvl5.investigatory or None
                 if nvl5.status is not None:
-                    g["error_status"] = hex(nvl5.status)
-            g["nvlink_unit"] = event.nvlink_unit
+                    g.error_status = hex(nvl5.status)
+            g.nvlink_unit = event.nvlink_unit
     elif code == 74:
         x74 = decode_xid74(event.register_words)
         if x74 is not None:
             _worst_detail(g, x74.severity, x74.action, x74.basis)
-            g["nvlink_classes"] = sorted(set(g.get("nvlink_classes") or []) | set(x74.classes))
-            g["register_words"] = [hex(w) for w in event.register_words]
-            lines: dict[str, int] = g.setdefault("x74_lines", {})
+            g.nvlink_classes = sorted(set(g.nvlink_classes or []) | set(x74.classes))
+            g.register_words = [hex(w) for w in event.register_words]
+            if g.x74_lines is None:
+                g.x74_lines = {}
+            lines = g.x74_lines
             for name in x74.classes:
                 lines[name] = lines.get(name, 0) + 1
 
 
-def _worst_detail(g: dict[str, Any], severity: Severity, action: Action, basis: str,
+def _worst_detail(g: XidGroup, severity: Severity, action: Action, basis: str,
                   resolution: str = "") -> bool:
     """Keep the worst line's verdict as the group's detail; True when this line's was kept."""
-    old = g.get("detail")
-    if old is not None and (Severity(old["severity"]), Action(old["action"])) >= (severity, action):
+    old = g.detail
+    if old is not None and (Severity(old.severity), Action(old.action)) >= (severity, action):
         return False
-    g["detail"] = {"severity": severity.value, "action": action.value, "basis": basis,
-                   "resolution": resolution}
+    g.detail = XidDetail(severity.value, action.value, basis, resolution)
     return True
 
 
-def _recoveries(groups: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _recoveries(groups: dict[str, XidGroup]) -> dict[str, XidGroup]:
     """The Xid 154 group with a readable recovery action, per PCI bus id, newest line first."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, XidGroup] = {}
     for g in groups.values():
-        if g["code"] == 154 and g["recovery_to"] is not None and g["pci"] and (
-                g["pci"] not in out or g["last"] > out[g["pci"]]["last"]):
-            out[g["pci"]] = g
+        if g.code == 154 and g.recovery_to is not None and g.pci and (
+                g.pci not in out or g.last > out[g.pci].last):
+            out[g.pci] = g
     return out
 
 
-def _gpus_with(groups: dict[str, dict[str, Any]], code: int) -> set[int]:
-    return {int(g["component"].split("/")[1]) for g in groups.values()
-            if g["code"] == code and g["component"].startswith("gpu/")}
+def _gpus_with(groups: dict[str, XidGroup], code: int) -> set[int]:
+    return {int(g.component.split("/")[1]) for g in groups.values()
+            if g.code == code and g.component.startswith("gpu/")}
 
 
 def _remap_state(ctx: CheckContext, index: int) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpumon.bootstate import dump_state, load_state
 from gpumon.check import CheckContext
 from gpumon.config import load_config, with_profile
 from gpumon.errors import ConfigError
@@ -231,13 +232,104 @@ def test_shares_stay_between_0_and_1_on_any_history(samples: list[tuple[float, i
                           st.integers(min_value=-(1 << 40), max_value=1 << 62)), max_size=30))
 def test_recording_garbage_counters_and_clock_steps_never_breaks_the_window(
         readings: list[tuple[float, int, int, int]]) -> None:
-    from gpumon_checks.throttle import _record  # the state update the check runs per reading
+    from gpumon_checks.throttle import _History, _record  # the state update the check runs per reading
 
     params = ThrottleConfig(window_s=600, min_history_s=0, max_sample_gap_s=120)
-    history: dict[str, Any] = {}
+    history = _History()
     for now, mask, thermal, power in readings:
         _record(history, now, mask, {"thermal": thermal, "power": power}, params)
-        win = window_shares(history["samples"], history["spans"], now, 600, 120)
+        win = window_shares(history.samples, history.spans, now, 600, 120)
         assert all(0.0 <= f <= 1.0 for f in [*win.fractions.values(), *win.counter_fractions.values()])
-        assert all(s[2] >= 0 for spans in history["spans"].values() for s in spans)  # never negative
-        assert json.loads(json.dumps(history)) == history
+        assert all(s[2] >= 0 for spans in history.spans.values() for s in spans)  # never negative
+        saved = dump_state(history)
+        assert json.loads(json.dumps(saved)) == saved
+        assert load_state(_History, saved) == history  # and it reads back (the ns of a span may be a float)
+
+
+# -- saved state: the previous release's file, and files that do not fit ---------------------------
+
+STATE_DATA = Path(__file__).resolve().parents[1] / "data" / "checkstate"
+_SAVED = _scenario("{at_s: 0, kind: throttle, gpu: 4, reasons: [sw_thermal_slowdown]}",
+                   "{at_s: 0, kind: throttle, gpu: 6, reasons: [hw_thermal_slowdown], duration_s: 50}",
+                   "{at_s: 70, kind: throttle, gpu: 6, reasons: [hw_thermal_slowdown]}",
+                   "{at_s: 30, kind: throttle, gpu: 1, reasons: [hw_slowdown]}")
+_SAVED_CFG = "checks:\n  throttle:\n    window_s: 120\n    min_history_s: 30\n"
+
+
+def _restart_thermal_counter(h: Any, t: float) -> None:
+    """A driver reload between two readings: NVML's THERMAL counter of GPU 6 starts again."""
+    h.render(t)
+    state = read_state(h.node.nvml_state_path)
+    state.gpus[6].violation_ns[1] = 5 * 10**9
+    write_state(state, h.node.nvml_state_path)
+
+
+def test_state_saved_by_the_previous_release_loads_unchanged_and_judges_the_same(sim: Any) -> None:
+    # tests/data/checkstate/throttle-release.json: ctx.state after these same runs, written by the release
+    # before the state was typed (an untyped dict kept by hand)
+    saved = json.loads((STATE_DATA / "throttle-release.json").read_text(encoding="utf-8"))
+    h = sim(_SAVED, _SAVED_CFG)
+    d = _Daemon(h)
+    check = ThrottleCheck()
+    for t in (20, 40, 60, 80):
+        if t == 80:
+            _restart_thermal_counter(h, t)
+        else:
+            h.render(t)
+        d.t = t
+        check.run(d.ctx)  # one instance all along, as the daemon keeps it
+    before = {**saved, "boot_id": d.ctx.hw.fs.boot_id()}  # each simulated node boots with an id of its own
+    assert h.states["throttle"] == before  # the same JSON, key for key
+    later = {t: d.step(t, render=True) for t in (100, 150)}  # _Daemon.step: a new instance each run
+    # the counter went back at 80 and, the node rendered afresh, jumped past the wall clock at 100
+    assert later[100]["gpu/6"].evidence["counter_resets"] == 2
+    assert {c: f.severity for c, f in later[150].items() if f.severity is not Severity.OK} == {
+        "gpu/1": Severity.FAIL, "gpu/4": Severity.WARN, "gpu/6": Severity.FAIL}
+    # the file read back by a new instance (a daemon restart): every verdict as if never stopped
+    check = ThrottleCheck()
+    d.ctx.state.clear()
+    d.ctx.state.update(json.loads(json.dumps(before)))
+    for t in (100, 150):  # the first run reads the file, the second runs on what it kept
+        h.render(t)
+        d.t = t
+        assert [f.to_json() for f in check.run(d.ctx)] == [f.to_json() for f in later[t].values()]
+    # a reboot since: nothing of the last boot is kept (gpumon.bootstate.enter_boot)
+    d.ctx.state.clear()
+    d.ctx.state.update({**json.loads(json.dumps(before)), "boot_id": "an-earlier-boot"})
+    found = {f.component: f for f in ThrottleCheck().run(d.ctx)}
+    assert "current reading" in found["gpu/6"].evidence["judged_by"]
+    assert d.ctx.state["boot_id"] == before["boot_id"]
+    assert [len(g["samples"]) for g in d.ctx.state["gpus"].values()] == [1] * 8
+
+
+_MALFORMED = {
+    "a GPU's history is a string": {"gpus": {"0": "x"}},
+    "gpus is a list": {"gpus": []},
+    "a number where the readings are": {"gpus": {"0": {"samples": 5, "spans": {}, "counters": {}}}},
+    "a reading of one value": {"gpus": {"0": {"samples": [[1.0]], "spans": {}, "counters": {}}}},
+    "a span time that is a string": {"gpus": {"1": {"samples": [], "spans": {"thermal": [["a", 2.0, 0]]},
+                                                    "counters": {}}}},
+    "a counter in fractional ns": {"gpus": {"1": {"samples": [], "spans": {},
+                                                  "counters": {"thermal": [1.0, 2.5]}}}},
+    "resets a string": {"gpus": {"1": {"samples": [], "spans": {}, "counters": {}, "resets": "1"}}},
+    "a key of another release": {"gpus": {}, "window": 600},
+}
+
+
+@pytest.mark.parametrize("name", list(_MALFORMED))
+def test_saved_state_that_does_not_fit_is_logged_once_and_started_afresh(
+        name: str, sim: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # what the release before typed state did: AttributeError, TypeError... on every run, forever
+    h = sim(_scenario("{at_s: 10, kind: throttle, gpu: 1, reasons: [hw_slowdown]}"))
+    expected = [f.to_json() for f in h.run(ThrottleCheck, t=11)]
+    assert [f["severity"] for f in expected].count("fail") == 1
+    ctx = h.context(ThrottleCheck, 11)
+    ctx.state.clear()
+    ctx.state.update(json.loads(json.dumps(_MALFORMED[name])))
+    check = ThrottleCheck()
+    with caplog.at_level("WARNING", logger="gpumon.bootstate"):
+        assert [f.to_json() for f in check.run(ctx)] == expected
+        check.run(ctx)  # the next run goes on from what the first left: nothing is refused again
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "saved state of check throttle refused, starting afresh"]
+    assert [len(g["samples"]) for g in ctx.state["gpus"].values()] == [2] * 8

@@ -589,3 +589,118 @@ def test_all_boots_needs_a_kmsg_file(tmp_path: Path, inject_lib_dir: Path) -> No
     env = nvml_inject.subprocess_env(inject_lib_dir, node.nvml_state_path, base=clean_env())
     proc = run_gpumon("--host-root", str(node.host_root), "check", "xid", "--all-boots", env=env)
     assert proc.returncode == 3 and "--kmsg-file" in proc.stderr
+
+
+# -- saved state: the previous release's file, and files that do not fit ---------------------------
+
+STATE_DATA = Path(__file__).resolve().parents[1] / "data" / "checkstate"
+_SAVED_XID = ("name: saved\nsku: b200\ngpus: 8\nfaults:\n"
+              + "".join(f"  - {{at_s: 2, kind: xid, gpu: {i}, code: 145, message: '{_RLW.format(words)}'}}\n"
+                        for i, words in enumerate(("0x00000004 0x00000040", "0x00000004 0x00000008")))
+              + "  - {at_s: 3, kind: xid, gpu: 1, code: 154, message: 'GPU recovery action changed from 0x0 "
+              "(None) to 0x1 (GPU Reset Required)'}\n"
+              + "".join(f"  - {{at_s: {t}, kind: xid, gpu: 3, code: 13}}\n" for t in (5, 100, 200))
+              + "".join(f"  - {{at_s: {t}, kind: xid, gpu: 5, code: 74, message: '{_LINK6.format(_ECC)}'}}\n"
+                        for t in (3, 20, 21))
+              + "  - {at_s: 6, kind: xid, gpu: 6, code: 48}\n"
+              "  - {at_s: 7, kind: xid, gpu: 2, code: 31}\n")
+
+
+def _judged(findings: dict[tuple[str, int], Finding]) -> dict[tuple[str, int], dict[str, Any]]:
+    # the node finding names when this instance's NVML event set opened: not the state's doing
+    return {k: f.to_json() for k, f in findings.items() if k[0] != "node"}
+
+
+def test_state_saved_by_the_previous_release_loads_unchanged_and_judges_the_same(sim: Any) -> None:
+    # tests/data/checkstate/xid-release.json: ctx.state after these same runs of _SAVED_XID, written by
+    # the release before the state was typed (an untyped dict kept by hand)
+    saved = json.loads((STATE_DATA / "xid-release.json").read_text(encoding="utf-8"))
+    h = sim(_SAVED_XID)
+    r = _Runner(h)
+    for t in (1, 10, 50, 150, 250):
+        r.run(t)
+    assert r.hw is not None
+    before = {**saved, "boot_id": r.hw.fs.boot_id()}  # each simulated node boots with an id of its own
+    assert h.states["xid"] == before  # the same JSON, key for key
+    later = {t: r.run(t) for t in (300, 4000)}
+    # an hour on, the app-level Xid 31 has gone quiet; the rest stand (the Xid 145 of GPU 1 follows
+    # its Xid 154: reset_gpu)
+    assert {(c, code) for c, code in later[4000] if c != "node"} == {
+        ("gpu/3", 13), ("gpu/6", 48), ("gpu/1", 154), ("nvlink/0/10", 145), ("nvlink/1/10", 145),
+        ("nvlink/5/6", 74)}
+    # the file read back by a new instance (a daemon restart): every verdict as if never stopped
+    fresh = _Runner(h)
+    for t in (300, 4000):  # the first run reads the file, the second runs on what it kept
+        ctx = fresh.context(t)
+        if t == 300:
+            ctx.state.clear()
+            ctx.state.update(json.loads(json.dumps(before)))
+        found = {(f.component, f.evidence.get("code", 0)): f for f in fresh.check.run(ctx)}
+        assert _judged(found) == _judged(later[t])
+    # a reboot since: nothing of the last boot is kept (gpumon.bootstate.enter_boot)
+    ctx = fresh.context(4000)
+    ctx.state.clear()
+    ctx.state.update({**json.loads(json.dumps(before)), "boot_id": "an-earlier-boot"})
+    assert [f.component for f in XidCheck().run(ctx)] == ["node"]
+    assert ctx.state["groups"] == {} and ctx.state["boot_id"] == before["boot_id"]
+
+
+_GROUP = {"component": "gpu/0", "code": 13, "pci": "0000:c1:00.0", "count": 1, "first": 1.0, "last": 1.0,
+          "bursts": [1.0], "samples": [], "pids": [], "processes": [], "via": [], "recovery_to": None,
+          "sources": ["kernel"], "detail": None}
+_MALFORMED = {
+    "groups is a list": {"groups": []},
+    "a group is a string": {"groups": {"gpu/0|13": "x"}},
+    "a number where the burst times are": {"groups": {"gpu/0|13": {**_GROUP, "bursts": 5}}},
+    "a burst time that is a string": {"groups": {"gpu/0|13": {**_GROUP, "bursts": ["1.0"]}}},
+    "a component no finding accepts": {"groups": {"gpu/x|13": {**_GROUP, "component": "gpu/x"}}},
+    "a severity no enum knows": {"groups": {"gpu/0|13": {
+        **_GROUP, "detail": {"severity": "dire", "action": "none", "basis": "", "resolution": ""}}}},
+    "a recovery action of one element": {"groups": {
+        "gpu/0|154": {**_GROUP, "code": 154, "recovery_to": [1]}}},
+    "a ledger entry too short": {"kernel_unmatched": [[0, 13, 5.0]]},
+    "an identity that is a string": {"identities": {"0000:c1:00.0": "GPU-1"}},
+    "a key of another release": {"groups": {}, "watermark": 3},
+    "boot_id a number": {"boot_id": 7},
+}
+
+
+_XID119, _XID119_PCI = "dmesg-ctime_xid119_gsp-rpc-timeout.log", "0000:9b:00.0"
+
+
+def _ctx119(tmp_path: Path, state: dict[str, Any], *, lines: bool = True) -> CheckContext:
+    """A context with the Xid 119 capture's lines (or none: what a later run reads) and ``state``."""
+    events = parse_file(DATA / _XID119) if lines else []
+    return CheckContext(hw=Hardware(tmp_path), inventory=_inventory([_XID119_PCI]), profile=GENERIC,
+                        params=XidConfig(), state=state, clock=lambda: 1_800_000_000.0,
+                        kernel_log=KernelLog(events=events, source="t", boot_time=1_700_000_000.0))
+
+
+@pytest.mark.parametrize("name", list(_MALFORMED))
+def test_saved_state_that_does_not_fit_is_logged_once_and_started_afresh(
+        name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # what the release before typed state did: AttributeError, TypeError... on every run, forever
+    expected = [(f.component, f.severity, f.message) for f in XidCheck().run(_ctx119(tmp_path, {}))]
+    assert ("gpu/0", Severity.FAIL) in [e[:2] for e in expected]
+    state = json.loads(json.dumps(_MALFORMED[name]))
+    check = XidCheck()
+    with caplog.at_level("WARNING", logger="gpumon.bootstate"):
+        found = check.run(_ctx119(tmp_path, state))
+        assert [(f.component, f.severity, f.message) for f in found] == expected
+        # the next run goes on from what the first left: nothing is refused again, nothing lost
+        again = check.run(_ctx119(tmp_path, state, lines=False))
+        assert [(f.component, f.severity, f.message) for f in again] == expected
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "saved state of check xid refused, starting afresh"]
+    assert isinstance(state["groups"], dict) and json.loads(json.dumps(state)) == state
+
+
+def test_state_emptied_by_the_daemon_is_started_afresh(tmp_path: Path) -> None:
+    # the daemon sets aside a state its check raised on (CheckStateStore.set_aside) by emptying the
+    # same mapping: the check must then read it again, not go on from what it kept
+    state: dict[str, Any] = {}
+    check = XidCheck()
+    assert "gpu/0" in [f.component for f in check.run(_ctx119(tmp_path, state))]
+    state.clear()
+    assert [f.component for f in check.run(_ctx119(tmp_path, state, lines=False))] == ["node"]
+    assert state["groups"] == {}

@@ -43,6 +43,10 @@ are the ib check's).
 
 Uncorrectable errors and the "before gpumon watched" counts stay reported for
 the boot (the counters themselves only reset at boot).
+
+The state is typed (``PcieState``) and read back through ``gpumon.bootstate``: saved state of
+another shape (a hand edit, another release) is refused, with its reason logged, and the check
+starts afresh instead of raising on every run.
 """
 
 from __future__ import annotations
@@ -53,12 +57,14 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstate import start_boot
+from gpumon.bootstate import enter_boot, restore
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition
 from gpumon.hw import pci as pcihw
 from gpumon.hw.inventory import Inventory
 from gpumon.model import NODE, Action, Finding, Phase, Severity, pci, reading
+
+from .state import PcieState
 
 _MAX_LOG_DEVICES = 256
 _MAX_SAMPLES = 5
@@ -137,6 +143,11 @@ class PcieCheck(Check):
     kernel_log_events = ()
     kernel_log_records = False
 
+    def __init__(self) -> None:
+        # The typed state and the mapping it was read from (see _typed_state)
+        self._state = PcieState()
+        self._state_of: MutableMapping[str, Any] | None = None
+
     def kernel_log_fold(self) -> AerFold:
         return AerFold()
 
@@ -151,9 +162,29 @@ class PcieCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params = ctx.params_as(PcieConfig)
-        state = ctx.state
-        boot = ctx.hw.fs.boot_id()
-        start_boot(state, boot)
+        state = self._typed_state(ctx.state)
+        try:
+            return self._run(ctx, params, state)
+        finally:
+            # The persisted mapping follows the typed state after every run (the daemon saves it,
+            # a test reads it). The typed state's mappings are the JSON's own, so this is four
+            # keys set, not a copy: a storm of uncorrectable reports runs the check often.
+            raw = ctx.state
+            raw.clear()
+            raw.update(boot_id=state.boot_id, devices=state.devices, kmsg=state.kmsg,
+                       kmsg_source=state.kmsg_source)
+
+    def _typed_state(self, raw: MutableMapping[str, Any]) -> PcieState:
+        """The state read from ``raw`` once per mapping: one loaded from disk may hold anything,
+        the one this check wrote back itself needs no second look. An emptied mapping (the
+        runner set the state aside) is read again: the check starts afresh."""
+        if raw is not self._state_of or not raw:
+            self._state = restore(PcieState, raw, check=self.name)
+            self._state_of = raw
+        return self._state
+
+    def _run(self, ctx: CheckContext, params: PcieConfig, state: PcieState) -> list[Finding]:
+        enter_boot(state, ctx.hw.fs.boot_id())
         now = ctx.clock()
         out = self._read_kernel_log(ctx, state, now)
         try:
@@ -166,10 +197,10 @@ class PcieCheck(Check):
                                        "no PCI devices under the host root (sys/bus/pci/devices is empty or "
                                        "missing): no PCIe tree to watch")]
         watched = _watched(tree, nics, ctx.inventory)
-        devices: dict[str, dict[str, Any]] = state.setdefault("devices", {})
+        devices = state.devices
         for bdf in sorted(watched):
             out.append(self._device(ctx, params, tree, bdf, watched[bdf],
-                                    devices.setdefault(bdf, {}), state.get("kmsg", {}), now))
+                                    devices.setdefault(bdf, {}), state.kmsg, now))
         for bdf in sorted(tree.errors):
             out.append(self.finding(pci(bdf), Severity.UNKNOWN,
                                     f"PCI function {bdf} cannot be identified, so whether it is a GPU, NIC "
@@ -324,22 +355,21 @@ class PcieCheck(Check):
 
     # -- kernel log -------------------------------------------------------------
 
-    def _read_kernel_log(self, ctx: CheckContext, state: MutableMapping[str, Any],
-                         now: float) -> list[Finding]:
+    def _read_kernel_log(self, ctx: CheckContext, state: PcieState, now: float) -> list[Finding]:
         log = ctx.kernel_log
         if not log.available:
             return [self.finding(NODE, Severity.UNKNOWN,
                                  f"kernel log unreadable ({log.error or 'unknown reason'}): AER messages not "
                                  "checked; the sysfs AER counters still are", source=log.source)]
         if isinstance(log.folded, AerDelta):  # the daemon's pump folded the lines as they came
-            log.folded.merge_into(state)
+            log.folded.merge(state.kmsg, state.kmsg_source)
         if log.records:
-            fold = AerFold(state.get("kmsg_source"))
+            fold = AerFold(state.kmsg_source)
             for rec in log.records:
                 fold.add(rec, log.time_of(rec, now))
             delta = fold.take()
             if delta is not None:
-                delta.merge_into(state)
+                delta.merge(state.kmsg, state.kmsg_source)
         return []
 
 
@@ -366,8 +396,11 @@ class AerDelta:
         return bool(self.kmsg or self.sources or self.orphans)
 
     def merge_into(self, state: MutableMapping[str, Any]) -> None:
-        kmsg: dict[str, Any] = state.setdefault("kmsg", {})
-        sources: dict[str, str] = state.setdefault("kmsg_source", {})
+        """:meth:`merge` into the ``kmsg`` and ``kmsg_source`` of a state mapping."""
+        self.merge(state.setdefault("kmsg", {}), state.setdefault("kmsg_source", {}))
+
+    def merge(self, kmsg: dict[str, Any], sources: dict[str, str]) -> None:
+        """Add this delta to the state's ``kmsg`` (bus id -> entry) and ``kmsg_source``."""
         for (by, key), said in self.orphans:  # they came before anything of this delta's
             entry = kmsg.get(sources.get(key, key) if by == "reporter" else key)
             if entry is not None and "current" in entry:
@@ -733,5 +766,6 @@ def _summary(evidence: Mapping[str, Any]) -> str:
     if log and "correctable" in log:
         parts.append(f"{log['correctable']['count']} corrected error report(s) in the kernel log")
     return "; ".join(parts) or "nothing to report"
+
 
 
