@@ -1,0 +1,71 @@
+"""README's "Writing a check" example runs as written: loaded from the README itself, configured
+through the real config loader, run by the real runner on a host-root tree."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumon.check import Check
+from gpumon.config import load_config
+from gpumon.errors import ConfigError
+from gpumon.hw import Hardware
+from gpumon.hw.inventory import Inventory
+from gpumon.model import Action, Severity
+from gpumon.profiles import GENERIC
+from gpumon.runner import Runner
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _example() -> type[Check]:
+    text = README.read_text()
+    section = text[text.index("## Writing a check\n"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None, "README's Writing a check section has no python example"
+    module = types.ModuleType("readme_fans")
+    sys.modules[module.__name__] = module  # dataclasses look their module up while building
+    exec(compile(code.group(1), str(README), "exec"), module.__dict__)
+    cls = module.__dict__["FanCheck"]
+    assert isinstance(cls, type) and issubclass(cls, Check)
+    return cls
+
+
+def _run(tmp_path: Path, config_text: str, rpm: str | None) -> list[Any]:
+    cls = _example()
+    host = tmp_path / "host"
+    hwmon = host / "sys/class/hwmon/hwmon0"
+    hwmon.mkdir(parents=True)
+    if rpm is not None:
+        (hwmon / "fan1_input").write_text(rpm)
+    conf = tmp_path / "gpumon.yaml"
+    conf.write_text(config_text)
+    config = load_config(conf, {cls.name: cls})
+    runner = Runner(Hardware(host), Inventory(), GENERIC, config, node="test")
+    (run,) = runner.run([cls()])
+    assert run.outcome == "completed"
+    return run.findings
+
+
+def test_the_example_reports_its_reading_and_judges_by_its_configured_threshold(tmp_path: Path) -> None:
+    (ok,) = _run(tmp_path, "checks:\n  fans:\n    min_rpm: 5000\n", "6200\n")
+    assert ok.severity is Severity.OK and ok.evidence["readings"] == [["site_fan_rpm", 6200.0, {}]]
+    (slow,) = _run(tmp_path / "2", "checks:\n  fans:\n    min_rpm: 7000\n", "6200\n")
+    assert (slow.severity, slow.action) == (Severity.WARN, Action.INSPECT_HARDWARE)
+    assert "6200 rpm, below 7000" in slow.message
+
+
+def test_the_example_says_unknown_when_it_cannot_read(tmp_path: Path) -> None:
+    (f,) = _run(tmp_path, "checks: {}\n", None)
+    assert f.severity in (Severity.SKIPPED, Severity.UNKNOWN) and "fan1_input" in f.message
+
+
+def test_a_bad_key_in_its_section_names_file_line_and_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        _run(tmp_path, "checks:\n  fans:\n    min_rmp: 5000\n", "6200\n")
+    assert "gpumon.yaml" in str(err.value) and "min_rmp" in str(err.value) and ":3" in str(err.value)
