@@ -30,6 +30,8 @@ import typing
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any, Protocol, TypeVar, Union
 
+from gpumon.checkstate import keep_refused
+
 log = logging.getLogger("gpumon.bootstate")
 
 #: The default W of the repeat-after-reboot rule: a week. gpumon's judgement of "the same fault
@@ -164,12 +166,14 @@ def dump_state(obj: Any) -> dict[str, Any]:
 
 def restore(cls: type[S], raw: MutableMapping[str, Any], *, check: str) -> S:
     """:func:`load_state`, or a fresh ``cls()`` when ``raw`` is empty or does not fit; a refused
-    state is logged with its reason and ``raw`` is overwritten with the fresh state."""
+    state is logged with its reason, its file copied aside (``gpumon.checkstate.keep_refused``),
+    and ``raw`` overwritten with the fresh state."""
     if raw:
         try:
             return load_state(cls, raw)
         except StateError as exc:
             log.warning("saved state of check %s refused, starting afresh: %s", check, exc)
+            keep_refused(raw)  # the next save overwrites it: a copy for the post-mortem
     fresh = cls()
     raw.clear()
     raw.update(dump_state(fresh))

@@ -9,8 +9,10 @@ state file that cannot be read is set aside (renamed ``*.corrupt``) and the
 check starts afresh; a write that fails is logged and retried on the next run.
 A state file that reads but that the check cannot use (valid JSON of another shape: a hand edit,
 another release) would make the check raise on every run, forever: a check that raises on its
-first run with state loaded from disk gets that state set aside the same way (:meth:`set_aside`,
-called by the runner), and its next run starts afresh.
+first two runs with state loaded from disk (a one-off exception must not cost a week of history)
+gets that state set aside (:meth:`set_aside`, called by the runner), and its next run starts
+afresh. A state a check refuses itself (``gpumon.bootstate.restore``) is copied aside first
+(:func:`keep_refused`). Set-aside copies carry the time: a later one never overwrites an earlier.
 
 Every write goes to a temporary file that is fsync'd, renamed over the old one,
 and the directory fsync'd: after a crash (``kill -9``, power loss) the file holds
@@ -23,7 +25,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import threading
+import time
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,23 @@ class CheckState(dict[str, Any]):
     def save_now(self) -> bool:
         return self._store.save(self._name)
 
+    def keep_refused(self) -> Path | None:
+        return self._store.keep_refused(self._name)
+
+
+def _aside(path: Path, why: str) -> Path:
+    """Where a state file set aside for a post-mortem goes: beside it, named for why and when."""
+    return path.with_name(f"{path.stem}.{why}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+
+
+def keep_refused(state: MutableMapping[str, Any]) -> Path | None:
+    """Copy the file behind ``state`` aside (``<check>.refused-<UTC time>``) before the check that
+    refused its content starts afresh and the next save overwrites it; None when ``state`` is not
+    a store's, or there is no file."""
+    if not isinstance(state, CheckState):
+        return None
+    return state.keep_refused()
+
 
 def save_now(state: MutableMapping[str, Any]) -> bool:
     """Write ``state`` to disk now (atomically, fsync'd) when it is a store's state; False when
@@ -61,8 +82,9 @@ class CheckStateStore:
         # watermarks) at once: one writer at a time, or both would write the same .tmp file
         self._lock = threading.Lock()
         self.last_error: str | None = None
-        # checks whose state came from a file and has not yet carried a run to its end
-        self._unproven: set[str] = set()
+        # per check whose state came from a file and has not yet carried a run to its end: the
+        # runs that raised on it so far
+        self._unproven: dict[str, int] = {}
 
     def _path(self, name: str) -> Path | None:
         return None if self.directory is None else self.directory / f"{name}.json"
@@ -79,7 +101,7 @@ class CheckStateStore:
                 if not isinstance(loaded, dict):
                     raise ValueError("not a JSON object")
                 state = loaded
-                self._unproven.add(name)
+                self._unproven[name] = 0
             except (OSError, ValueError) as exc:
                 log.warning("state of check %s unreadable (%s): starting afresh", name, exc)
                 with contextlib.suppress(OSError):  # set aside for a post-mortem
@@ -87,22 +109,40 @@ class CheckStateStore:
         self._states[name] = got = CheckState(state, self, name)
         return got
 
+    def keep_refused(self, name: str) -> Path | None:
+        path = self._path(name)
+        if path is None or not path.is_file():
+            return None
+        copy = _aside(path, "refused")
+        try:
+            shutil.copy2(path, copy)
+        except OSError as exc:
+            log.warning("cannot keep a copy of %s: %s", path, exc)
+            return None
+        log.warning("refused state of check %s kept as %s", name, copy)
+        return copy
+
     def proven(self, name: str) -> None:
         """The check completed a run with its state: what it loaded from disk was usable."""
-        self._unproven.discard(name)
+        self._unproven.pop(name, None)
 
     def set_aside(self, name: str, why: str) -> Path | None:
-        """The check raised on its first run with state loaded from disk: that state is the likely
-        cause (it reads, but not as this check expects). Set the file aside (``*.corrupt``) and
-        empty the state in place, so that the next run starts afresh. Returns where the file went;
-        None when the state did not come from disk (a check that raises on fresh state is a bug,
-        which no reset cures)."""
-        if name not in self._unproven:
+        """The check raised on state loaded from disk before any run completed with it. Once is
+        not proof (a one-off bug, an odd kernel line); a second time in a row, the state is the
+        likely cause (it reads, but not as this check expects): the file is set aside
+        (``<check>.corrupt-<UTC time>``) and the state emptied in place, so that the next run
+        starts afresh. Returns where the file went; None while it is kept (not from disk, a
+        check that raises on fresh state being a bug that no reset cures; or the first raise)."""
+        raised = self._unproven.get(name)
+        if raised is None:
             return None
-        self._unproven.discard(name)
+        if raised < 1:
+            self._unproven[name] = raised + 1
+            return None
+        del self._unproven[name]
         with self._lock:
             path = self._path(name)
-            moved = None if path is None else path.with_suffix(".corrupt")
+            moved = None if path is None else _aside(path, "corrupt")
             log.warning("state of check %s set aside (%s): the next run starts afresh", name, why)
             if path is not None and moved is not None:
                 try:

@@ -260,6 +260,9 @@ class Daemon:
         for worker in list(self._workers.values()):
             worker.idle.wait(timeout=max(0.0, deadline - time.monotonic()))
         for name in list(self._saved_at):
+            running = self._workers.get(name)
+            if running is not None and running.busy:
+                continue  # still running past the grace: its state is half-written, keep the saved one
             if self.agent.check_state.save(name):
                 self._store_watermark(name, save=False)
         self._store_watermark(None)

@@ -528,19 +528,26 @@ class WorkerGroup:
             self.failed[worker] = "worker gone (pipe closed)"
 
     def close(self) -> None:
-        for i in self.alive():
-            self.send(i, ("stop",))
-        for i, proc in self.procs.items():
-            proc.join(timeout=10 if i not in self.failed else 0.1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        for conn in self.conns.values():
-            conn.close()
-        self.conns.clear()
-        if self._held is not None:
-            self._held.__exit__(None, None, None)
-            self._held = None
+        try:
+            for i in self.alive():
+                self.send(i, ("stop",))
+            for i, proc in self.procs.items():
+                proc.join(timeout=10 if i not in self.failed else 0.1)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(timeout=5)
+        finally:
+            # whatever interrupted the stop, the device lock is not left held: every later
+            # compute check would say "devices busy"
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.kill()
+            for conn in self.conns.values():
+                conn.close()
+            self.conns.clear()
+            if self._held is not None:
+                self._held.__exit__(None, None, None)
+                self._held = None
 
 
 def _reap(s: _Slot) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from gpumon.bootstate import (
     restore,
     start_boot,
 )
+from gpumon.checkstate import CheckStateStore
 
 DAY = 86400.0
 
@@ -184,3 +186,14 @@ def test_restore_starts_afresh_and_says_why(caplog: pytest.LogCaptureFixture) ->
 def test_dump_refuses_what_is_not_a_dataclass() -> None:
     with pytest.raises(TypeError):
         dump_state({"a": 1})
+
+
+def test_a_refused_state_file_is_copied_aside_before_the_fresh_state_replaces_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "demo.json").write_text('{"recs": 5}')
+    state = CheckStateStore(tmp_path).get("demo")
+    with caplog.at_level(logging.WARNING, logger="gpumon"):
+        fresh = restore(_State, state, check="demo")
+    assert fresh == _State()
+    (copy,) = tmp_path.glob("demo.refused-*")
+    assert copy.read_text() == '{"recs": 5}' and str(copy) in caplog.text

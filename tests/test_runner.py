@@ -255,14 +255,41 @@ def test_saved_state_the_check_cannot_use_is_set_aside_and_the_next_run_starts_a
     (store_dir / "counts.json").write_text('{"runs": "seven"}')
     restarted = CheckStateStore(store_dir)
     runner = _persisted_runner(tmp_path, restarted)
+    once = runner.run([Counts()])[0]  # once is no proof: kept
+    assert once.outcome == "error" and "set aside" not in once.findings[0].message
+    assert (store_dir / "counts.json").exists()
     run = runner.run([Counts()])[0]
     assert run.outcome == "error"
     (f,) = run.findings
     assert f.severity is Severity.UNKNOWN and "set aside" in f.message
-    assert (store_dir / "counts.corrupt").read_text() == '{"runs": "seven"}'
+    (aside,) = store_dir.glob("counts.corrupt-*")
+    assert aside.read_text() == '{"runs": "seven"}' and f.evidence["state_set_aside"] == str(aside)
     assert not (store_dir / "counts.json").exists()
     assert [f.message for f in runner.run([Counts()])[0].findings] == ["run 1"]  # afresh, for good
     assert restarted.save("counts") and (store_dir / "counts.json").read_text() == '{"runs":1}'
+
+
+class FailsOnce(Counts):
+    """Raises on its first run only (an odd input line, a bug on a path taken once)."""
+
+    failed = False
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        if not FailsOnce.failed:
+            FailsOnce.failed = True
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "an odd line")
+        return super().run(ctx)
+
+
+def test_a_one_off_exception_right_after_a_restart_keeps_the_saved_state(tmp_path: Path) -> None:
+    store_dir = tmp_path / "checks"
+    store_dir.mkdir()
+    (store_dir / "counts.json").write_text('{"runs": 41}')
+    store = CheckStateStore(store_dir)
+    runner = _persisted_runner(tmp_path, store)
+    assert runner.run([FailsOnce()])[0].outcome == "error"
+    assert [f.message for f in runner.run([FailsOnce()])[0].findings] == ["run 42"]
+    assert not list(store_dir.glob("counts.corrupt*"))
 
 
 def test_state_the_check_ran_with_is_kept_when_it_raises_later(tmp_path: Path) -> None:
@@ -275,7 +302,8 @@ def test_state_the_check_ran_with_is_kept_when_it_raises_later(tmp_path: Path) -
     runner = _persisted_runner(tmp_path, store)
     assert [f.message for f in runner.run([Counts()])[0].findings] == ["run 4"]
     store.get("counts")["runs"] = "broken by the check itself"
-    run = runner.run([Counts()])[0]
-    assert run.outcome == "error" and "set aside" not in run.findings[0].message
+    for _ in range(2):
+        run = runner.run([Counts()])[0]
+        assert run.outcome == "error" and "set aside" not in run.findings[0].message
     assert store.get("counts")["runs"] == "broken by the check itself"
-    assert not (store_dir / "counts.corrupt").exists()
+    assert not list(store_dir.glob("counts.corrupt*"))
