@@ -44,13 +44,14 @@ sample (so a link that retrains at a lower rate is seen at once).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstate import dump_state, enter_boot, restore
+from gpumon.bootstate import StateError, dump_state, enter_boot, load_state, restore
 from gpumon.check import Check, CheckContext
 from gpumon.checkstate import save_now
 from gpumon.errors import HwCondition, NotSupported
@@ -73,6 +74,7 @@ _MAX_RECORDS = 128
 _RATE_COUNTERS = ("symbol_error", "link_error_recovery")
 _BUCKET_S = 60.0
 _EVIDENCE_OUTAGES = 5
+log = logging.getLogger("gpumon.checks.ib")
 _KEY_RE = re.compile(r"[^/]+/[0-9]{1,3}")
 # Every sample reads all ports in one bounded call, and each file still costs its open,
 # read and close (~5 us of CPU, 8 ports x 3 files a second). Rate, link
@@ -190,6 +192,7 @@ class IbCheck(Check):
         check runs every second, and a full check costs more than the sampling)."""
         # emptied in place: set aside by the runner (gpumon.checkstate), start afresh too
         if raw is not self._state_of or not raw:
+            _drop_bad_ports(raw, self.name)
             self._state = restore(_IbState, raw, check=self.name)
             self._state_of = raw
         return self._state
@@ -609,6 +612,22 @@ class _IbState:
             p.counters = {}
         self.layout = _Layout()
         return changed
+
+
+def _drop_bad_ports(raw: MutableMapping[str, Any], check: str) -> None:
+    """Forget the saved ports that do not read back (each logged), before the state is read as a
+    whole: one damaged port record must not cost every other port its outage window."""
+    ports = raw.get("ports")
+    if not isinstance(ports, dict):
+        return  # the whole state is then refused, as it should
+    for key in list(ports):
+        try:
+            if _KEY_RE.fullmatch(str(key)) is None:
+                raise StateError(f"state.ports[{key!r}]: not device/port")
+            load_state(_Port, ports[key])
+        except StateError as exc:
+            log.warning("saved state of check %s: port %s forgotten: %s", check, key, exc)
+            del ports[key]
 
 
 def _record(start: float, end: float, down_s: float, max_s: float, kind: str, n: int = 1) -> _Record:

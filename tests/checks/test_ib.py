@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -491,6 +492,30 @@ def test_state_survives_a_daemon_restart(node: Node, tmp_path: Path) -> None:
     restarted = CheckStateStore(tmp_path / "state")
     node.state = restarted.get("ib")
     node.run(3)
+    node.up("mlx5_8")
+    ev = node.run(4)["ib/mlx5_8/1"].evidence
+    assert (ev["outages"], ev["downtime_s"]) == (1, 3.0)
+
+
+def test_one_damaged_port_record_costs_only_that_port(node: Node, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A hand edit or damage in one port's saved record forgets that port only: an outage open on
+    another port keeps its start across the restart."""
+    store = CheckStateStore(tmp_path / "state")
+    node.state = store.get("ib")
+    node.run(0)
+    node.down("mlx5_8")
+    node.run(1)
+    node.run(2)
+    assert store.save("ib")
+    path = tmp_path / "state" / "ib.json"
+    saved = json.loads(path.read_text())
+    saved["ports"]["mlx5_0/1"]["last_up"] = "yes"
+    path.write_text(json.dumps(saved))
+    node.state = CheckStateStore(tmp_path / "state").get("ib")
+    with caplog.at_level(logging.WARNING, logger="gpumon"):
+        node.run(3)
+    assert "port mlx5_0/1 forgotten" in caplog.text and "refused" not in caplog.text
     node.up("mlx5_8")
     ev = node.run(4)["ib/mlx5_8/1"].evidence
     assert (ev["outages"], ev["downtime_s"]) == (1, 3.0)
