@@ -474,13 +474,13 @@ class WorkerGroup:
     ``target(index, conn, *args)`` runs in each worker and answers on ``conn``; a ``("stop",)``
     message asks it to return."""
 
-    def __init__(self, kind: str, target: Callable[..., None], count: int, args: tuple[Any, ...], *,
+    def __init__(self, holder: str, target: Callable[..., None], count: int, args: tuple[Any, ...], *,
                  lock_wait_s: float = 0.0, name: str = "gpumon-worker") -> None:
         self.conns: dict[int, multiprocessing.connection.Connection] = {}
         self.procs: dict[int, Any] = {}
         self.failed: dict[int, str] = {}
         self.startup_failed: set[int] = set()
-        held = devices_held(kind, lock_wait_s)
+        held = devices_held(holder, lock_wait_s)
         held.__enter__()
         self._held: contextlib.AbstractContextManager[float] | None = held
         try:

@@ -375,7 +375,7 @@ class PcieCheck(Check):
 
 class AerDelta:
     """AER lines folded since the pcie check's last run (:class:`AerFold`): what they add to the
-    check's ``state["kmsg"]``, which :meth:`merge_into` adds. Merging deltas one after another
+    check's ``state["kmsg"]``, which :meth:`merge` adds. Merging deltas one after another
     gives the state that ingesting their lines one by one gives (tests/checks/test_pcie_fold.py)."""
 
     __slots__ = ("kmsg", "orphans", "sources")
@@ -394,10 +394,6 @@ class AerDelta:
 
     def __bool__(self) -> bool:
         return bool(self.kmsg or self.sources or self.orphans)
-
-    def merge_into(self, state: MutableMapping[str, Any]) -> None:
-        """:meth:`merge` into the ``kmsg`` and ``kmsg_source`` of a state mapping."""
-        self.merge(state.setdefault("kmsg", {}), state.setdefault("kmsg_source", {}))
 
     def merge(self, kmsg: dict[str, Any], sources: dict[str, str]) -> None:
         """Add this delta to the state's ``kmsg`` (bus id -> entry) and ``kmsg_source``."""

@@ -101,13 +101,13 @@ def test_folded_batches_merge_to_what_line_by_line_ingest_gives(texts: list[str]
             fold.add(rec, when)
         delta = fold.take()
         if delta is not None:
-            delta.merge_into(state)
+            delta.merge(state.setdefault("kmsg", {}), state.setdefault("kmsg_source", {}))
         own = AerFold(runs.get("kmsg_source"))
         for rec, when in batch:
             own.add(rec, when)
         mine = own.take()
         if mine is not None:
-            mine.merge_into(runs)
+            mine.merge(runs.setdefault("kmsg", {}), runs.setdefault("kmsg_source", {}))
     assert state.get("kmsg", {}) == expected["kmsg"]
     assert state.get("kmsg_source", {}) == expected["kmsg_source"]
     assert runs.get("kmsg", {}) == expected["kmsg"]
