@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpumon.distribution import install_hint
 from gpumon.errors import GpumonError
 from gpumon.hw.placement import DeviceFaults, StandIn, normalize_uuid
 
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 A = TypeVar("A")
 R = TypeVar("R")
 
-TORCH_MISSING = "torch not installed (pip install 'gpumon[compute]')"
+TORCH_MISSING = f"torch not installed ({install_hint('compute')})"
 
 
 def torch_missing() -> str | None:

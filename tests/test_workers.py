@@ -265,7 +265,7 @@ def test_without_torch_gpumon_imports_and_the_compute_checks_say_why(monkeypatch
     # a None entry in sys.modules is how Python marks a module as not importable
     monkeypatch.setitem(sys.modules, "torch", None)
     assert workers.torch_missing() == workers.TORCH_MISSING
-    assert workers.TORCH_MISSING == "torch not installed (pip install 'gpumon[compute]')"
+    assert workers.TORCH_MISSING == "torch not installed (pip install 'gpumon-node[compute]')"
     from gpumon.hw.inventory import Inventory
     from gpumon_checks.burnin.check import BurninCheck
     from gpumon_checks.nccl.check import NcclCheck

@@ -91,7 +91,7 @@ class SdcCanaryCheck(Check):
 
     def supported(self, inventory: Inventory) -> str | None:
         if importlib.util.find_spec("torch") is None:
-            return "torch is not installed (pip install 'gpumon[compute]')"
+            return workers.TORCH_MISSING
         if not inventory.gpus:
             return "no GPUs visible to NVML"
         return None

@@ -5,7 +5,7 @@
 
 The names are loaded on first use: importing ``gpumon.sdc.cli`` (which every ``gpumon`` command
 does, to build its parser) must not import torch, which takes over a second and is an optional
-dependency (``gpumon[compute]``).
+dependency (the ``compute`` extra: ``gpumon-node[compute]``).
 """
 
 from __future__ import annotations

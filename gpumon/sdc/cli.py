@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpumon.distribution import install_hint
 from gpumon.errors import ConfigError, GpumonError
 from gpumon.model import Finding, Severity, Status, overall_status
 
@@ -94,7 +95,7 @@ def main(args: argparse.Namespace, agent: Agent) -> int:
     try:
         import torch  # noqa: F401  (the canaries need it; say so plainly when it is missing)
     except ImportError:
-        print("gpumon: canary: torch is not installed (pip install 'gpumon[compute]')", file=sys.stderr)
+        print(f"gpumon: canary: torch is not installed ({install_hint('compute')})", file=sys.stderr)
         return EXIT_CANNOT_RUN
     from gpumon.sdc.bundle import BundleError
     from gpumon.sdc.inject import FaultSpecError
