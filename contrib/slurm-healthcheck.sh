@@ -6,8 +6,12 @@
 # (the Nagios/NHC convention gpumon follows):
 #   0 ok, 1 warnings only  -> leave the node as it is (no RPC to slurmctld)
 #   2 a check failed        -> drain with "gpumon: <worst action>: <first failing finding>",
-#                              unless the node is already out with someone else's reason
-#   3 (or a timeout, or gpumon missing) gpumon could not run
+#                              unless the node is already out with someone else's reason;
+#                              only with gpumon's failing JSON report on stdout: an exit 2 without
+#                              one (a usage error of another program or an older gpumon) is
+#                              treated as 3
+#   3 (or a timeout, or gpumon missing) gpumon could not run, or its arguments are wrong (a
+#     usage error is 3: a typo in GPUMON_ARGS never drains)
 #                           -> leave the node, exit 1 so slurmd logs it; drain only if
 #                              GPUMON_HC_DRAIN_ON_ERROR=1
 # gpumon never resumes from here: the daemon (remediation.mode=enforce) or an operator
@@ -187,6 +191,18 @@ case $rc in
         exit 0
         ;;
     2)
+        # Exit 2 drains only with gpumon's own failing report on stdout: argparse in older
+        # gpumon releases, sh and python also exit 2 on a usage error, and one bad GPUMON_ARGS
+        # rolled out must not drain the fleet.
+        if ! grep -q '^  "status": "fail",\{0,1\}$' "$tmp/report"; then
+            detail=$(tail -n 1 "$tmp/err")
+            say "gpumon check exited 2 without a failing gpumon report (a usage error?)${detail:+: $detail};" \
+                "node left as it is"
+            if [ "$GPUMON_HC_DRAIN_ON_ERROR" = 1 ]; then
+                drain "gpumon: unknown: gpumon check exited 2 without a report"
+            fi
+            exit 1
+        fi
         if summarise <"$tmp/report" >"$tmp/summary"; then
             action=$(sed -n 1p "$tmp/summary")
             summary=$(sed -n 2p "$tmp/summary")

@@ -31,20 +31,20 @@ from gpumon.sdc import cli as canary_cli
 from gpumon.sim.render import default_root
 from gpumon.sim.scenario import Scenario, load_scenario
 from gpumon.sim.simulation import Simulation
+from gpumon.usage import EXIT_USAGE, UsageParser
 
 EXIT_OK = 0
 EXIT_WARN = 1
 EXIT_FAIL = 2
-EXIT_CANNOT_RUN = 3
+EXIT_CANNOT_RUN = EXIT_USAGE
 
 log = logging.getLogger("gpumon")
 
 
-def _global_options(suppress: bool = False) -> argparse.ArgumentParser:
+def _global_options(suppress: bool = False) -> UsageParser:
     # Global flags are accepted before and after the command. The command's
     # copy must not reset a value given before it, hence SUPPRESS there.
-    p = argparse.ArgumentParser(add_help=False,
-                                argument_default=argparse.SUPPRESS if suppress else None)
+    p = UsageParser(add_help=False, argument_default=argparse.SUPPRESS if suppress else None)
     p.add_argument("--config", type=Path, metavar="FILE",
                    help="config file (default /etc/gpumon/gpumon.yaml if present)")
     p.add_argument("--host-root", metavar="DIR", help="where the host's /sys, /proc, /dev are (default /)")
@@ -62,9 +62,9 @@ def _global_options(suppress: bool = False) -> argparse.ArgumentParser:
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpumon", parents=[_global_options()],
-                                     description="GPU node health-check agent")
+def build_parser() -> UsageParser:
+    parser = UsageParser(prog="gpumon", parents=[_global_options()],
+                         description="GPU node health-check agent")
     parser.add_argument("--version", action="version", version=f"gpumon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _global_options(suppress=True)

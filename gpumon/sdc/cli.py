@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 from gpumon.distribution import install_hint
 from gpumon.errors import ConfigError, GpumonError
 from gpumon.model import Finding, Severity, Status, overall_status
+from gpumon.usage import EXIT_USAGE, UsageParser
 
 if TYPE_CHECKING:
     from gpumon.agent import Agent
     from gpumon.sdc.runner import Report
 
-EXIT_CANNOT_RUN = 3
+EXIT_CANNOT_RUN = EXIT_USAGE
 
 
 def add_parser(subparsers: Any,
@@ -471,7 +472,7 @@ def _replay_on(args: argparse.Namespace, node: _Node, gpu: dict[str, Any] | None
 
 def _standalone(argv: Sequence[str] | None = None) -> int:
     """``python -m gpumon.sdc.cli SUBCOMMAND ...``: the same commands without gpumon's global flags."""
-    parser = argparse.ArgumentParser(prog="gpumon-canary", description="gpumon SDC canaries")
+    parser = UsageParser(prog="gpumon-canary", description="gpumon SDC canaries")
     parser.add_argument("--config", type=Path, metavar="FILE", help="gpumon config (for state_dir)")
     parser.add_argument("--host-root", metavar="DIR", help="where the host's /proc is (default /)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

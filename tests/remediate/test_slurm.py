@@ -513,10 +513,16 @@ def test_wrapper_bounds_a_hung_gpumon(slurm: Slurm, tmp_path: Path) -> None:
     assert "gpu03" not in slurm.drained()
 
 
-def test_wrapper_exit_2_without_a_report_and_over_an_operators_drain(slurm: Slurm, tmp_path: Path) -> None:
+# gpumon's report as `check --json` prints it (json.dumps, indent 2), failing, with findings
+# the wrapper cannot summarise
+_FAIL_REPORT_UNREADABLE = 'printf \'{\\n  "status": "fail",\\n  "findings": []\\n}\\n\''
+
+
+def test_wrapper_exit_2_with_an_unreadable_report_and_over_an_operators_drain(
+        slurm: Slurm, tmp_path: Path) -> None:
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    _tool(bindir, "gpumon", "echo 'Traceback (most recent call last):'; exit 2")
+    _tool(bindir, "gpumon", _FAIL_REPORT_UNREADABLE + "; exit 2")
     env = _hc_env(slurm, tmp_path, bindir)
     try:
         slurm.operator("gpu03")
@@ -528,6 +534,36 @@ def test_wrapper_exit_2_without_a_report_and_over_an_operators_drain(slurm: Slur
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert slurm.drained()["gpu03"][1] == ("gpumon: unknown: gpumon check failed (exit 2) but its "
                                                 "report could not be read")
+    finally:
+        slurm.reset("gpu03")
+
+
+def test_wrapper_exit_2_without_gpumons_report_never_drains(slurm: Slurm, tmp_path: Path) -> None:
+    # what an older gpumon's argparse, sh or python print for a usage error: exit 2, no report
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _tool(bindir, "gpumon", "echo 'usage: gpumon [-h] ...' >&2; "
+          "echo 'gpumon: error: unrecognized arguments: --cofnig' >&2; exit 2")
+    proc = _run_wrapper(_hc_env(slurm, tmp_path, bindir))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert ("exited 2 without a failing gpumon report (a usage error?): gpumon: error: unrecognized "
+            "arguments: --cofnig; node left as it is") in proc.stdout
+    assert "gpu03" not in slurm.drained()
+
+
+def test_wrapper_with_a_typo_in_gpumon_args_leaves_the_node(slurm: Slurm, tmp_path: Path) -> None:
+    """Issue 18: one bad rollout of GPUMON_ARGS must not drain the fleet. gpumon itself (a real
+    faulty simulated node, which WOULD be drained) with a misspelt flag: exit 3, node untouched."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _tool(bindir, "gpumon", f'exec "{sys.executable}" -m gpumon "$@"')
+    env = _hc_env(slurm, tmp_path, bindir, defaults='GPUMON_ARGS="--simulate faulty-8xh100 --cofnig x"\n')
+    try:
+        proc = _run_wrapper(env)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert ("gpumon check could not run (exit 3): gpumon: usage error (exit 3, nothing was "
+                "checked): unrecognized arguments: --cofnig; node left as it is") in proc.stdout, proc.stdout
+        assert "gpu03" not in slurm.drained()
     finally:
         slurm.reset("gpu03")
 
@@ -546,7 +582,7 @@ def test_wrapper_is_shellcheck_clean() -> None:
 def test_wrapper_circuit_breaker_blocks_a_new_drain(slurm: Slurm, tmp_path: Path) -> None:
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    _tool(bindir, "gpumon", "exit 2")
+    _tool(bindir, "gpumon", _FAIL_REPORT_UNREADABLE + "; exit 2")
     try:
         assert _backend(slurm, "gpu01").take_out(Action.REBOOT_NODE, "Xid 79", dry_run=False).done
         # 1 of 3 nodes (33 %) is already gpumon's: over the default 20 %
