@@ -34,8 +34,18 @@ a node that just passed it, so the suite is thorough but bounded, and says where
   ``<state_dir>/bootstrap-<UTC time>.json`` and ``bootstrap-latest.json``; the newest
   ``keep_reports`` are kept. A report that cannot be written is logged and named in the result; it
   does not change the verdict.
-- **Exit code** (NHC): 0 ok, 1 warnings only (``unknown`` included), 2 a failure, 3 interrupted.
-- **Health hook**: :attr:`SuiteResult.passed` (no ``fail``, no ``unknown``, not interrupted) and
+- **Required checks**: the profile's ``bootstrap.required``, plus the site's ``bootstrap.required``,
+  minus its ``bootstrap.optional`` (and what the machine cannot host by its nature). A required
+  check that could not run here (every finding ``skipped``: torch missing, a tool not installed; not
+  installed at all; disabled in the config) becomes ``unknown`` "required by ..., could not run:
+  <reason>; <fix>", and the suite is INCOMPLETE: status ``error``, exit 3, not passed, so the unit
+  that gates kubelet and slurmd keeps the node out and no fault is cleared. A failure found beside
+  it still wins (NOT PASSED, exit 2). A required check left out on purpose (``--only``/``--skip``)
+  makes the run *partial*: exit code by its findings, but no retest credit.
+- **Exit code** (NHC): 0 ok, 1 warnings only (``unknown`` included), 2 a failure, 3 interrupted or
+  incomplete.
+- **Health hook**: :attr:`SuiteResult.passed` (no ``fail``, no ``unknown``, not interrupted, not
+  incomplete, not partial) and
   :func:`record_health`, which folds every run into the health state and, when the suite passed,
   records ``retest_passed(by="bootstrap")``.
 """
@@ -58,7 +68,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 from rich.table import Table
 
 from gpumon.atomic import write_atomic
-from gpumon.check import RETRY_ID, RETRYABLE, AfterSuite, Check, CheckContext, RetryRequest
+from gpumon.check import NOT_TESTED, RETRY_ID, RETRYABLE, AfterSuite, Check, CheckContext, RetryRequest
 from gpumon.errors import ConfigError
 from gpumon.model import (
     NODE,
@@ -82,6 +92,7 @@ log = logging.getLogger("gpumon.bootstrap")
 ATTEMPTS = "attempts"
 SUITE_ATTEMPTS = "suite_attempts"
 NOT_RUN = "not-run"
+NOT_INSTALLED = "not-installed"
 REPORT_PREFIX = "bootstrap-"
 LATEST = "bootstrap-latest.json"
 _TICK_S = 0.1
@@ -164,6 +175,84 @@ def merge_retry(first: CheckRun, second: CheckRun, attempt: int = 2) -> CheckRun
     return CheckRun(first.check, merged, first.started, first.seconds + second.seconds, outcome)
 
 
+# --------------------------------------------------------------------------- required checks
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A check the suite cannot pass without, who requires it, and (once judged) why it did not run."""
+
+    check: str
+    required_by: str
+    reason: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {"check": self.check, "required_by": self.required_by, "reason": self.reason}
+
+
+def required_checks(agent: Agent) -> dict[str, str]:
+    """Check name -> who requires it: the profile's, less the site's optional ones, plus the site's
+    required ones, less what the machine cannot host by its nature."""
+    out = {n: f"profile {agent.profile.name}" for n in agent.profile.bootstrap.required}
+    for name in agent.config.bootstrap.optional:
+        out.pop(name, None)
+    # the site's required wins over its optional (a name in both: the safe reading)
+    for name in agent.config.bootstrap.required:
+        out[name] = "the site config (bootstrap.required)"
+    for name in agent.machine.cannot_host():
+        out.pop(name, None)
+    return out
+
+
+_FIX = "install what it needs and run the suite again, or declare it optional (bootstrap.optional)"
+
+
+def could_not_run(run: CheckRun) -> str | None:
+    """Why the check did not test what it is for (every finding ``skipped``, or one marked
+    ``not_tested``), else None. A skip of one part (a VM's flattened PCIe tree in pcie_topology)
+    is not that: the rest was judged."""
+    if run.outcome == NOT_RUN or not run.findings:
+        return None
+    skips = [f for f in run.findings if f.severity is Severity.SKIPPED]
+    untested = [f for f in skips if f.evidence.get(NOT_TESTED)]
+    if untested or (skips and len(skips) == len(run.findings)):
+        return "; ".join(dict.fromkeys(f.message for f in (untested or skips)))
+    return None
+
+
+def _required_unknown(run: CheckRun, req: Requirement) -> CheckRun:
+    f = Finding(run.check, NODE, Severity.UNKNOWN,
+                f"required by {req.required_by}, could not run: {req.reason}; {_FIX}",
+                evidence={"required_by": req.required_by, "skipped": req.reason})
+    return dataclasses.replace(run, findings=[f])
+
+
+def judge_requirements(result: SuiteResult, agent: Agent) -> None:
+    """Mark the result INCOMPLETE (or partial) for each required check that did not run."""
+    required = required_checks(agent)
+    in_suite = {c.check: c for c in result.checks}
+    for name, by in required.items():
+        entry = in_suite.get(name)
+        if entry is not None:
+            reason = could_not_run(entry.run)
+            if reason is not None:
+                req = Requirement(name, by, reason)
+                entry.run = _required_unknown(entry.run, req)
+                result.incomplete.append(req)
+            continue
+        cls = agent.checks.get(name)
+        if cls is None:
+            req = Requirement(name, by, f"no check {name!r} is installed (entry point group gpumon.checks)")
+        elif not agent.config.settings(cls).enabled:
+            req = Requirement(name, by, f"disabled in the config (checks.{name}.enabled: false)")
+        else:
+            result.left_out.append(Requirement(name, by, "left out by --only/--skip"))
+            continue
+        run = _required_unknown(CheckRun(name, [], time.time(), 0.0, NOT_INSTALLED), req)
+        result.checks.append(SuiteCheck(name, 0.0, 0.0, run, attempts=0))
+        result.incomplete.append(req)
+
+
 # --------------------------------------------------------------------------- results
 
 
@@ -204,6 +293,10 @@ class SuiteResult:
     node_label: str | None = None
     report_paths: list[Path] = field(default_factory=list)
     report_error: str | None = None
+    # required checks that could not run (the suite is INCOMPLETE), and those left out by
+    # --only/--skip (the run is partial)
+    incomplete: list[Requirement] = field(default_factory=list)
+    left_out: list[Requirement] = field(default_factory=list)
 
     @property
     def runs(self) -> list[CheckRun]:
@@ -215,7 +308,11 @@ class SuiteResult:
 
     @property
     def status(self) -> Status:
-        return Status.ERROR if self.interrupted else overall_status(self.findings)
+        if self.interrupted:
+            return Status.ERROR
+        found = overall_status(self.findings)
+        # a failure is a verdict whatever else could not run; without one, the node is untested
+        return Status.ERROR if self.incomplete and found is not Status.FAIL else found
 
     @property
     def exit_code(self) -> int:
@@ -225,8 +322,20 @@ class SuiteResult:
     def passed(self) -> bool:
         """Whether the node may be admitted: the suite ran to its end (or stopped only on a failure)
         and no check failed or could not say. Warnings pass: they are degraded, not broken."""
-        return not self.interrupted and all(f.severity not in (Severity.FAIL, Severity.UNKNOWN)
-                                            for f in self.findings)
+        return (not self.interrupted and not self.incomplete and not self.left_out
+                and all(f.severity not in (Severity.FAIL, Severity.UNKNOWN) for f in self.findings))
+
+    @property
+    def verdict(self) -> str:
+        if self.interrupted:
+            return "INTERRUPTED"
+        if self.status is Status.FAIL:
+            return "NOT PASSED"
+        if self.incomplete:
+            return "INCOMPLETE"
+        if any(f.severity is Severity.UNKNOWN for f in self.findings):
+            return "NOT PASSED"
+        return "PASSED (partial)" if self.left_out else "PASSED"
 
     @property
     def detail(self) -> str:
@@ -236,19 +345,24 @@ class SuiteResult:
             counts[c.severity.value] = counts.get(c.severity.value, 0) + 1
         parts = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         verdict = "passed" if self.passed else "did not pass"
+        missing = (f"; required but could not run: {', '.join(r.check for r in self.incomplete)}"
+                   if self.incomplete else "")
         return (f"bootstrap suite {verdict}: {len(self.checks)} checks ({parts}) "
-                f"in {self.finished - self.started:.0f} s")
+                f"in {self.finished - self.started:.0f} s{missing}")
 
     def report(self, verbose: bool = False) -> dict[str, Any]:
         extra: dict[str, Any] = {"bootstrap": {
             "passed": self.passed, "started": self.started, "finished": self.finished,
             "seconds": round(self.finished - self.started, 3), "fail_fast": self.fail_fast,
             "stopped_after": self.stopped_after, "interrupted": self.interrupted,
+            "verdict": self.verdict,
+            "incomplete": [r.to_json() for r in self.incomplete],
+            "left_out": [r.to_json() for r in self.left_out],
             "order": [c.check for c in self.checks], "checks": [c.to_json() for c in self.checks]}}
         if self.node_label:
             extra["simulated"] = self.node_label
         doc = json_report(self.runs, node=self.node, profile=self.profile, verbose=verbose, extra=extra)
-        doc["status"] = self.status.value  # an interrupted suite is "error" whatever it found so far
+        doc["status"] = self.status.value  # interrupted or incomplete: "error" (exit 3)
         return doc
 
 
@@ -497,6 +611,8 @@ def run_suite(agent: Agent, checks: Sequence[Check], *, fail_fast: bool = False,
                     result.checks.append(SuiteCheck(check.name, expected, budget,
                                                     _not_run(check, "the suite was interrupted", time.time()),
                                                     attempts=0))
+    if not result.interrupted:
+        judge_requirements(result, agent)
     result.finished = time.time()
     if write_report:
         _write_reports(result, agent.state_dir, keep_reports)
@@ -536,10 +652,20 @@ def print_summary(result: SuiteResult, console: Console) -> None:
     if not console.is_terminal:
         # piped to a file or a pager: one record per line (as report.print_table)
         console = console_for(console.file)
-    verdict = "PASSED" if result.passed else ("INTERRUPTED" if result.interrupted else "NOT PASSED")
     # the headline on a line of its own: a table title is padded with blanks to the table's width
-    console.print(f"bootstrap suite on {result.node} (profile {result.profile}): {verdict} "
-                  f"in {result.finished - result.started:.1f} s")
+    console.print(f"bootstrap suite on {result.node} (profile {result.profile}): {result.verdict} "
+                  f"in {result.finished - result.started:.1f} s", highlight=False)
+    for req in result.incomplete:
+        # markup=False: a reason's "pip install 'gpumon-node[compute]'" is not a style tag
+        console.print(f"  required, could not run: {req.check} (required by {req.required_by}): {req.reason}",
+                      highlight=False, soft_wrap=True, markup=False)
+    if result.incomplete:
+        console.print(f"  the node is untested: exit 3; {_FIX}", highlight=False, soft_wrap=True,
+                      markup=False)
+    if result.left_out:
+        names = ", ".join(r.check for r in result.left_out)
+        console.print(f"  partial run: required checks left out by --only/--skip: {names}; a partial run "
+                      "clears no fault", highlight=False, soft_wrap=True, markup=False)
     table = Table()
     for col in ("#", "check", "result", "action", "seconds", "budget", "attempts", "note"):
         table.add_column(col, overflow="fold")

@@ -50,6 +50,11 @@ P = TypeVar("P")
 # bootstrap suite runs the check once more for those below threshold (gpumon/bootstrap.py).
 RETRYABLE = "retryable"
 RETRY_ID = "retry_id"
+# Evidence of a ``skipped`` finding that says the measurement the check exists for did not happen
+# (p2p's copies without torch), though other findings of the run are ok: a check the bootstrap
+# suite requires then counts as not run (gpumon/bootstrap.py, required checks). A run whose every
+# finding is skipped needs no marker.
+NOT_TESTED = "not_tested"
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,17 @@ class RemediationSettings:
 
 
 @dataclass(frozen=True)
+class BootstrapSettings:
+    """What the bootstrap suite cannot pass without, on top of the profile's ``bootstrap.required``
+    (README, "What the suite requires"). A required check that cannot run here (torch missing,
+    perftest or DCGM not installed, a site check not installed) leaves the suite INCOMPLETE (exit 3):
+    the unit that gates kubelet and slurmd keeps the node out, and no fault is cleared."""
+
+    required: list[str] = field(default_factory=list)  # required here too (rdma, dcgm_diag, a site check)
+    optional: list[str] = field(default_factory=list)  # required by the profile, but not on this site
+
+
+@dataclass(frozen=True)
 class CheckSettings:
     """Settings every check has; the check's own options live in ``params``."""
 
@@ -126,6 +137,7 @@ class Config:
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     exporter: ExporterSettings = field(default_factory=ExporterSettings)
     remediation: RemediationSettings = field(default_factory=RemediationSettings)
+    bootstrap: BootstrapSettings = field(default_factory=BootstrapSettings)
     # raw per-check sections; validated against the registered checks by load_config
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
     check_settings: dict[str, CheckSettings] = field(default_factory=dict, compare=False)
@@ -189,7 +201,19 @@ def _load_layer(data: Any, src: Source, checks: Mapping[str, type[Check]]) -> di
         raise src.error((), "the config file must be a mapping of settings")
     build(Config, data, src)  # strict validation of every non-check key, with lines
     _check_sections(data, src, checks)
+    _bootstrap_names(data, src, checks)
     return dict(data)
+
+
+def _bootstrap_names(data: Mapping[str, Any], src: Source, checks: Mapping[str, type[Check]]) -> None:
+    """A misspelt name in ``bootstrap.optional`` would leave the check required, one in
+    ``bootstrap.required`` would require nothing: both are refused where they are written."""
+    section = data.get("bootstrap") or {}
+    for key in ("required", "optional"):
+        for i, name in enumerate(section.get(key) or []):
+            if name not in checks:
+                raise src.error(("bootstrap", key, i), f"unknown check {name!r} (registered: "
+                                                        f"{', '.join(sorted(checks))})")
 
 
 def with_profile(config: Config, checks: Mapping[str, type[Check]], profile: Profile) -> Config:

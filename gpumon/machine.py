@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -45,6 +45,11 @@ class Machine:
     def devices(self) -> ComputeDevices:
         """Who places the compute checks' workers on this machine's devices."""
         return ComputeDevices()
+
+    def cannot_host(self) -> Mapping[str, str]:
+        """Bootstrap checks this kind of machine cannot run by its nature, and why: the suite does
+        not require them here (a real node can host every check: none)."""
+        return {}
 
     @property
     def nvml_complete(self) -> bool:

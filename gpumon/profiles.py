@@ -58,6 +58,13 @@ class MemorySpec:
 
 
 @dataclass(frozen=True)
+class BootstrapSpec:
+    # the bootstrap checks a node of this SKU must have run to pass the suite (a list of names,
+    # not a number: its reasons are in the profile's comments and the README's table)
+    required: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     description: str = ""
@@ -71,6 +78,7 @@ class Profile:
     thermal: ThermalSpec = field(default_factory=ThermalSpec)
     network: NetworkSpec = field(default_factory=NetworkSpec)
     memory: MemorySpec = field(default_factory=MemorySpec)
+    bootstrap: BootstrapSpec = field(default_factory=BootstrapSpec)
     sources: dict[str, str] = field(default_factory=dict)
     # SKU-specific check thresholds: {check: {option: {value: X, source: "..."}}}, validated
     # against the check's own options when the agent starts (the registry is known then)
@@ -96,7 +104,9 @@ class Profile:
         return self.notes.get(key)
 
 
-GENERIC = Profile(name="generic", description="no SKU profile matched: profile comparisons are skipped")
+# A GPU whose SKU no profile knows still has to compute right before it takes work.
+GENERIC = Profile(name="generic", description="no SKU profile matched: profile comparisons are skipped",
+                  bootstrap=BootstrapSpec(required=["burnin"]))
 
 
 def _from_data(data: Any, src: Source, expect_name: str | None) -> Profile:

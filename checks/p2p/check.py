@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon import workers
-from gpumon.check import Check, CheckContext
+from gpumon.check import NOT_TESTED, Check, CheckContext
 from gpumon.errors import HwCondition
 from gpumon.hw import placement
 from gpumon.hw.inventory import Inventory
@@ -407,7 +407,7 @@ def judge(ctx: CheckContext, indices: Sequence[int], paths: Mapping[tuple[int, i
         out.append(Finding(name, NODE, Severity.OK, f"P2P over {len(indices)} GPUs: {what}; {copy_note}",
                            Action.NONE, ev_node))
     if copies is None:
-        out.append(Finding(name, NODE, copies_missing, copy_note))
+        out.append(Finding(name, NODE, copies_missing, copy_note, Action.NONE, {NOT_TESTED: True}))
     for index, why in sorted(ctx.inventory.unreadable_gpus.items()):
         out.append(Finding(name, gpu(index), Severity.UNKNOWN, f"GPU {index} not tested: {why}"))
     return out

@@ -8,7 +8,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -123,6 +123,13 @@ class Simulation(Machine):
 
     def devices(self) -> ComputeDevices:
         return SimulatedDevices(self.node.host_root)
+
+    def cannot_host(self) -> Mapping[str, str]:
+        # CPU workers stand in for the GPUs: there is no host-device link to copy over, and
+        # host_bandwidth rightly says skipped; its absence must not make every simulated suite
+        # INCOMPLETE (a real node without CUDA still is: NoCudaOnGpuNode)
+        return {"host_bandwidth": "a simulated node has no host-device link (CPU workers stand in for "
+                                  "its GPUs)"}
 
     @property
     def nvml_complete(self) -> bool:

@@ -111,3 +111,63 @@ def test_the_default_suite_is_planned_to_fit_five_minutes_on_a_gpu_node() -> Non
              if cls.phase.value == "bootstrap"}
     assert set(costs) == set(BOOTSTRAP) and all(c is not None and c > 0 for c in costs.values()), costs
     assert sum(c for c in costs.values() if c is not None) <= 300.0, costs
+
+
+# --------------------------------------------------------------------------- without the compute extra
+
+
+def _venv_without_compute(where: Path) -> Path:
+    """A real venv holding everything gpumon's base install has and not the ``compute`` extra (torch,
+    numpy): each package of this interpreter's site-packages but those, linked in. Its python
+    cannot import torch, as after ``pip install gpumon-node`` without ``[compute]``."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
+    ours = Path(sysconfig.get_paths()["purelib"])
+    theirs = Path(subprocess.run([str(where / "bin" / "python"), "-c",
+                                  "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 capture_output=True, text=True, check=True, timeout=60).stdout.strip())
+    compute = ("torch", "torchgen", "functorch", "numpy")
+    for entry in ours.iterdir():
+        if entry.name.split("-")[0].split(".")[0] in compute:
+            continue
+        (theirs / entry.name).symlink_to(entry)
+    proc = subprocess.run([str(where / "bin" / "python"), "-c",
+                           "import gpumon, pynvml, rich, yaml; import torch"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "No module named 'torch'" in proc.stderr, proc.stderr
+    return where / "bin" / "python"
+
+
+def test_without_the_compute_extra_the_suite_is_incomplete_not_passed(tmp_path: Path) -> None:
+    """Issue 18: without torch the suite printed PASSED and exited 0 in 0.2 s with burnin, nccl and
+    p2p skipped, and a passing suite gates kubelet/slurmd and clears reset/reboot faults."""
+    import subprocess
+
+    python = _venv_without_compute(tmp_path / "venv")
+    argv = [str(python), "-m", "gpumon", "run-bootstrap", "--simulate", "healthy-8xh100",
+            "--sim-dir", str(tmp_path / "sim")]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "(profile h100-sxm): INCOMPLETE in " in proc.stdout
+    for name in ("burnin", "nccl", "p2p"):
+        assert (f"required, could not run: {name} (required by profile h100-sxm): ") in proc.stdout
+    assert "torch not installed (pip install 'gpumon-node[compute]')" in proc.stdout
+    assert "PASSED" not in proc.stdout.replace("NOT PASSED", "")
+    doc = json.loads((tmp_path / "sim" / "state" / "bootstrap-latest.json").read_text())
+    assert doc["status"] == "error" and doc["bootstrap"]["passed"] is False
+    assert {r["check"] for r in doc["bootstrap"]["incomplete"]} == {"burnin", "nccl", "p2p"}
+    # no retest was recorded: the health state says the node is not proven
+    status = subprocess.run([str(python), "-m", "gpumon", "status", "--json", "--state-dir",
+                             str(tmp_path / "sim" / "state")], capture_output=True, text=True,
+                            env=clean_env(), timeout=60)
+    assert "retest_passed" not in status.stdout
+    # a site that runs its compute tests elsewhere says so, and then the suite passes
+    site = tmp_path / "site.yaml"
+    site.write_text("bootstrap:\n  optional: [burnin, nccl, p2p]\n")
+    proc = subprocess.run([*argv, "--config", str(site)], capture_output=True, text=True, env=clean_env(),
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(profile h100-sxm): PASSED in " in proc.stdout

@@ -25,16 +25,19 @@ from gpumon.bootstrap import (
     ProgressEvent,
     merge_retry,
     print_suite,
+    print_summary,
     record_health,
+    required_checks,
     run_suite,
     select,
 )
-from gpumon.check import Check, CheckContext, RetryRequest
+from gpumon.check import NOT_TESTED, Check, CheckContext, RetryRequest
 from gpumon.config import load_config
 from gpumon.errors import ConfigError
 from gpumon.health import Health
 from gpumon.health.state import EventKind
 from gpumon.model import NODE, Action, CheckRun, Finding, Phase, Severity
+from gpumon.profiles import builtin_profiles
 from gpumon.registry import load_checks
 from gpumon.sim import nvml_inject
 from gpumon.sim.scenario import load_scenario
@@ -220,8 +223,47 @@ class Marker(Check):
         return [self.ok(NODE, "marker")]
 
 
+class CannotRun(Check):
+    """What burnin says without torch: skipped, with the fix."""
+
+    name = "t_cannot"
+    phase = Phase.BOOTSTRAP
+    cost = 1.0
+
+    def supported(self, inventory: Any) -> str | None:
+        return "torch not installed (pip install 'gpumon-node[compute]')"
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        raise AssertionError("not supported: never run")
+
+
+class PartlyRun(Check):
+    """What p2p says without torch: the topology judged, the copies (what it is for) not."""
+
+    name = "t_partly"
+    phase = Phase.BOOTSTRAP
+    cost = 1.0
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        return [self.ok(NODE, "NVLink on every pair"),
+                self.finding(NODE, Severity.SKIPPED, "copy bandwidth not measured", **{NOT_TESTED: True})]
+
+
+class PartSkipped(Check):
+    """What pcie_topology says on a VM: one part skipped, the rest judged."""
+
+    name = "t_part_skipped"
+    phase = Phase.BOOTSTRAP
+    cost = 1.0
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        return [self.ok("gpu/0", "x16 Gen5"),
+                self.finding(NODE, Severity.SKIPPED, "no PCIe switch visible: affinity not judged")]
+
+
 TEST_CHECKS: list[type[Check]] = [Cheap, Pricey, NoCost, Failing, Warns, Unsure, Flaky, AlwaysSlow,
-                                  WrongAndSlow, HardFault, Retryable, Hangs, WithHook, Marker]
+                                  WrongAndSlow, HardFault, Retryable, Hangs, WithHook, Marker, CannotRun,
+                                  PartlyRun, PartSkipped]
 
 
 @pytest.fixture
@@ -237,6 +279,12 @@ def make_agent(inject_lib_dir: Path, tmp_path: Path,
     def make(config_text: str = "{}\n") -> Agent:
         registry = {**load_checks(), **{c.name: c for c in TEST_CHECKS}}
         cfg = tmp_path / f"gpumon{len(made)}.yaml"
+        if "bootstrap:" not in config_text:
+            # these tests run the test checks above, not the profile's: what h100-sxm requires is
+            # declared optional (the required-check tests below say otherwise)
+            optional = "bootstrap:\n  optional: [" + ", ".join(
+                builtin_profiles()["h100-sxm"].bootstrap.required) + "]\n"
+            config_text = optional + ("" if config_text.strip() == "{}" else config_text)
         cfg.write_text(config_text)
         config = load_config(cfg, registry, site_file=tmp_path / "absent.yaml")
         sim = Simulation.start(load_scenario("healthy-8xh100"), None, tmp_path / f"sim{len(made)}")
@@ -469,6 +517,87 @@ def test_exit_codes(make_agent: Callable[..., Agent], checks: list[type[Check]],
                     passed: bool) -> None:
     result = run_suite(make_agent(), [c() for c in checks], write_report=False)
     assert (result.exit_code, result.passed) == (code, passed)
+
+
+# --------------------------------------------------------------------------- required checks (issue 18)
+
+_PROFILE_OPTIONAL = ", ".join(builtin_profiles()["h100-sxm"].bootstrap.required)
+
+
+def _requiring(*names: str, extra: str = "") -> str:
+    return f"bootstrap:\n  required: [{', '.join(names)}]\n  optional: [{_PROFILE_OPTIONAL}]\n{extra}"
+
+
+def test_a_required_check_that_cannot_run_leaves_the_suite_incomplete(
+        make_agent: Callable[..., Agent], tmp_path: Path) -> None:
+    agent = make_agent(_requiring("t_cannot"))
+    out = io.StringIO()
+    result = run_suite(agent, [Cheap(), CannotRun()], write_report=True)
+    assert result.verdict == "INCOMPLETE" and result.exit_code == 3 and not result.passed
+    assert [(r.check, r.required_by) for r in result.incomplete] == [
+        ("t_cannot", "the site config (bootstrap.required)")]
+    (f,) = next(c for c in result.checks if c.check == "t_cannot").run.findings
+    assert f.severity is Severity.UNKNOWN
+    assert f.message == ("required by the site config (bootstrap.required), could not run: torch not "
+                         "installed (pip install 'gpumon-node[compute]'); install what it needs and run the "
+                         "suite again, or declare it optional (bootstrap.optional)")
+    doc = json.loads(result.report_paths[1].read_text())
+    assert doc["status"] == "error" and doc["bootstrap"]["verdict"] == "INCOMPLETE"
+    assert doc["bootstrap"]["incomplete"][0]["check"] == "t_cannot"
+    print_summary(result, Console(file=out, width=200))
+    text = out.getvalue()
+    assert ": INCOMPLETE in " in text and "pip install 'gpumon-node[compute]'" in text
+    # an incomplete suite is no retest: the faults a reset or reboot should have cleared stay
+    health = Health.open(tmp_path / "health", boot_id="boot-1")
+    try:
+        assert not record_health(result, health)
+        assert not any(e.kind is EventKind.RETEST_PASSED for e in health.store.events())
+    finally:
+        health.close()
+
+
+def test_a_required_check_is_optional_when_the_site_says_so(make_agent: Callable[..., Agent]) -> None:
+    result = run_suite(make_agent(_requiring()), [Cheap(), CannotRun()], write_report=False)
+    assert result.verdict == "PASSED" and result.exit_code == 0 and result.passed
+    # the profile's own requirement, declared optional by the site
+    agent = make_agent(f"bootstrap:\n  optional: [{_PROFILE_OPTIONAL}]\n")
+    assert "burnin" not in required_checks(agent)
+    assert required_checks(make_agent(_requiring("burnin")))["burnin"].startswith("the site config")
+
+
+def test_the_profile_requires_its_checks(make_agent: Callable[..., Agent]) -> None:
+    agent = make_agent("bootstrap: {}\n")
+    required = required_checks(agent)
+    assert set(required) == {"memory_headroom", "pcie_topology", "burnin", "nccl", "p2p"}
+    assert required["burnin"] == "profile h100-sxm"
+    # host_bandwidth too, but a simulated node has no host-device link (Machine.cannot_host)
+    assert "host_bandwidth" in agent.profile.bootstrap.required
+
+
+def test_not_installed_disabled_left_out_and_partly_run(make_agent: Callable[..., Agent]) -> None:
+    # required, but not installed, disabled, or what it is for not measured: INCOMPLETE
+    agent = make_agent(_requiring("t_partly", "t_pricey", "t_part_skipped", "site_check",
+                                  extra="checks:\n  t_pricey: {enabled: false}\n")
+                       .replace("site_check", "t_nocost"))
+    agent.checks.pop("t_nocost")  # as a site plugin whose package is not installed
+    result = run_suite(agent, [Cheap(), PartlyRun(), PartSkipped()], write_report=False)
+    reasons = {r.check: r.reason for r in result.incomplete}
+    assert reasons == {"t_partly": "copy bandwidth not measured",
+                       "t_pricey": "disabled in the config (checks.t_pricey.enabled: false)",
+                       "t_nocost": "no check 't_nocost' is installed (entry point group gpumon.checks)"}
+    assert result.exit_code == 3 and result.verdict == "INCOMPLETE"
+    # left out on purpose (--only/--skip): exit code by what ran, but no retest credit
+    partial = run_suite(make_agent(_requiring("t_pricey")), [Cheap()], write_report=False)
+    assert (partial.exit_code, partial.verdict, partial.passed) == (0, "PASSED (partial)", False)
+    # a failure found is a verdict whatever could not run
+    failed = run_suite(make_agent(_requiring("t_cannot")), [Failing(), CannotRun()], write_report=False)
+    assert (failed.exit_code, failed.verdict) == (2, "NOT PASSED") and failed.incomplete
+
+
+def test_a_misspelt_bootstrap_name_is_refused_where_it_is_written(make_agent: Callable[..., Agent]) -> None:
+    where = r"gpumon\d\.yaml:2: bootstrap\.optional\[0\]: unknown check 'burnim'"
+    with pytest.raises(ConfigError, match=where):
+        make_agent("bootstrap:\n  optional: [burnim]\n")
 
 
 def test_interrupted_suite_is_exit_3_and_not_passed(make_agent: Callable[..., Agent]) -> None:
