@@ -243,7 +243,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
             # alive (gpumon/fabric/probe.py, "Exit")
             _flush_and_exit(code)
         try:
-            agent.start()
+            # a saved kernel log is judged on any machine (a laptop, for a reimaged node's log): no
+            # NVML needed, and this host's GPUs are not what the log is about
+            agent.start(require_nvml=not (args.command == "check" and args.kmsg_file))
             if args.command == "check":
                 return _check(agent, args)
             if args.command == "run-bootstrap":
@@ -332,9 +334,18 @@ def _check(agent: Agent, args: argparse.Namespace) -> int:
     if args.all_boots and not args.kmsg_file:
         raise ConfigError("--all-boots judges a saved log: give it with --kmsg-file FILE", key="check")
     if args.kmsg_file:  # a saved log judged on purpose, as its own boot (Agent.kernel_log_snapshot)
+        if not args.names:
+            # the log's checks only: this machine's live readings say nothing about the log's node
+            checks = [c for c in checks if c.uses_kernel_log]
+        if not args.kmsg_file.is_file():
+            raise ConfigError("kernel log file not found", file=str(args.kmsg_file))
         log = (agent.kernel_log_snapshot(args.kmsg_file, all_boots=args.all_boots)
                if any(c.uses_kernel_log for c in checks) else None)
-        return _emit(agent, agent.runner.run(checks, log), args)
+        # no NVML here (a laptop): this machine's inventory cannot say whether the log's node had
+        # GPUs or NVSwitches, so the log's checks are not gated on it; lines name PCI bus ids
+        no_gpus_here = agent.inventory.nvml_error is not None and not agent.inventory.gpus
+        gate = not no_gpus_here
+        return _emit(agent, agent.runner.run(checks, log, gate=gate), args)
     runs = _replay(agent, checks) if agent.machine.replays else agent.run_once(checks)
     return _emit(agent, runs, args)
 

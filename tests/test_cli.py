@@ -73,6 +73,33 @@ def test_no_driver_exits_3_with_nvml_not_found(tmp_path: Path) -> None:
     assert proc.stdout == ""
 
 
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_saved_kernel_log_is_judged_without_nvml(tmp_path: Path) -> None:
+    """Issue 18: `check --kmsg-file` on a laptop (no driver, no GPU) exited 3 "NVML not found"; it
+    needs no NVML. The real capture of a node whose GPU fell off the bus, with NVSwitch SXids."""
+    (tmp_path / "sys").mkdir()
+    (tmp_path / "proc").mkdir()
+    saved = DATA / "kmsg-xid" / "dmesg_xid79-fallen-off-bus_plus_sxid20034-ltssm-fault-up.log"
+    proc = run_gpumon("--host-root", str(tmp_path), "check", "--json", "--kmsg-file", str(saved))
+    assert proc.returncode == 2, proc.stderr
+    found = {(f["check"], f["component"]): f for f in json.loads(proc.stdout)["findings"]}
+    xid = found[("xid", "pci/0000:91:00.0")]
+    assert (xid["severity"], xid["action"]) == ("fail", "reboot_node")
+    assert "Xid 79 ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS" in xid["message"]
+    assert found[("nvswitch", "nvswitch/0")]["severity"] == "fail"
+    # only the log's checks: this laptop's (absent) GPUs are not what the log is about
+    assert {c for c, _ in found} <= {"xid", "nvswitch", "pcie"}
+    assert not any("NVML not found" in f["message"] for f in found.values())
+    # a clean log: exit 0
+    clean = DATA / "kmsg-xid" / "dev-kmsg-raw_peermem.log"
+    ok = run_gpumon("--host-root", str(tmp_path), "check", "--kmsg-file", str(clean))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    missing = run_gpumon("--host-root", str(tmp_path), "check", "--kmsg-file", str(tmp_path / "nope.log"))
+    assert missing.returncode == 3 and "kernel log file not found" in missing.stderr
+
+
 def test_unusable_host_root_exits_3(tmp_path: Path) -> None:
     proc = run_gpumon("--host-root", str(tmp_path / "missing"), "check")
     assert proc.returncode == 3 and "host root" in proc.stderr

@@ -77,6 +77,7 @@ from gpumon.hw.fabricmanager import (
     older_than_boot,
 )
 from gpumon.hw.inventory import Inventory
+from gpumon.hw.kernellog import SavedKernelLog
 from gpumon.hw.nvml import FabricInfo, GpuInfo
 from gpumon.hw.nvrm import SXidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvswitch, pci
@@ -197,6 +198,10 @@ class NvswitchCheck(Check):
         state = self._typed_state(ctx.state)
         try:
             enter_boot(state, ctx.hw.fs.boot_id())
+            if isinstance(ctx.kernel_log, SavedKernelLog):
+                # a saved log judged on purpose (gpumon check --kmsg-file), maybe on a laptop: this
+                # host's switches, NVML fabric state and fabric manager log say nothing about it
+                return self._one_per_component(self._sxid(ctx, state, params, ctx.kernel_log.judged_at))
             now = ctx.clock()
             boot_time = ctx.hw.fs.boot_time() or ctx.kernel_log.boot_time
             findings = self._switch_count(ctx.inventory, params)
