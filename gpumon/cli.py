@@ -29,7 +29,7 @@ from gpumon.registry import load_checks
 from gpumon.report import json_report, print_table
 from gpumon.sdc import cli as canary_cli
 from gpumon.sim.render import default_root
-from gpumon.sim.scenario import Scenario, load_scenario
+from gpumon.sim.scenario import Scenario, builtin_scenarios, load_scenario
 from gpumon.sim.simulation import Simulation
 from gpumon.usage import EXIT_USAGE, UsageParser
 
@@ -50,7 +50,8 @@ def _global_options(suppress: bool = False) -> UsageParser:
     p.add_argument("--host-root", metavar="DIR", help="where the host's /sys, /proc, /dev are (default /)")
     p.add_argument("--profile", metavar="NAME", help="SKU profile (default: chosen from the GPU name)")
     p.add_argument("--simulate", metavar="SCENARIO",
-                   help="run on a simulated node: a shipped scenario name or a scenario YAML file; "
+                   help="run on a simulated node: a shipped scenario name "
+                        f"({', '.join(builtin_scenarios())}) or a scenario YAML file; "
                         "the node and its health state are kept in --sim-dir")
     p.add_argument("--sim-at", type=float, metavar="SECONDS",
                    help="one-shot commands: the scenario's time to look at (default: check: after "

@@ -16,12 +16,14 @@ class ConfigError(GpumonError):
         self.line = line
         self.key = key
         self.reason = message
-        where = file or "<config>"
-        if line is not None:
-            where += f":{line}"
+        # no file: a flag or a built-in value, named by its key alone (a literal "<config>:" told
+        # the reader nothing)
+        parts = []
+        if file:
+            parts.append(file if line is None else f"{file}:{line}")
         if key:
-            where += f": {key}"
-        super().__init__(f"{where}: {message}")
+            parts.append(key)
+        super().__init__(": ".join([*parts, message]))
 
 
 class StartupError(GpumonError):

@@ -71,3 +71,19 @@ def test_help_and_version_still_exit_0() -> None:
         with pytest.raises(SystemExit) as exc:
             build_parser().parse_args(argv)
         assert exc.value.code == 0
+
+
+def test_help_lists_the_shipped_scenarios_and_an_unknown_one_is_named_plainly() -> None:
+    from gpumon.sim.scenario import builtin_scenarios
+
+    out = subprocess.run([sys.executable, "-m", "gpumon", "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    flat = " ".join(out.split())
+    for name in builtin_scenarios():
+        assert name in flat
+    proc = subprocess.run([sys.executable, "-m", "gpumon", "check", "--simulate", "nosuch"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert proc.stderr.startswith("gpumon: configuration error: --simulate: no scenario named 'nosuch' "
+                                  "(shipped: "), proc.stderr
+    assert "<config>" not in proc.stderr
