@@ -1,0 +1,5 @@
+"""The guard check: verdicts of training jobs' in-job SDC checks (gpumon.guard) as findings."""
+
+from .check import GuardCheck, GuardConfig
+
+__all__ = ["GuardCheck", "GuardConfig"]

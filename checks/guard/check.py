@@ -1,0 +1,167 @@
+"""guard: the verdicts that training jobs on this node wrote (``gpumon.guard``), as findings.
+
+A job's ranks write one JSON file per verdict into the spool (``/var/lib/gpumon/guard`` by default;
+the job's ``$GPUMON_GUARD_DIR``). Each valid verdict becomes a finding on ``gpu/<index>``, the GPU of
+this node's inventory with the verdict's NVML UUID; a verdict from a CPU rank, or with a UUID this
+node does not have, goes on ``node`` and says why. ``fault``: persistent -> fail/inspect_hardware
+(closed only by an operator's set-healthy, like any RMA-path fault); transient and unknown -> warn.
+
+Judged once, lost never, across daemon restarts too:
+
+- a new verdict (a file in the spool's top level) is reported by every run until a LATER run of this
+  same daemon process moves it to ``judged/``. Within one process the daemon folds a run's findings
+  into the health store before the check runs again, so a moved verdict is in health.db; a daemon
+  that dies in between reports the file again after its restart (a repeat is one fault, not two:
+  the fault key is the verdict's id);
+- once judged, a persistent verdict is no longer reported: its fault stays until set-healthy (a
+  reboot does not bring back a fault the operator closed). A transient or unknown one is reported
+  for ``warn_hold_s`` after it was written, then resolves like any warning whose condition is gone;
+- a file that is not a verdict this gpumon reads (bad JSON, missing fields, a newer ``version``) is
+  left where it is and reported (warn, on ``node``, naming the file and what is wrong) on every run
+  until someone removes or fixes it, or a newer gpumon reads it. Temp files of ``write_atomic``
+  (``.<name>.tmp``) are not verdicts yet and are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpumon.check import Check, CheckContext
+from gpumon.guard import verdict as vf
+from gpumon.hw.placement import normalize_uuid
+from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu
+
+JUDGED = "judged"
+# One token per daemon process: a file reported by an earlier run of THIS process is in health.db.
+_PROCESS = uuidlib.uuid4().hex
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    spool_dir: str = field(default="", metadata={
+        "source": "empty: <host-root>/var/lib/gpumon/guard, the jobs' default ($GPUMON_GUARD_DIR "
+                  "unset); the directory must be writable by the jobs (mode 1777, like /tmp)"})
+    warn_hold_s: float = field(default=86400.0, metadata={
+        "min": 0,
+        "source": "argued: a transient or unknown SDC verdict stays visible (health, /metrics) for a "
+                  "day, long enough for an operator or the next canary to look, then resolves"})
+    max_files: int = field(default=1000, metadata={
+        "min": 1,
+        "source": "argued: a job writes one file per named rank per alarm; more than this at once is "
+                  "a runaway writer, and reading them all must not cost the daemon its interval"})
+
+
+class GuardCheck(Check):
+    name = "guard"
+    phase = Phase.CONTINUOUS
+    description = "verdicts of the in-job SDC checks (gpumon.guard) of jobs on this node"
+    interval = 10.0
+    timeout = 30.0
+    Config = GuardConfig
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        params = ctx.params_as(GuardConfig)
+        spool = Path(params.spool_dir) if params.spool_dir else ctx.hw.host_root / vf.DEFAULT_DIR.lstrip("/")
+        if not spool.is_dir():
+            return [self.ok(NODE, f"no guard verdicts (spool {spool} does not exist)", spool=str(spool))]
+        try:
+            new = sorted(p for p in spool.iterdir() if _candidate(p))
+            judged_dir = spool / JUDGED
+            judged = sorted(p for p in judged_dir.iterdir() if _candidate(p)) if judged_dir.is_dir() else []
+        except OSError as exc:
+            return [self.finding(NODE, Severity.UNKNOWN, f"cannot list the guard spool {spool}: {exc}",
+                                 spool=str(spool))]
+        now = ctx.clock()
+        by_uuid = {normalize_uuid(g.uuid): g.index for g in ctx.inventory.gpus}
+        reported: dict[str, str] = dict(ctx.state.get("reported", {}))
+        out: list[Finding] = []
+        dropped = max(0, len(new) - params.max_files)
+        still: dict[str, str] = {}
+        for path in new[:params.max_files]:
+            try:
+                verdict = vf.read(path)
+            except (vf.VerdictError, OSError) as exc:
+                out.append(self._bad_file(path, exc))
+                continue
+            if reported.get(path.name) == _PROCESS and self._judge(path, judged_dir):
+                moved = judged_dir / path.name
+                if _holds(verdict, now, params.warn_hold_s):
+                    out.append(self._finding(verdict, moved, by_uuid))
+                continue
+            out.append(self._finding(verdict, path, by_uuid))
+            still[path.name] = _PROCESS
+        for path in judged:
+            # cheap first: a file moved long ago cannot hold a warning any more
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > params.warn_hold_s + 3600 and path.stat().st_mtime < now:
+                    continue
+            try:
+                verdict = vf.read(path)
+            except (vf.VerdictError, OSError):
+                continue  # it was valid when judged; a file changed since is not news for health
+            if _holds(verdict, now, params.warn_hold_s):
+                out.append(self._finding(verdict, path, by_uuid))
+        ctx.state["reported"] = still
+        if dropped:
+            out.append(self.finding(NODE, Severity.WARN,
+                                    f"{dropped} more guard verdict files than the {params.max_files} read "
+                                    f"per run are waiting in {spool}: read on later runs",
+                                    spool=str(spool), waiting=dropped, fault_key="spool-backlog"))
+        if not out:
+            out.append(self.ok(NODE, f"no guard verdicts to report (spool {spool})", spool=str(spool)))
+        return out
+
+    def _judge(self, path: Path, judged_dir: Path) -> bool:
+        try:
+            judged_dir.mkdir(exist_ok=True)
+            os.replace(path, judged_dir / path.name)
+        except OSError:
+            return False  # left in place: reported again, moved on a later run
+        return True
+
+    def _bad_file(self, path: Path, exc: Exception) -> Finding:
+        future = isinstance(exc, vf.FutureVerdict)
+        what = "a newer guard's verdict" if future else "not a guard verdict this gpumon reads"
+        return self.finding(NODE, Severity.WARN, f"guard spool file {path}: {what}: {exc}; left in place "
+                            "(remove or fix it; it is read again every run)", file=str(path),
+                            error=str(exc), fault_key=f"file:{path.name}")
+
+    def _finding(self, v: vf.Verdict, path: Path, by_uuid: dict[str | None, int]) -> Finding:
+        s = v.subject
+        key = normalize_uuid(s.gpu_uuid)
+        index = by_uuid.get(key) if key else None
+        if index is not None:
+            component, where = gpu(index), f"GPU {index} ({s.gpu_uuid})"
+        elif key:
+            component = NODE
+            where = (f"GPU {s.gpu_uuid}, which is not one of this node's GPUs (written on host "
+                     f"{s.host}: a spool shared between nodes, or a GPU gone from NVML)")
+        else:
+            component, where = NODE, f"this node, not a GPU ({s.gpu_note or f'device {s.device}'})"
+        if v.fault == "persistent":
+            severity, action = Severity.FAIL, Action.INSPECT_HARDWARE
+        else:
+            severity, action = Severity.WARN, Action.NONE
+        job = f"job {v.job}, " if v.job else ""
+        message = f"in-job SDC check {v.check} ({job}{v.fault}) on {where}: {v.message}"
+        evidence: dict[str, Any] = {
+            "fault_key": v.id, "verdict_file": str(path), "verdict_check": v.check, "fault": v.fault,
+            "step": v.step, "job": v.job, "time": v.time, "rank": s.rank, "world_size": s.world_size,
+            "host": s.host, "node_name": s.node_name, "local_rank": s.local_rank, "device": s.device,
+            "gpu_uuid": s.gpu_uuid, "gpu_pci_bus_id": s.gpu_pci_bus_id, "verdict_evidence": v.evidence}
+        return self.finding(component, severity, message, action, **evidence)
+
+
+def _candidate(path: Path) -> bool:
+    return path.name.endswith(".json") and not path.name.startswith(".") and path.is_file()
+
+
+def _holds(v: vf.Verdict, now: float, hold_s: float) -> bool:
+    """A judged verdict is still reported: a warning within its hold (a persistent one lives on in
+    the health state by itself)."""
+    return v.fault != "persistent" and now - v.time < hold_s

@@ -1,0 +1,212 @@
+"""Guard verdicts: what a training process hands to its node's daemon (a versioned JSON file).
+
+The training process never writes health.db. It writes one file per verdict into a spool directory on
+its node (``$GPUMON_GUARD_DIR``, default ``/var/lib/gpumon/guard``), atomically (``write_atomic``:
+temp file, fsync, rename), under a name no other verdict can take (time, host, pid, rank, a random
+part). The node's ``guard`` check reads the spool and judges each file once. This module is shared by
+both sides and imports nothing heavy (no torch).
+
+Format ``gpumon-guard-verdict``, ``version`` 1::
+
+    {"format": "gpumon-guard-verdict", "version": 1, "id": "...", "time": 1800000000.0,
+     "check": "nonfinite_grad" | "nonfinite_reduce" | "weights",
+     "fault": "persistent" | "transient" | "unknown",
+     "step": 57, "message": "...", "job": "slurm:1234" | null,
+     "subject": {identity of the rank named, see Identity},
+     "evidence": {...}}
+
+``fault`` is what the daemon acts on: ``persistent`` (the fault reproduced on this GPU) is fail /
+inspect_hardware; ``transient`` and ``unknown`` (not disambiguated) are warn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "gpumon-guard-verdict"
+VERSION = 1
+DEFAULT_DIR = "/var/lib/gpumon/guard"
+DIR_ENV = "GPUMON_GUARD_DIR"
+CHECKS = ("nonfinite_grad", "nonfinite_reduce", "weights")
+FAULTS = ("persistent", "transient", "unknown")
+# a verdict is a few KiB; anything far larger is not one (and must not cost the daemon memory)
+MAX_BYTES = 1 << 20
+
+# Exit codes for launchers (Megatron-LM's RerunStateMachine uses the same two numbers, so a launcher
+# or Slurm epilog that knows Megatron's needs no second table):
+EXIT_RESUME_ELSEWHERE = 16  # a GPU is suspect: requeue from a checkpoint, excluding the named node
+EXIT_FAILED_VALIDATION = 17  # validation failed for good (a persistent fault): end the job
+
+
+class VerdictError(ValueError):
+    """A verdict file that is not one this reader can judge; says why."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Where a rank runs: rank -> host -> scheduler node -> local rank -> device -> GPU."""
+
+    rank: int
+    world_size: int
+    host: str
+    # the scheduler's name for the node (Slurm SLURMD_NODENAME, Kubernetes NODE_NAME), None if neither
+    node_name: str | None
+    node_name_source: str | None  # the env variable it came from
+    local_rank: int | None
+    device: str  # "cuda:3", "cpu"
+    gpu_uuid: str | None = None  # NVML's form, GPU-...
+    gpu_pci_bus_id: str | None = None  # 0000:18:00.0
+    gpu_index: int | None = None  # NVML index on its node
+    # why there is no GPU identity ("device cpu: no GPU"), or how it was resolved
+    gpu_note: str = ""
+
+    def describe(self) -> str:
+        node = f" (node {self.node_name})" if self.node_name and self.node_name != self.host else ""
+        gpu = f", GPU {self.gpu_uuid}" if self.gpu_uuid else ""
+        bus = f" at {self.gpu_pci_bus_id}" if self.gpu_pci_bus_id else ""
+        return f"rank {self.rank} on {self.host}{node}, {self.device}{gpu}{bus}"
+
+    @classmethod
+    def from_json(cls, data: Any) -> Identity:
+        if not isinstance(data, Mapping):
+            raise VerdictError("subject: not an object")
+
+        def opt_str(key: str) -> str | None:
+            value = data.get(key)
+            if value is not None and not isinstance(value, str):
+                raise VerdictError(f"subject.{key}: not a string")
+            return value
+
+        def opt_int(key: str) -> int | None:
+            value = data.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise VerdictError(f"subject.{key}: not an integer")
+            return value
+
+        rank, world = opt_int("rank"), opt_int("world_size")
+        host, device = opt_str("host"), opt_str("device")
+        if rank is None or world is None or host is None or device is None:
+            raise VerdictError("subject: rank, world_size, host and device are required")
+        return cls(rank=rank, world_size=world, host=host, node_name=opt_str("node_name"),
+                   node_name_source=opt_str("node_name_source"), local_rank=opt_int("local_rank"),
+                   device=device, gpu_uuid=opt_str("gpu_uuid"), gpu_pci_bus_id=opt_str("gpu_pci_bus_id"),
+                   gpu_index=opt_int("gpu_index"), gpu_note=opt_str("gpu_note") or "")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    check: str
+    fault: str
+    step: int
+    message: str
+    subject: Identity
+    evidence: dict[str, Any] = field(default_factory=dict)
+    job: str | None = None
+    time: float = 0.0
+    id: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "id": self.id, "time": self.time,
+                "check": self.check, "fault": self.fault, "step": self.step, "message": self.message,
+                "job": self.job, "subject": asdict(self.subject), "evidence": self.evidence}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Verdict:
+        """Parse a verdict; raises VerdictError saying what is wrong (``FutureVerdict`` for a newer
+        version than this reader knows)."""
+        if not isinstance(data, Mapping):
+            raise VerdictError("not a JSON object")
+        if data.get("format") != FORMAT:
+            raise VerdictError(f"format is {data.get('format')!r}, not {FORMAT!r}")
+        version = data.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise VerdictError(f"version {version!r} is not a positive integer")
+        if version > VERSION:
+            raise FutureVerdict(f"version {version} is newer than this gpumon reads ({VERSION}): "
+                                "upgrade gpumon on the node; the file is kept until then")
+        check, fault, step = data.get("check"), data.get("fault"), data.get("step")
+        if check not in CHECKS:
+            raise VerdictError(f"check {check!r} is not one of {', '.join(CHECKS)}")
+        if fault not in FAULTS:
+            raise VerdictError(f"fault {fault!r} is not one of {', '.join(FAULTS)}")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise VerdictError(f"step {step!r} is not an integer")
+        message, vid, when = data.get("message"), data.get("id"), data.get("time")
+        if not isinstance(message, str) or not isinstance(vid, str) or not vid:
+            raise VerdictError("message and id must be strings")
+        if not isinstance(when, (int, float)) or isinstance(when, bool):
+            raise VerdictError(f"time {when!r} is not a number")
+        evidence = data.get("evidence", {})
+        if not isinstance(evidence, Mapping):
+            raise VerdictError("evidence: not an object")
+        job = data.get("job")
+        if job is not None and not isinstance(job, str):
+            raise VerdictError("job: not a string")
+        return cls(check=check, fault=fault, step=step, message=message,
+                   subject=Identity.from_json(data.get("subject")), evidence=dict(evidence), job=job,
+                   time=float(when), id=vid)
+
+
+class FutureVerdict(VerdictError):
+    """Written by a newer guard than this reader: kept for a daemon that can read it."""
+
+
+def spool_dir(explicit: str | Path | None = None) -> Path:
+    """Where this node's verdicts go: ``explicit``, else ``$GPUMON_GUARD_DIR``, else the default."""
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get(DIR_ENV) or DEFAULT_DIR)
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def new_id(subject: Identity, when: float) -> str:
+    """A name no other verdict takes: UTC time, host, pid, rank and 48 random bits."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(when)) + f"{when % 1:.6f}"[1:]
+    host = _UNSAFE.sub("_", subject.host)[:64]
+    return f"{stamp}Z-{host}-p{os.getpid()}-r{subject.rank}-{secrets.token_hex(6)}"
+
+
+def write(verdict: Verdict, directory: str | Path | None = None) -> Path:
+    """Write ``verdict`` into the spool as ``<id>.json``, atomically; returns the path. Raises OSError."""
+    from gpumon.atomic import write_atomic
+
+    path = spool_dir(directory) / f"{verdict.id}.json"
+    write_atomic(path, json.dumps(verdict.to_json(), indent=1, sort_keys=True) + "\n", mode=0o644)
+    return path
+
+
+def read(path: Path) -> Verdict:
+    """Read one verdict file; raises VerdictError (bad content) or OSError (unreadable)."""
+    with path.open("rb") as fh:
+        raw = fh.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise VerdictError(f"larger than {MAX_BYTES} bytes: not a verdict")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise VerdictError(f"not JSON: {exc}") from None
+    return Verdict.from_json(data)
+
+
+def job_id() -> str | None:
+    """The scheduler's job id, where one says it (Slurm, a torchrun/elastic run)."""
+    for env, prefix in (("SLURM_JOB_ID", "slurm"), ("TORCHELASTIC_RUN_ID", "torchelastic")):
+        value = os.environ.get(env)
+        if value and value != "none":
+            return f"{prefix}:{value}"
+    return None
+
+
+def host_name() -> str:
+    return socket.gethostname()

@@ -1,0 +1,147 @@
+"""gpumon.guard in real DDP training: 3 (and 2) local processes, gloo, no mock of torch.distributed.
+
+Faults come from outside the guard's code, through the SDC fault harness (gpumon.sdc.inject) that
+``ddp_ranks.py`` wraps around one rank's forward or optimizer step. Every rank runs the same
+scenarios in one process group (one launch: torch's import dominates the cost).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumon.guard import verdict as vf
+
+RANKS = Path(__file__).with_name("ddp_ranks.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(out: Path, world: int, scenarios: str, timeout: float = 120) -> list[dict[str, Any]]:
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "NODE_NAME": f"node-{rank}", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
+        env.pop("SLURMD_NODENAME", None)
+        procs.append(subprocess.Popen([sys.executable, str(RANKS), str(rank), str(world), str(port),
+                                       str(out), scenarios], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, text in zip(procs, logs, strict=True):
+        assert p.returncode == 0, text
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("guard3")
+    return out, launch(out, 3, "healthy,nan,flip,wedged")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("guard2")
+    return out, launch(out, 2, "flip")
+
+
+def test_a_healthy_run_of_200_steps_raises_no_alarm(three: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, ranks = three
+    for r, res in enumerate(ranks):
+        h = res["healthy"]
+        assert h["alarms"] == [] and h["disabled"] is None and h["steps"] == 200
+        assert h["agree"] is True  # the on-demand weight check (before a checkpoint save)
+        assert h["user_hook_calls"] == 200  # the user's own comm hook is the one wrapped
+        ident = h["identity"]
+        assert (ident["rank"], ident["world_size"], ident["node_name"], ident["node_name_source"],
+                ident["local_rank"], ident["device"]) == (r, 3, f"node-{r}", "NODE_NAME", 0, "cpu")
+        assert ident["gpu_uuid"] is None and ident["gpu_note"] == "device cpu: no GPU"
+        assert ident["host"] == socket.gethostname()
+
+
+def test_nan_in_one_ranks_forward_is_named_before_the_update_and_no_weight_changes(
+        three: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, ranks = three
+    assert ranks[2]["nan"]["flips"] == 1  # the harness did make rank 2's forward non-finite
+    for res in ranks:
+        n = res["nan"]
+        assert [a["step"] for a in n["alarms"]] == [5]
+        alarm = n["alarms"][0]
+        assert alarm["ranks"] == [2] and alarm["skipped"] is True and alarm["exit_code"] == 16
+        (v,) = alarm["verdicts"]
+        assert v["check"] == "nonfinite_grad" and v["step"] == 5
+        assert v["subject"]["rank"] == 2 and v["subject"]["node_name"] == "node-2"
+        assert "rank 2's local gradients have NaN/Inf before the all-reduce" in v["message"]
+        assert n["applied_at"] is False and n["unchanged_at"] is True  # bit-exact, every rank
+    # the replicas are still equal after the skipped step and two more
+    assert ranks[0]["nan"]["final"] == ranks[1]["nan"]["final"] == ranks[2]["nan"]["final"]
+    # only the named rank hands a verdict to its node's daemon
+    assert ranks[0]["nan"]["files"] == ranks[1]["nan"]["files"] == []
+    (path,) = ranks[2]["nan"]["files"]
+    assert Path(path).parent == out / "spool-r2"
+    got = vf.read(Path(path))
+    assert got.check == "nonfinite_grad" and got.subject.rank == 2 and got.fault == "unknown"
+    assert got.evidence["ranks_nonfinite_local"] == [2]
+    assert got.evidence["parameters"]  # the named rank says which of its gradients
+
+
+def test_a_bit_flipped_in_one_ranks_weights_names_that_rank_and_the_parameter(
+        three: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, ranks = three
+    flipped = ranks[1]["flip"]["flipped_call"]
+    assert flipped is not None
+    # SGD updates the parameters in order, one add_ each: the harness's call number is the parameter
+    expected = ranks[1]["flip"]["order"][flipped - 1]
+    for res in ranks:
+        (alarm,) = res["flip"]["alarms"]
+        assert alarm["step"] == 4 and alarm["ranks"] == [1] and alarm["skipped"] is False
+        (v,) = alarm["verdicts"]
+        assert v["check"] == "weights" and v["step"] == 4
+        assert v["evidence"]["first_parameter"] == expected
+        assert v["evidence"]["majority_ranks"] == [0, 2]
+        assert v["evidence"]["fingerprint"] != v["evidence"]["majority_fingerprint"]
+        assert f"first at parameter {expected!r}" in v["message"]
+    assert ranks[0]["flip"]["files"] == ranks[2]["flip"]["files"] == []
+    assert len(ranks[1]["flip"]["files"]) == 1
+
+
+def test_with_two_replicas_a_weight_mismatch_is_unknown_and_names_both(
+        two: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, ranks = two
+    for res in ranks:
+        (alarm,) = res["flip"]["alarms"]
+        assert alarm["ranks"] == [0, 1]
+        assert all(v["fault"] == "unknown" for v in alarm["verdicts"])
+        assert all("two replicas cannot outvote each other" in v["message"] for v in alarm["verdicts"])
+    # each replica reports itself on its own node
+    assert [len(res["flip"]["files"]) for res in ranks] == [1, 1]
+
+
+def test_a_wedged_peer_costs_the_guards_timeout_not_a_hang(three: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Rank 2 reaches the guard's all-reduce 3.75 s late; the guard's group times out after 1.5 s.
+    Every rank logs it, switches the guard off and trains on: all steps done, replicas equal."""
+    _, ranks = three
+    for res in ranks:
+        w = res["wedged"]
+        assert w["steps"] == 5
+        assert w["disabled"] and w["disabled"].startswith("the gradient check: RuntimeError")
+        assert w["seconds"] < 20
+    assert ranks[0]["wedged"]["final"] == ranks[1]["wedged"]["final"] == ranks[2]["wedged"]["final"]

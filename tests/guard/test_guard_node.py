@@ -1,0 +1,195 @@
+"""The node side of gpumon.guard: rank -> GPU through NVML, and the ``guard`` check reading the spool.
+
+NVML is the injection library of gpumon/sim under the real nvidia-ml-py (an 8-GPU HGX state): the
+verdicts name GPUs by the UUIDs it serves, and the check resolves them against the node's inventory
+as the daemon does. The health round trip goes through the real SQLite store, reopened as a
+restarted daemon would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nvidia_smi_capture import run_check
+
+from gpumon.guard import identity
+from gpumon.guard import verdict as vf
+from gpumon.health.state import Level
+from gpumon.health.store import Health
+from gpumon.model import NODE, Action, Finding, Severity
+from gpumon.sim.nvml_state import NvmlNodeState
+from gpumon_checks.guard import GuardCheck, GuardConfig
+
+NODE_STATE = NvmlNodeState.hgx(8)
+GPU5 = NODE_STATE.gpus[5]
+
+
+def subject(uuid: str | None = GPU5.uuid, device: str = "cuda:1", rank: int = 7) -> vf.Identity:
+    return vf.Identity(rank=rank, world_size=16, host="trn-a07", node_name="a07",
+                       node_name_source="SLURMD_NODENAME", local_rank=1, device=device, gpu_uuid=uuid,
+                       gpu_pci_bus_id="0000:bb:00.0" if uuid else None, gpu_index=5 if uuid else None,
+                       gpu_note="resolved through NVML by UUID" if uuid else "device cpu: no GPU")
+
+
+def put(spool: Path, fault: str = "unknown", who: vf.Identity | None = None, when: float | None = None,
+        check: str = "weights") -> Path:
+    who = who or subject()
+    t = time.time() if when is None else when
+    v = vf.Verdict(check=check, fault=fault, step=41, message=f"rank {who.rank}'s weights differ",
+                   subject=who, evidence={"first_parameter": "layers.3.mlp.weight"}, job="slurm:991",
+                   time=t, id=vf.new_id(who, t))
+    return vf.write(v, spool)
+
+
+def run(nvml_state: Path, tmp_path: Path, spool: Path, state: dict[str, Any], **cfg: Any) -> list[Finding]:
+    return run_check(GuardCheck, NODE_STATE, nvml_state, tmp_path / "host",
+                     params=GuardConfig(spool_dir=str(spool), **cfg), state=state)
+
+
+def test_a_cuda_device_is_named_through_nvml_by_its_uuid(nvml_state: Path) -> None:
+    # torch reports the UUID without NVML's "GPU-" prefix
+    got = identity.resolve_gpu(GPU5.uuid.removeprefix("GPU-"))
+    assert (got.uuid, got.pci_bus_id, got.index) == (GPU5.uuid, "0000:bb:00.0", 5)
+    missing = identity.resolve_gpu("00000000-0000-0000-0000-000000000000")
+    assert missing.index is None and "no GPU with it among NVML's" in missing.note
+    assert identity.resolve_gpu(None).note == "the CUDA device reports no UUID"
+
+
+def test_the_scheduler_node_name_comes_from_slurm_or_kubernetes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    monkeypatch.setenv("NODE_NAME", "k8s-node-3")  # the downward API's spec.nodeName
+    assert identity.node_name() == ("k8s-node-3", "NODE_NAME")
+    monkeypatch.setenv("SLURMD_NODENAME", "a07")
+    assert identity.node_name() == ("a07", "SLURMD_NODENAME")
+
+
+@pytest.mark.parametrize(("fault", "severity", "action"), [
+    ("persistent", Severity.FAIL, Action.INSPECT_HARDWARE),
+    ("transient", Severity.WARN, Action.NONE),
+    ("unknown", Severity.WARN, Action.NONE)])
+def test_a_verdict_becomes_a_finding_on_the_gpu_with_its_uuid(nvml_state: Path, tmp_path: Path, fault: str,
+                                                              severity: Severity, action: Action) -> None:
+    spool = tmp_path / "spool"
+    path = put(spool, fault)
+    (f,) = run(nvml_state, tmp_path, spool, {})
+    assert (f.check, f.component, f.severity, f.action) == ("guard", "gpu/5", severity, action)
+    assert f"GPU 5 ({GPU5.uuid})" in f.message and "job slurm:991" in f.message
+    assert f.evidence["fault_key"] == path.stem and f.evidence["rank"] == 7
+    assert f.evidence["node_name"] == "a07" and f.evidence["gpu_pci_bus_id"] == "0000:bb:00.0"
+
+
+def test_a_cpu_verdict_or_an_unknown_uuid_goes_on_the_node_saying_why(nvml_state: Path,
+                                                                      tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    put(spool, who=subject(uuid=None, device="cpu"))
+    put(spool, who=subject(uuid="GPU-00000000-1111-2222-3333-444444444444", rank=3))
+    found = sorted(run(nvml_state, tmp_path, spool, {}), key=lambda f: f.evidence["rank"])
+    assert [f.component for f in found] == [NODE, NODE]
+    assert "which is not one of this node's GPUs" in found[0].message
+    assert "this node, not a GPU (device cpu: no GPU)" in found[1].message
+
+
+def test_bad_and_future_files_are_named_kept_and_never_crash_the_check(nvml_state: Path,
+                                                                      tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "garbage.json").write_text("{not json")
+    future = json.loads(put(spool).read_text())
+    future["version"] = vf.VERSION + 1
+    newer = spool / "from-a-newer-guard.json"
+    newer.write_text(json.dumps(future))
+    (spool / "missing.json").write_text(json.dumps({"format": vf.FORMAT, "version": 1}))
+    (spool / ".half-written.json.123.456.tmp").write_text("{")  # write_atomic's temp file: not yet
+    state: dict[str, Any] = {}
+    for _ in range(3):  # read again every run, never moved, never lost
+        found = {f.evidence.get("file", f.evidence.get("verdict_file")): f
+                 for f in run(nvml_state, tmp_path, spool, state)}
+        bad = {Path(k).name: f for k, f in found.items() if f.component == NODE}
+        assert set(bad) == {"garbage.json", "from-a-newer-guard.json", "missing.json"}
+        assert all(f.severity is Severity.WARN for f in bad.values())
+        assert "not JSON" in bad["garbage.json"].message
+        assert "newer than this gpumon reads" in bad["from-a-newer-guard.json"].message
+        assert "check None is not one of" in bad["missing.json"].message
+    assert sorted(p.name for p in spool.glob("*.json")) == sorted(
+        ["garbage.json", "from-a-newer-guard.json", "missing.json", *[p.name for p in spool.glob("2*.json")]])
+
+
+def test_a_verdict_is_judged_once_kept_through_a_restart_and_stays_in_health(
+        nvml_state: Path, tmp_path: Path) -> None:
+    spool, db = tmp_path / "spool", tmp_path / "state"
+    path = put(spool, "persistent")
+    health = Health.open(db, boot_id="boot-1")
+    state: dict[str, Any] = {}
+
+    def once(h: Health, st: dict[str, Any]) -> list[Finding]:
+        found = run(nvml_state, tmp_path, spool, st)
+        h.record_findings("guard", found, complete=True)
+        return found
+
+    first = once(health, state)
+    assert [f.component for f in first] == ["gpu/5"] and path.exists()
+    # a daemon that dies after saving the check's state, before its next run: the restarted one
+    # (a new process, its own token) reports the verdict again rather than moving it unseen
+    health.close()
+    health = Health.open(db, boot_id="boot-1")
+    state = {"reported": {path.name: "an-earlier-daemon-process"}}
+    again = once(health, state)
+    assert [f.component for f in again] == ["gpu/5"] and path.exists()
+    # the next run of this process moves it to judged/ (reported earlier by this very process)
+    moved = once(health, state)
+    assert not path.exists() and (spool / "judged" / path.name).exists()
+    assert moved == [] or all(f.severity is Severity.OK for f in moved)
+    raised = [e for e in health.store.events() if e.kind.value == "finding" and e.component == "gpu/5"]
+    assert len(raised) == 1  # judged once: the repeats were the same fault, not new ones
+    # persistent: the fault stays (fail, inspect_hardware) though no longer reported, across a restart
+    health.close()
+    health = Health.open(db, boot_id="boot-1")
+    once(health, state)
+    gpu5 = health.view().components["gpu/5"]
+    assert (gpu5.level, gpu5.action) == (Level.UNHEALTHY, Action.INSPECT_HARDWARE)
+    health.close()
+
+
+def test_a_warning_holds_for_its_window_then_resolves(nvml_state: Path, tmp_path: Path) -> None:
+    spool, db = tmp_path / "spool", tmp_path / "state"
+    fresh = put(spool, "transient")
+    old = put(spool, "unknown", who=subject(rank=9), when=time.time() - 7200)
+    health = Health.open(db, boot_id="boot-1")
+    state: dict[str, Any] = {}
+    for _ in range(3):  # reported, then judged and still held
+        found = run(nvml_state, tmp_path, spool, state, warn_hold_s=3600)
+        health.record_findings("guard", found, complete=True)
+    assert not fresh.exists() and (spool / "judged" / fresh.name).exists()
+    assert not old.exists()  # past its hold: judged and no longer reported
+    assert [f.evidence["fault_key"] for f in found] == [fresh.stem]
+    assert health.view().components["gpu/5"].level is Level.DEGRADED
+    # the hold ends: the warning's condition is gone, like any warning
+    os.utime(spool / "judged" / fresh.name)
+    found = run(nvml_state, tmp_path, spool, state, warn_hold_s=0)
+    health.record_findings("guard", found, complete=True)
+    assert health.view().components["gpu/5"].level is Level.HEALTHY
+    health.close()
+
+
+def test_the_guard_findings_reach_metrics_like_any_checks(nvml_state: Path, tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
+    from gpumon.model import CheckRun
+
+    spool = tmp_path / "spool"
+    put(spool, "persistent")
+    found = run(nvml_state, tmp_path, spool, {})
+    runs = {"guard": CheckRun("guard", found, 1000.0, 0.01, "completed")}
+    snap = Snapshot("a07", "h100-sxm", "0.1.0", runs, {"gpu/5": ("unhealthy", "inspect_hardware")})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(generate_latest(
+                   make_registry(SnapshotHolder(snap))).decode()) for s in fam.samples}
+    assert samples[("gpumon_finding_severity", (("check", "guard"), ("component", "gpu/5")))] == 4
+    assert samples[("gpumon_check_outcome", (("check", "guard"), ("outcome", "completed")))] == 1
