@@ -19,7 +19,8 @@
 #
 # Settings (environment, or the file named by GPUMON_HC_DEFAULTS, default
 # /etc/default/gpumon-healthcheck, since slurmd passes no environment):
-#   GPUMON                    gpumon command (default: gpumon on PATH)
+#   GPUMON                    gpumon command (default: gpumon on PATH, else
+#                             /opt/gpumon/bin/gpumon, the venv the README installs)
 #   GPUMON_ARGS               extra arguments for `gpumon check`, e.g. "--config /etc/gpumon/gpumon.yaml"
 #   GPUMON_HC_TIMEOUT         seconds for gpumon check (default 40; slurmd kills us at 60)
 #   GPUMON_HC_DRAIN_ON_ERROR  1: drain when gpumon cannot run (default 0)
@@ -39,7 +40,10 @@ if [ -r "$defaults" ]; then
     . "$defaults"
 fi
 
-GPUMON=${GPUMON:-gpumon}
+# The README's layout is a venv at /opt/gpumon; the /usr/local/bin link to it is optional.
+if [ -z "${GPUMON:-}" ]; then
+    if command -v gpumon >/dev/null 2>&1; then GPUMON=gpumon; else GPUMON=/opt/gpumon/bin/gpumon; fi
+fi
 GPUMON_ARGS=${GPUMON_ARGS:-}
 GPUMON_HC_TIMEOUT=${GPUMON_HC_TIMEOUT:-40}
 GPUMON_HC_DRAIN_ON_ERROR=${GPUMON_HC_DRAIN_ON_ERROR:-0}

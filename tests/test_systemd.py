@@ -2,10 +2,12 @@
 
 ``systemd-analyze verify`` exits 0 on unknown keys and bad values (it only
 warns), so any line on stderr is a failure; it also needs the ExecStart binary
-to exist, hence a root tree with the units, a stub ``/usr/local/bin/gpumon``
+to exist, hence a root tree with the units, a stub ``/opt/gpumon/bin/gpumon``
 and a copy of the host's own unit directory (sysinit.target & co., which every
-service depends on by default). ``systemd-analyze security --offline=yes``
-scores the daemon's sandbox; the score is reported in the README.
+service depends on by default); tests/test_install_layout.py verifies them
+against the real venv the README installs instead of the stub.
+``systemd-analyze security --offline=yes`` scores the daemon's sandbox; the
+score is reported in the README.
 
 What this does not prove: that the sandbox lets gpumon work on a real GPU node
 (NVML through /dev/nvidia*, /dev/kmsg with CAP_SYSLOG only); no systemd runs
@@ -54,7 +56,7 @@ def _tree(tmp_path: Path, units: dict[str, str] | None = None, stub: bool = True
         text = (units or {}).get(name, (ROOT / "systemd" / name).read_text())
         (etc / name).write_text(text)
     if stub:
-        binary = root / "usr" / "local" / "bin" / "gpumon"
+        binary = root / "opt" / "gpumon" / "bin" / "gpumon"
         binary.parent.mkdir(parents=True)
         binary.write_text("#!/bin/sh\nexit 0\n")
         binary.chmod(0o755)
@@ -98,7 +100,7 @@ def test_verify_warnings_are_caught(tmp_path: Path) -> None:
 
 def test_verify_needs_the_binary(tmp_path: Path) -> None:
     proc = _verify(_tree(tmp_path, stub=False))
-    assert "/usr/local/bin/gpumon is not executable" in proc.stderr
+    assert "/opt/gpumon/bin/gpumon is not executable" in proc.stderr
 
 
 def test_daemon_sandbox_exposure(tmp_path: Path) -> None:
@@ -118,7 +120,7 @@ def test_daemon_unit_settings() -> None:
     assert one["Service.Type"] == "notify"
     assert one["Service.NotifyAccess"] == "main"
     assert one["Service.Restart"] == "on-failure"
-    assert one["Service.ExecStart"] == "/usr/local/bin/gpumon daemon"
+    assert one["Service.ExecStart"] == "/opt/gpumon/bin/gpumon daemon"
     # the daemon pings every 5 s; systemd's own advice is to ping at least every half interval
     watchdog = one["Service.WatchdogSec"]
     assert watchdog.endswith("s") and float(watchdog[:-1]) >= 2 * 5.0
@@ -143,7 +145,7 @@ def test_bootstrap_unit_keeps_the_node_out_on_failure() -> None:
     d = _directives("gpumon-bootstrap.service")
     one = {k: v[-1] for k, v in d.items()}
     assert one["Service.Type"] == "oneshot"
-    assert one["Service.ExecStart"] == "/usr/local/bin/gpumon run-bootstrap"
+    assert one["Service.ExecStart"] == "/opt/gpumon/bin/gpumon run-bootstrap"
     assert one["Service.TimeoutStartSec"]
     # ordered before the schedulers' agents, and required by them once enabled
     assert {"kubelet.service", "slurmd.service"} <= set(" ".join(d["Unit.Before"]).split())
@@ -165,7 +167,7 @@ def test_enabling_the_bootstrap_makes_kubelet_and_slurmd_require_it(tmp_path: Pa
     etc = root / "etc" / "systemd" / "system"
     for agent in ("kubelet.service", "slurmd.service"):
         (etc / agent).write_text(f"[Unit]\nDescription=stub {agent}\n"
-                                 "[Service]\nExecStart=/usr/local/bin/gpumon\n")
+                                 "[Service]\nExecStart=/opt/gpumon/bin/gpumon\n")
     proc = subprocess.run([systemctl, f"--root={root}", "enable", *UNITS], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,241 @@
+"""The install the README documents ("Install"), done for real on a root tree.
+
+The wheel is built from this checkout (offline: no index, no build isolation) and its metadata read
+as pip reads it: the distribution is ``gpumon-node`` (``gpumon`` on the package index is someone
+else's project), the command is ``gpumon``, and every ``gpumon.checks`` entry point names a module
+that is in the wheel. Then the layout the systemd units expect: ``python3 -m venv /opt/gpumon`` and
+the wheel installed into it with that venv's own pip, under a temporary root; ``systemd-analyze
+verify --root`` passes on exactly that tree and fails on the same tree without the venv.
+
+What this does not do: download the wheel's dependencies. The venv gets them through a ``.pth`` line
+naming the test interpreter's site-packages (after the venv's own, so gpumon itself is the wheel's
+copy, which the tests assert); on a node ``/opt/gpumon/bin/pip install`` fetches them.
+"""
+
+from __future__ import annotations
+
+import configparser
+import email.parser
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from gpumon.distribution import DISTRIBUTION
+
+ROOT = Path(__file__).resolve().parents[1]
+UNITS = ("gpumon.service", "gpumon-bootstrap.service")
+VENV = Path("opt/gpumon")  # relative to a root tree; /opt/gpumon on a node
+DOC = Path("opt/gpumon/share/doc/gpumon-node/README.md")
+WRAPPER = ROOT / "contrib" / "slurm-healthcheck.sh"
+# what a wheel build reads from the checkout (pyproject's package-dir maps checks/ and config/)
+SOURCES = ("pyproject.toml", "README.md", "gpumon", "checks", "config")
+# tomllib is 3.11+ and gpumon supports 3.10
+_version = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+assert _version
+VERSION = _version[1]
+
+
+def _tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} missing: .ci/run must install the Debian package {package}")
+        pytest.skip(f"{name} not installed (Debian package {package})")
+    return path
+
+
+def _run(*cmd: str | Path, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=120,
+                          **kw)  # type: ignore[call-overload]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # a copy, so that the build's build/ and egg-info never land in (or race in) the checkout
+    src = tmp_path_factory.mktemp("src")
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    out = tmp_path_factory.mktemp("dist")
+    proc = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                "-q", "-w", out, src)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (built,) = out.glob("*.whl")
+    return built
+
+
+def _dist_info(whl: zipfile.ZipFile, name: str) -> str:
+    (member,) = [n for n in whl.namelist() if n.endswith(f".dist-info/{name}") and n.count("/") == 1]
+    return whl.read(member).decode()
+
+
+def test_the_wheel_is_gpumon_node_with_the_gpumon_command(wheel: Path) -> None:
+    version = VERSION
+    assert wheel.name == f"gpumon_node-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as whl:
+        meta = email.parser.Parser().parsestr(_dist_info(whl, "METADATA"))
+        eps = configparser.ConfigParser(delimiters=("=",))
+        eps.optionxform = str  # type: ignore[assignment,method-assign]
+        eps.read_string(_dist_info(whl, "entry_points.txt"))
+        names = set(whl.namelist())
+        doc = whl.read(f"gpumon_node-{version}.data/data/share/doc/gpumon-node/README.md").decode()
+    assert meta["Name"] == DISTRIBUTION == "gpumon-node"
+    assert meta["Version"] == version
+    assert dict(eps["console_scripts"]) == {"gpumon": "gpumon.cli:main"}
+    # the file the units' Documentation= names once installed into the venv
+    assert doc == (ROOT / "README.md").read_text()
+
+    checks = dict(eps["gpumon.checks"])
+    assert len(checks) >= 19
+    missing = []
+    for name, target in checks.items():
+        module = target.partition(":")[0].replace(".", "/")
+        if f"{module}.py" not in names and f"{module}/__init__.py" not in names:
+            missing.append(f"{name} = {target}")
+    assert not missing, f"entry points naming modules the wheel lacks: {missing}"
+    # the package list in pyproject is written by hand: a subpackage left out of it is a module
+    # missing from every install, not only a check
+    lost = sorted(name for folder, package in (("gpumon", "gpumon"), ("checks", "gpumon_checks"))
+                  for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts
+                  if (name := f"{package}/{p.relative_to(ROOT / folder).as_posix()}") not in names)
+    assert not lost, f"modules not in the wheel: {lost}"
+
+
+def _host_tree(root: Path) -> Path:
+    """A fresh host for ``systemd-analyze --root``: the host's own unit directory (sysinit.target &
+    co.), gpumon's units copied where the README copies them, and nothing of gpumon else."""
+    _tool("systemd-analyze", "systemd")
+    unit_dir = next((d for d in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
+                     if (d / "sysinit.target").exists()), None)
+    if unit_dir is None:
+        pytest.fail("systemd-analyze is installed but no sysinit.target in /usr/lib/systemd/system")
+    shutil.copytree(unit_dir, root / "usr" / "lib" / "systemd" / "system", symlinks=True)
+    (root / "lib").symlink_to("usr/lib")  # absolute links in the copy point at /lib/systemd/...
+    etc = root / "etc" / "systemd" / "system"
+    etc.mkdir(parents=True)
+    for name in UNITS:
+        shutil.copy2(ROOT / "systemd" / name, etc / name)
+    return root
+
+
+def _verify(root: Path) -> subprocess.CompletedProcess[str]:
+    return _run(_tool("systemd-analyze", "systemd"), "verify", f"--root={root}", *UNITS)
+
+
+def test_readme_install_commands_are_the_ones_tested() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for line in ("python3 -m venv /opt/gpumon",
+                 "/opt/gpumon/bin/pip install ./dist/gpumon_node-*.whl",
+                 "ln -s /opt/gpumon/bin/gpumon /usr/local/bin/gpumon",
+                 "install -m 0644 systemd/gpumon.service systemd/gpumon-bootstrap.service "
+                 "/etc/systemd/system/"):
+        assert line in readme, line
+
+
+def test_units_verify_on_the_documented_layout_and_not_without_it(wheel: Path, tmp_path: Path) -> None:
+    root = _host_tree(tmp_path / "root")
+    # a fresh host: the units name a binary that is not there yet
+    before = _verify(root)
+    for name in UNITS:
+        assert f"{name}: Command /opt/gpumon/bin/gpumon is not executable" in before.stderr, before.stderr
+
+    # the README's commands, under the root tree (and offline: --no-index, dependencies below)
+    venv = root / VENV
+    proc = _run(sys.executable, "-m", "venv", venv)
+    assert proc.returncode == 0, proc.stderr
+    proc = _run(venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (root / "usr" / "local" / "bin").mkdir(parents=True)
+    (root / "usr" / "local" / "bin" / "gpumon").symlink_to("/opt/gpumon/bin/gpumon")
+
+    after = _verify(root)
+    assert after.returncode == 0 and after.stderr.strip() == "" and after.stdout.strip() == "", (
+        after.stdout + after.stderr)
+    for name in UNITS:
+        text = (root / "etc" / "systemd" / "system" / name).read_text()
+        docs = [line.partition("=")[2] for line in text.splitlines() if line.startswith("Documentation=")]
+        assert docs == [f"file:///{DOC}"], name
+    assert (root / DOC).read_text() == (ROOT / "README.md").read_text()
+
+    # the command the units start is the venv's: its interpreter, the wheel's gpumon
+    script = venv / "bin" / "gpumon"
+    shebang = script.read_text().splitlines()[0]
+    assert shebang.startswith("#!") and Path(shebang[2:]).parent == venv / "bin", shebang
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run(venv / "bin" / "python", "-c", purelib).stdout.strip())
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (site / "zz_test_dependencies.pth").write_text("".join(f"{d}\n" for d in sorted(deps)))
+    # away from the checkout: `python -c` puts the working directory first on sys.path
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = _run(script, "--version", cwd=tmp_path, env=clean)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"gpumon {VERSION}", proc.stdout + proc.stderr
+    probe = ("import gpumon, gpumon_checks; from gpumon.registry import load_checks; "
+             "print(gpumon.__file__); print(gpumon_checks.__file__); print(' '.join(load_checks()))")
+    proc = _run(venv / "bin" / "python", "-c", probe, cwd=tmp_path, env=clean)
+    assert proc.returncode == 0, proc.stderr
+    where, checks_where, loaded = proc.stdout.splitlines()
+    assert Path(where).is_relative_to(site) and Path(checks_where).is_relative_to(site), proc.stdout
+    with zipfile.ZipFile(wheel) as whl:
+        group = _dist_info(whl, "entry_points.txt").partition("[gpumon.checks]")[2].partition("[")[0]
+    declared = re.findall(r"^(\w+) = ", group, re.M)
+    assert sorted(loaded.split()) == sorted(declared) and len(declared) >= 19
+
+
+def test_slurm_wrapper_finds_the_venv_without_the_link(tmp_path: Path) -> None:
+    """slurmd gives the health check no PATH: without the optional /usr/local/bin link the
+    wrapper must still find /opt/gpumon/bin/gpumon. The test's /opt and /usr/local/bin are bind
+    mounts in a private mount namespace (root only), so the host's stay untouched."""
+    unshare = _tool("unshare", "util-linux")
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("needs root for a private mount namespace")
+        pytest.skip("needs root for a private mount namespace")
+    opt = tmp_path / "opt"
+    (opt / "gpumon" / "bin").mkdir(parents=True)
+    local_bin = tmp_path / "local-bin"
+    local_bin.mkdir()
+    on_path = tmp_path / "path"
+    on_path.mkdir()
+    mark = tmp_path / "ran"
+    stub = '#!/bin/sh\nprintf "%s\\n" "$0" >"$GPUMON_TEST_MARK"\necho \'{"status": "ok"}\'\nexit 0\n'
+    (opt / "gpumon" / "bin" / "gpumon").write_text(stub)
+    (opt / "gpumon" / "bin" / "gpumon").chmod(0o755)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SLURMD_NODENAME": "gpu03",
+           "GPUMON_HC_DEFAULTS": str(tmp_path / "no-defaults"), "TMPDIR": str(tmp_path),
+           "GPUMON_TEST_MARK": str(mark)}
+    inner = ('mount --bind "$1" /opt && mount --bind "$2" /usr/local/bin || exit 99\n'
+             'PATH=$3; export PATH; exec /bin/sh "$4"')
+
+    def wrapper() -> subprocess.CompletedProcess[str]:
+        mark.unlink(missing_ok=True)
+        return _run(unshare, "--mount", "--propagation", "private", "/bin/sh", "-c", inner, "sh",
+                    opt, local_bin, on_path, WRAPPER, env=env)
+
+    proc = wrapper()
+    if proc.returncode == 99:
+        pytest.skip(f"cannot bind-mount in a private mount namespace here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert mark.read_text().strip() == "/opt/gpumon/bin/gpumon"
+
+    # a gpumon on PATH (the link, a site's own) comes first
+    (on_path / "gpumon").write_text(stub)
+    (on_path / "gpumon").chmod(0o755)
+    proc = wrapper()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert mark.read_text().strip() == str(on_path / "gpumon")
+
+    # neither: the wrapper says which command it could not start
+    (on_path / "gpumon").unlink()
+    (opt / "gpumon" / "bin" / "gpumon").unlink()
+    proc = wrapper()
+    assert proc.returncode == 1 and "/opt/gpumon/bin/gpumon" in proc.stdout, proc.stdout + proc.stderr
+    assert not mark.exists()
