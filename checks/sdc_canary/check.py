@@ -170,7 +170,7 @@ class SdcCanaryCheck(Check):
             workloads=tuple(params.workloads), bundles=tuple(Path(b) for b in params.bundles),
             golden=golden, bundle_dir=bundle_dir(params, ctx), device=device,
             timeout_s=params.iteration_timeout_s, driver=ctx.inventory.driver_version, cpu_model=cpu,
-            should_stop=wanted_elsewhere if others else None, inject=inject,
+            should_stop=wanted_elsewhere if others else None, inject=inject, inject_origin="simulated",
             gpu_identity=gpu_identity(ctx, idle),
             lock_wait_s=workers.lock_wait(self.timeout, params.iterations * params.iteration_timeout_s))
         try:

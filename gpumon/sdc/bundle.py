@@ -10,7 +10,9 @@ fingerprints) and ``torch.save`` files. Two kinds:
 - ``failure``: kept by ``gpumon canary run`` when a GPU disagreed: the workload, iteration, key,
   the expected and the observed fingerprints, the failing worker's tensors (``observed.pt``) and an
   agreeing worker's (``reference.pt``), so that the run can be replayed on this or another GPU
-  (``gpumon canary replay DIR``) and the differing elements looked at bit by bit.
+  (``gpumon canary replay DIR``) and the differing elements looked at bit by bit. A run under the
+  fault harness records its spec (``injected_fault``): a replay runs without it unless asked
+  (``--with-injection``, ``replay_fault``).
 
 Bundles are loaded with ``torch.load(weights_only=True)``: tensors and plain containers only. A
 capture bundle names code to import (the model factory and loss function): replay only bundles you
@@ -20,6 +22,7 @@ trust, as you would run only scripts you trust.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -27,6 +30,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,7 @@ from gpumon.atomic import write_atomic
 from gpumon.hw import local_cpu_model
 from gpumon.sdc.fingerprint import words
 from gpumon.sdc.golden import Golden, GoldenKey, device_key, first_difference
+from gpumon.sdc.inject import FaultSpec, FaultSpecError
 from gpumon.sdc.workloads import (
     Point,
     Recorder,
@@ -332,10 +337,13 @@ def write_failure_manifest(folder: Path, *, mismatch: Any, run: Any, expected: S
                            expected_is_golden: bool, reference_worker: int | None, key: GoldenKey,
                            capture_bundle: Path | None, inject: str | None,
                            dump_errors: Mapping[str, str], gpu: Mapping[str, Any] | None = None,
-                           reference_gpu: int | None = None) -> None:
+                           reference_gpu: int | None = None, inject_origin: str = "harness",
+                           inject_gpu: int | None = None) -> None:
     """``gpu``: the GPU that computed the wrong bits (index, NVML's UUID and serial, ...: see
     ``Report.identity_of``); ``worker`` stays as the run's worker number, which is not the GPU's
-    index when the run used some GPUs only (``--gpus``, the idle ones)."""
+    index when the run used some GPUs only (``--gpus``, the idle ones). ``inject``: the fault
+    harness spec in force for the run, ``inject_origin`` whose fault it is (``INJECT_ORIGINS``),
+    ``inject_gpu`` the GPU whose worker it was on."""
     manifest: dict[str, Any] = {
         "format": FORMAT, "kind": "failure", "created": time.time(),
         "workload": mismatch.workload, "params": run.params,
@@ -352,10 +360,72 @@ def write_failure_manifest(folder: Path, *, mismatch: Any, run: Any, expected: S
         "reference_worker": reference_worker, "reference_gpu": reference_gpu,
     }
     if inject:
-        manifest["injected_fault"] = {"spec": inject, "flips": run.flips}
+        if inject_origin not in INJECT_ORIGINS:
+            raise BundleError(f"unknown injected fault origin {inject_origin!r}")
+        manifest["injected_fault"] = {"spec": inject, "by": inject_origin, "gpu": inject_gpu,
+                                      "flips": run.flips}
     if dump_errors:
         manifest["dump_errors"] = dict(dump_errors)
     _write_manifest(folder, manifest)
+
+
+# "harness": ``canary run --inject``, a test's fault: replaying the bundle does not inject it again
+# unless asked (``replay_fault``). "simulated": a simulated node's own ``sdc`` fault: the simulated
+# GPU computes it again on every run, replays included, like a faulty GPU would.
+INJECT_ORIGINS = ("harness", "simulated")
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    """The fault the fault harness injected in a failure bundle's run (``injected_fault``)."""
+
+    spec: FaultSpec  # as in force in the captured run (its worker: the run's worker number)
+    by: str | None  # INJECT_ORIGINS; None: a bundle written before bundles said whose fault it was
+    gpu: int  # the GPU whose worker it was on
+    on_failing_gpu: bool  # the bundle's wrong bits came from that GPU
+
+    @property
+    def text(self) -> str:
+        return self.spec.to_text()
+
+
+def injected_fault(manifest: Mapping[str, Any]) -> InjectedFault | None:
+    """The fault injected in the run a failure bundle captured, or None (none injected, or a
+    bundle that is not a failure's). A bundle written before bundles recorded whose fault it was
+    and on which GPU still loads: its worker numbers say where it was."""
+    row = manifest.get("injected_fault")
+    if manifest.get("kind") != "failure" or not isinstance(row, dict) or not row.get("spec"):
+        return None
+    try:
+        spec = FaultSpec.parse(str(row["spec"]))
+    except FaultSpecError as exc:
+        raise BundleError(f"the bundle's injected fault {row['spec']!r} does not parse: {exc}") from None
+    failing = failed_gpu(manifest)
+    by = row.get("by") if row.get("by") in INJECT_ORIGINS else None
+    if isinstance(row.get("gpu"), int):
+        gpu = int(row["gpu"])
+    elif spec.worker == manifest.get("worker") and failing is not None:
+        gpu = int(failing["index"])
+    else:
+        gpu = spec.worker  # an old bundle of a run on every GPU: worker N was GPU N
+    on_failing = (gpu == failing["index"]) if failing is not None else spec.worker == manifest.get("worker")
+    return InjectedFault(spec, by, gpu, on_failing)
+
+
+def replay_fault(fault: InjectedFault, gpus: Sequence[int], workers: int) -> FaultSpec:
+    """The captured run's injected fault for a replay whose workers run on ``gpus`` (in worker
+    order; empty: worker N stands for GPU N): on the replay's worker on the GPU it was injected on,
+    drawing from the captured worker's random stream, so that a replay of iteration 0 flips the
+    very bits the captured run flipped."""
+    if fault.gpu in gpus:
+        worker = list(gpus).index(fault.gpu)
+    elif not gpus and fault.gpu < workers:
+        worker = fault.gpu
+    else:
+        on = f"GPUs {', '.join(map(str, gpus))}" if gpus else f"workers 0..{workers - 1}"
+        raise BundleError(f"the injected fault was on GPU {fault.gpu}, which this replay does not run on "
+                          f"({on}): add it to --gpus")
+    return dataclasses.replace(fault.spec, worker=worker, stream=fault.spec.random_stream)
 
 
 def tensor_diff(folder: Path) -> dict[str, Any] | None:

@@ -83,6 +83,10 @@ def add_parser(subparsers: Any,
                             "captured step)")
     p.add_argument("bundle", type=Path, metavar="BUNDLE")
     p.add_argument("--iterations", type=int, default=1, metavar="N", help="iterations per GPU (1)")
+    p.add_argument("--with-injection", action="store_true",
+                   help="a bundle of an --inject run: inject the same fault again, on the same GPU "
+                        "(without it the replay runs fault-free, so it shows whether the GPU itself "
+                        "computes right)")
     p.add_argument("--state-dir", type=Path, metavar="DIR",
                    help="keep replay bundles of failing runs under DIR/sdc/bundles (default: state_dir)")
     shared(p)
@@ -361,7 +365,8 @@ def _run(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
                        bundles=tuple(args.bundle), golden=golden, bundle_dir=_bundle_dir(args, agent))
     # --inject wins over a simulated node's own sdc fault
     inject = FaultSpec.parse(args.inject) if args.inject else _stand_in_fault(node, options)
-    options = dataclasses.replace(options, inject=inject)
+    options = dataclasses.replace(options, inject=inject,
+                                  inject_origin="harness" if args.inject else "simulated")
     if inject is not None and inject.worker >= options.workers:
         raise ConfigError(f"worker {inject.worker} does not exist ({options.workers} workers)",
                           key="--inject")
@@ -385,21 +390,50 @@ def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     from gpumon.sdc import runner
     from gpumon.sdc.bundle import (
         OLD_BUNDLE_NOTE,
+        BundleError,
         describe_gpu,
         expected_golden,
         failed_gpu,
+        injected_fault,
         read_manifest,
+        replay_fault,
         tensor_diff,
     )
 
     manifest = read_manifest(args.bundle)
     failure = manifest.get("kind") == "failure"
     gpu = failed_gpu(manifest) if failure else None
+    fault = injected_fault(manifest)
+    if args.with_injection and fault is None:
+        raise BundleError(f"{args.bundle}: --with-injection: the bundle's run had no fault injected")
+    if args.with_injection and fault is not None and fault.by == "simulated":
+        raise BundleError(f"{args.bundle}: --with-injection: the fault was the simulated node's own (its "
+                          f"scenario's sdc fault on GPU {fault.gpu}): replayed on that simulated node, "
+                          "its GPU computes it again without --with-injection")
     where = _replay_on(args, node, gpu)
     golden = expected_golden(args.bundle)
     options = _options(args, node, iterations=args.iterations, bundles=(args.bundle,), golden=golden,
                        bundle_dir=_bundle_dir(args, agent))
-    options = dataclasses.replace(options, inject=_stand_in_fault(node, options))
+    replayed = None
+    if args.with_injection and fault is not None:
+        replayed = replay_fault(fault, options.device_indices, options.workers)
+        options = dataclasses.replace(options, inject=replayed)
+    else:
+        stand_in = _stand_in_fault(node, options)
+        options = dataclasses.replace(options, inject=stand_in, inject_origin="simulated")
+    who = (describe_gpu(gpu) if gpu is not None else f"worker {manifest.get('worker')}") if failure else ""
+    # what is replayed comes first: the verdict below reads differently for an injected fault
+    if failure:
+        head = (f"gpumon canary replay {args.bundle} (failure): {manifest.get('workload')} iteration "
+                f"{manifest.get('iteration')} as {who} computed it (first differing tensor "
+                f"{manifest.get('first_differing_tensor')!r}, vs {manifest.get('compared_with')})")
+    else:
+        head = (f"gpumon canary replay {args.bundle} ({manifest.get('kind')}): "
+                f"{manifest.get('name') or manifest.get('workload')}")
+    if fault is not None:
+        head += "\n  " + _fault_words(fault, replayed)
+    if where:
+        head += f"\n  {where}"
     report = runner.run(options)
     findings = _judge(agent)(report, runner.CHECK)
     summary = runner.summary_json(report)
@@ -412,6 +446,11 @@ def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
             "first_differing_tensor": manifest.get("first_differing_tensor"),
             "compared_with": manifest.get("compared_with"),
             "expected_is_golden": manifest.get("expected_is_golden")})
+        if fault is not None:
+            summary["bundle"]["injected_fault"] = {
+                "spec": fault.text, "by": fault.by, "gpu": fault.gpu, "on_failing_gpu": fault.on_failing_gpu,
+                "replayed": replayed is not None or fault.by == "simulated",
+                "replayed_as": replayed.to_text() if replayed is not None else None}
         if gpu is None:
             summary["bundle"]["note"] = OLD_BUNDLE_NOTE
         if where:
@@ -419,15 +458,17 @@ def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
         diff = tensor_diff(args.bundle)
         if diff is not None:
             summary["bundle"]["kept_tensors_diff"] = diff
-    head = (f"gpumon canary replay {args.bundle} ({manifest.get('kind')}): "
-            f"{len(report.workers)} workers, {args.iterations} iterations")
+    head += f"\n  replay: {len(report.workers)} workers, {args.iterations} iterations"
     if failure:
-        who = describe_gpu(gpu) if gpu is not None else f"worker {manifest.get('worker')}"
         failed = sorted({report.gpu_of(m.worker) for m in report.mismatches})
-        head += (f"\n  the failure of {who} reproduced on GPU(s) {', '.join(map(str, failed))}" if failed else
-                 f"\n  the failure of {who} did not reproduce here")
-        if where:
-            head += f"\n  {where}"
+        if failed:
+            head += f"\n  the failure of {who} reproduced on GPU(s) {', '.join(map(str, failed))}"
+            if replayed is not None:
+                head += " (with the injected fault)"
+        else:
+            head += f"\n  the failure of {who} did not reproduce here"
+            if fault is not None and fault.on_failing_gpu and fault.by != "simulated" and replayed is None:
+                head += " (as expected: the injected fault was not replayed)"
         if golden.entries and not manifest.get("expected_is_golden"):
             head += ("\n  the run had no golden: \"golden\" below is the bits the agreeing GPUs "
                      "computed in that run, kept in the bundle")
@@ -445,6 +486,26 @@ def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     if diff and not args.json:
         print(f"  kept tensors of the failing run vs an agreeing worker: {json.dumps(diff)}")
     return code
+
+
+def _fault_words(fault: Any, replayed: Any) -> str:
+    """What the bundle says of the fault injected in its run, and whether this replay injects it."""
+    if fault.by == "simulated":
+        return (f"captured on a simulated node whose GPU {fault.gpu} computes wrong bits (its scenario's "
+                f"sdc fault: {fault.text}): that simulated GPU computes them again in this replay")
+    said = f"captured under the fault harness (--inject {fault.text}: GPU {fault.gpu})"
+    if fault.by is None:
+        said += (" [a bundle from before bundles said whose fault it was; if it was a simulated node's "
+                 "own sdc fault, that simulated GPU computes it again]")
+    if replayed is not None:
+        return said + (f"\n  replaying WITH the injected fault (--with-injection) on GPU {fault.gpu}, "
+                       f"worker {replayed.worker} of this replay: {replayed.to_text()}")
+    if not fault.on_failing_gpu:
+        return said + ("\n  the injected fault was on another GPU than the failing one: this failure is "
+                       "not the injected fault's; it is not replayed (--with-injection replays it)")
+    return said + ("\n  the injected fault is NOT replayed (--with-injection replays it): \"did not "
+                   "reproduce\" is then what to expect, and means the wrong bits were the harness's, not "
+                   "the hardware's")
 
 
 def _replay_on(args: argparse.Namespace, node: _Node, gpu: dict[str, Any] | None) -> str | None:

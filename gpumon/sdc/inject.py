@@ -21,6 +21,9 @@ Spec (``--inject``), comma-separated ``key=value``:
 - ``ops=mm|addmm``: only these ATen ops (overload packet names; default: every op but views, copies
   and allocations);
 - ``seed=N``: the harness's own random stream (the workload's generators are left alone);
+- ``stream=N``: which of the seed's streams (default: the worker's number, so that two faulty
+  workers do not flip the same bits); ``canary replay --with-injection`` sets it to the captured
+  worker's number, so that the replay's worker flips as that worker did;
 - ``max_flips=N``: stop after N flips in one workload run;
 - ``where=output`` (default): flip a bit of what a kernel computed; ``where=input``: flip a bit of a
   tensor the op is handed, before it runs: what a rank *sends* (its contribution to a collective, a
@@ -98,6 +101,11 @@ class FaultSpec:
     seed: int = 0
     max_flips: int | None = None
     where: str = "output"
+    stream: int | None = None  # None: the worker's number
+
+    @property
+    def random_stream(self) -> int:
+        return self.worker if self.stream is None else self.stream
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(str(self.dtype)))
@@ -112,6 +120,8 @@ class FaultSpec:
             raise FaultSpecError(f"bits: {self.bits[0]}:{self.bits[1]} is outside 0:{width - 1}")
         if self.worker < 0:
             raise FaultSpecError("worker: must be >= 0")
+        if self.stream is not None and self.stream < 0:
+            raise FaultSpecError("stream: must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -128,6 +138,8 @@ class FaultSpec:
             parts.append(f"max_flips={self.max_flips}")
         if self.where != "output":
             parts.append(f"where={self.where}")
+        if self.stream is not None:
+            parts.append(f"stream={self.stream}")
         return ",".join(parts)
 
     @classmethod
@@ -158,9 +170,11 @@ class FaultSpec:
                     kwargs["max_flips"] = int(value)
                 elif key == "where":
                     kwargs["where"] = value
+                elif key == "stream":
+                    kwargs["stream"] = int(value)
                 else:
                     raise FaultSpecError(f"unknown key {key!r} (known: worker, dtype, rate, range, bits, "
-                                         "ops, seed, max_flips, where)")
+                                         "ops, seed, max_flips, where, stream)")
             except ValueError as exc:
                 if isinstance(exc, FaultSpecError):
                     raise
@@ -212,7 +226,7 @@ class FaultInjector(TorchDispatchMode):
         self.calls = 0
         # how many points the workload has recorded: dates each flip against the recording order
         self.progress: Callable[[], int] = lambda: 0
-        self._rng = random.Random(spec.seed * 1_000_003 + spec.worker)
+        self._rng = random.Random(spec.seed * 1_000_003 + spec.random_stream)
         self._quiet = 0
 
     @contextlib.contextmanager

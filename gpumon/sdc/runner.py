@@ -75,6 +75,9 @@ class Options:
     bundles: Sequence[Path] = ()  # captured steps (gpumon.sdc.capture) run as workloads too
     golden: Golden | None = None
     inject: FaultSpec | None = None
+    # whose fault ``inject`` is, for the bundles: "harness" (``--inject``, a test's fault that no GPU
+    # computes again) or "simulated" (a simulated node's ``sdc`` fault: its GPU computes it again)
+    inject_origin: str = "harness"
     bundle_dir: Path | None = None  # where failing runs are kept as replay bundles
     device: str = "auto"  # auto | cpu | cuda
     device_indices: Sequence[int] = ()  # GPU indices to use (default 0..workers-1)
@@ -496,7 +499,8 @@ def _keep_bundles(report: Report, group: pool.WorkerGroup, options: Options, ite
         write_failure_manifest(
             folder, mismatch=m, run=run, expected=expected, expected_is_golden=golden is not None,
             reference_worker=reference, key=gkey, capture_bundle=capture,
-            inject=inject.to_text() if inject is not None else None,
+            inject=inject.to_text() if inject is not None else None, inject_origin=options.inject_origin,
+            inject_gpu=report.gpu_of(inject.worker) if inject is not None else None,
             dump_errors={str(i): a[2] for i, a in answers.items() if a[2]},
             gpu=report.identity_of(m.worker),
             reference_gpu=report.gpu_of(reference) if reference is not None else None)

@@ -89,6 +89,10 @@ def test_replay_names_gpu_6_and_runs_on_it(gpu6: tuple[Run, Path, Path], sim: An
     assert replay.returncode == 2, out + replay.stderr  # GPU 6 still computes wrong bits
     assert f"the failure of GPU 6 (UUID {g6.uuid}, serial {g6.serial}" in out, out
     assert "reproduced on GPU(s) 6" in out
+    # the scenario's own fault, not the harness's: the simulated GPU computes it again (issue 18 #9)
+    assert read_manifest(bundle)["injected_fault"]["by"] == "simulated"
+    assert "captured on a simulated node whose GPU 6 computes wrong bits" in out, out
+    assert "NOT replayed" not in out
     # by default on the GPU that failed, alone; its expected bits come from the bundle
     assert "1 workers" in out and "replaying on GPU 6" in out
     fails = [ln for ln in out.splitlines() if ln.strip().startswith("FAIL")]
