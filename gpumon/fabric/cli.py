@@ -84,17 +84,17 @@ def main(args: argparse.Namespace, agent: Agent) -> int:
         return res.stdout
 
     launch = detect(os.environ, port=args.port, master_addr=args.master_addr, run_tool=run_tool)
-    # a simulated node is its own node (sim-<scenario>, as every other command names it), whatever
-    # the host running it is called
+    # a machine with a name of its own (Machine.node_name) is that node, as every other command
+    # names it, whatever the host running it is called
     node = config.node_name or agent.machine.node_name() or _node_name(launch)
     # a node whose GPUs CPU workers stand in for never runs on the machine's own GPUs
     device = hw.devices.only_device or args.device or settings.device
     stand_ins = {s.index for s in hw.devices.stand_ins(inventory)}
 
     def enter_device(index: int) -> None:
-        """This rank stands in for simulated GPU ``index``: it carries out that GPU's device model
-        (gpumon/sim/devices.py: an ``allreduce_corrupt`` GPU delivers wrong sums), as the compute
-        checks' workers do."""
+        """This CPU rank stands in for GPU ``index`` (``ComputeDevices.stand_ins``): it carries out
+        that GPU's device faults (``Placement.faults``: e.g. a GPU that corrupts the all-reduce results
+        it receives), as the compute checks' workers standing in for GPUs do."""
         if index not in stand_ins:
             return
         faults = hw.devices.place(inventory, 1).faults

@@ -2,8 +2,9 @@
 
 Coordination goes through the launcher's rendezvous store (torch.distributed's ``TCPStore``: the
 torchrun agent's, else one hosted by rank 0), never through the data path under test: who is on
-which node, the idle gate, heartbeats, the pair plan of each round, every rank's results and rank
-0's verdict are keys in it. The data path is the process group (NCCL on GPUs, gloo on CPU).
+which node, the idle gate, heartbeats, the sweep's agreements (iterations per size, whether a sum
+was wrong), the pair plan of each round, every rank's results and rank 0's verdict are keys in it.
+The data path is the process group (NCCL on GPUs, gloo on CPU).
 
 **Bounded.** A heartbeat thread writes ``hb/<rank>`` every ``heartbeat_s`` with the phase the rank
 is in; rank 0 watches them. A watchdog ends every rank at the deadline: rank 0 names the ranks
