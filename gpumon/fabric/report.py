@@ -63,8 +63,10 @@ def print_report(doc: dict[str, Any], verdict: Verdict | None, where: str,
     if findings:
         console.print("nodes", soft_wrap=True)
         table = Table()
-        for col in ("node", "severity", "action", "why"):
-            table.add_column(col, overflow="fold")
+        # on a narrow terminal only the message folds: a node's name and its verdict stay whole
+        for col in ("node", "severity", "action"):
+            table.add_column(col, no_wrap=True)
+        table.add_column("why", overflow="fold")
         for node, f in sorted(findings.items()):
             sev = f["severity"]
             table.add_row(node, f"[{_STYLE.get(sev, '')}]{sev}[/]", f["action"], f["message"])
