@@ -64,7 +64,7 @@ def test_the_readme_one_node_recipe_passes_a_healthy_node_and_fails_a_faulty_one
     assert probe_ok.stdout.startswith("fabric probe: ok (completed)"), logs
     row = _node_row(probe_ok.stdout, "sim-healthy-8xh100")
     assert "│ ok " in row and "judged against: gloo on CPU" in row, row
-    assert "330" not in probe_ok.stdout and "below the profile" not in probe_ok.stdout
+    assert "330 GB/s" not in probe_ok.stdout and "below the profile" not in probe_ok.stdout
     assert status_ok.returncode == 0 and "node: healthy" in status_ok.stdout, logs
 
     # faulty: rank 0 fails the node (exit 2, which torchrun names, then exits 1), whose health state
