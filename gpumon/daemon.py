@@ -337,9 +337,13 @@ class Daemon:
                     changed = True
                     self._last_severity[key] = f.severity
                     if before is not None or f.severity is not Severity.OK:
-                        log.warning("%s %s: %s -> %s: %s (action %s)", f.check, f.component,
-                                    before.value if before else "new", f.severity.value, f.message,
-                                    f.action.value)
+                        # a check that does not apply here (no fabric probe yet, no IB) is no
+                        # problem: said once at INFO, its reason stays in the finding
+                        quiet = f.severity is Severity.SKIPPED and before in (None, Severity.OK)
+                        log.log(logging.INFO if quiet else logging.WARNING,
+                                "%s %s: %s -> %s: %s (action %s)", f.check, f.component,
+                                before.value if before else "new", f.severity.value, f.message,
+                                f.action.value)
             if self.health is not None:
                 # A 1 s check (ib) repeats itself every second: fold it only when what it
                 # says changed, or once a minute so the store's last_seen stays fresh.

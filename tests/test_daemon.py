@@ -44,6 +44,9 @@ def test_daemon_sees_faults_as_they_happen(tmp_path: Path) -> None:
     hot = found[("throttle", "gpu/2")]
     assert hot["severity"] == "fail" and hot["evidence"]["active"] == ["hw_thermal_slowdown"]
     assert "xid gpu/6: new -> fail" in proc.stderr
+    # a check that does not apply (no fabric probe has run here) is no warning; its reason is said once
+    assert "INFO fabric node: new -> skipped: no fabric probe has run on this node" in proc.stderr
+    assert "WARNING fabric node" not in proc.stderr
     # the kernel log holds the line in /dev/kmsg record format
     assert ";NVRM: Xid (PCI:0000:cb:00): 48," in (simdir / "host" / "dev" / "kmsg").read_text()
 

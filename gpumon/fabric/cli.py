@@ -84,9 +84,22 @@ def main(args: argparse.Namespace, agent: Agent) -> int:
         return res.stdout
 
     launch = detect(os.environ, port=args.port, master_addr=args.master_addr, run_tool=run_tool)
-    node = config.node_name or _node_name(launch)
+    # a machine with a name of its own (Machine.node_name) is that node, as every other command
+    # names it, whatever the host running it is called
+    node = config.node_name or agent.machine.node_name() or _node_name(launch)
     # a node whose GPUs CPU workers stand in for never runs on the machine's own GPUs
     device = hw.devices.only_device or args.device or settings.device
+    stand_ins = {s.index for s in hw.devices.stand_ins(inventory)}
+
+    def enter_device(index: int) -> None:
+        """This CPU rank stands in for GPU ``index`` (``ComputeDevices.stand_ins``): it carries out
+        that GPU's device faults (``Placement.faults``: e.g. a GPU that corrupts the all-reduce results
+        it receives), as the compute checks' workers standing in for GPUs do."""
+        if index not in stand_ins:
+            return
+        faults = hw.devices.place(inventory, 1).faults
+        if faults is not None:
+            faults.install(index)
 
     def gate(index: int) -> Gate:
         if nvml_error:
@@ -130,7 +143,8 @@ def main(args: argparse.Namespace, agent: Agent) -> int:
 
     setup = RankSetup(launch=launch, settings=settings, node=node, device=device,
                       deadline_s=args.deadline or settings.deadline_s, gate=gate, record=record,
-                      report=report, max_bytes=args.max_bytes)
+                      report=report, max_bytes=args.max_bytes, enter_device=enter_device,
+                      profile=profile.name)
     try:
         return RankRun(setup).run()
     finally:

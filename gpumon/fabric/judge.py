@@ -24,6 +24,12 @@ ranks lost), findings and a report out.
   node itself, cut off, records ``unknown`` locally, and its own ``ib`` check sees a port down); the
   other nodes get ``unknown``: the probe could not vouch for them. When rank 0 loses most of the
   group it may be the one cut off, and nobody is failed.
+- **Which reference.** NCCL ranks on GPUs are held against the SKU profile's floors and the group's
+  own pairs. Gloo ranks on CPU (``--device cpu``, a machine without GPUs, a simulated node) are
+  never held against a profile's floors: those are NVLink/InfiniBand figures (330 GB/s on an H100),
+  and a CPU rank below them says nothing about the fabric. They are judged against the group's own
+  pairs with the ``cpu.*`` margins, and every result is checked exactly. Every finding says which
+  reference judged it (``evidence.judged_against``, and in short at the end of its message).
 
 Each node gets exactly one ``fabric`` finding for component ``node`` (worst wins, every problem in
 the message and the evidence), carrying the node's readings for Prometheus.
@@ -145,6 +151,7 @@ class Probe:
     ranks: dict[int, RankInfo]
     world: int
     large_min_bytes: int
+    cpu: bool  # gloo on CPU: judged without the profile's GPU floors
     collectives: dict[int, list[OpResult]] = field(default_factory=dict)
     pairs: list[PairResult] = field(default_factory=list)
     pair_results: dict[int, list[OpResult]] = field(default_factory=dict)  # per rank, every round
@@ -153,6 +160,7 @@ class Probe:
     errors: dict[int, str] = field(default_factory=dict)  # rank -> error it reported
     hung: str | None = None  # the phase the group stopped in, when it did not finish
     time: float = 0.0
+    profile: str = ""  # the SKU profile the floors come from (named in the findings)
 
     @property
     def nodes(self) -> list[str]:
@@ -176,11 +184,39 @@ class Verdict:
         return overall_status(self.findings.values())
 
 
+def judged_against(p: Probe) -> tuple[str, str]:
+    """(short, full): the reference this probe's figures were judged against, for the findings."""
+    margins = p.settings.cpu if p.cpu else p.settings
+    pairs = (f"the group's own node pairs (slow below {margins.slow_fraction:g} x the reference busbw; "
+             f"p95 above {margins.latency_factor:g} x the reference and {margins.latency_floor_us:g} us "
+             "more)")
+    if p.cpu:
+        where = "gloo on CPU"
+        never = (f"never the GPU floors of profile {p.profile}" if p.profile
+                 else "never a GPU profile's floors")
+        if len(p.nodes) < 2:
+            return (f"{where}, one node: data checked exactly, speed not judged",
+                    f"{where}: every result checked exactly; speed not judged (one node: no pair to compare "
+                    f"with); {never} (NVLink/InfiniBand figures)")
+        return (f"{where}: the group's own pairs, not a GPU profile",
+                f"{where}: every result checked exactly; speed against {pairs} (checks.fabric.cpu); {never} "
+                "(NVLink/InfiniBand figures)")
+    floors = ", ".join(f"{k} {v:g} GB/s" for k, v in sorted(p.settings.busbw_min_gbps.items()))
+    ceilings = ", ".join(f"{k} {v:g} us" for k, v in sorted(p.settings.latency_p95_us_max.items()))
+    name = f"profile {p.profile}" if p.profile else "the profile"
+    return (f"NCCL on GPUs: {name} and the group's own pairs",
+            f"NCCL on GPUs: every result checked exactly; busbw floors of {name}: {floors or 'none set'}; "
+            f"p95 ceilings: {ceilings or 'none set'}; and {pairs}")
+
+
 def judge(p: Probe) -> Verdict:
     rows = group_rows(p.collectives, p.world, p.settings, p.large_min_bytes)
-    misses = profile_misses(rows, p.settings)
+    # a CPU rank's bandwidth against an NVLink/InfiniBand floor would fail every CPU group
+    misses = [] if p.cpu else profile_misses(rows, p.settings)
     iso = p.isolation
     floor, ceiling = p.settings.busbw_min_gbps.get("sendrecv"), p.settings.latency_p95_us_max.get("sendrecv")
+    if p.cpu:
+        floor = ceiling = None
     if iso is not None and floor is not None and iso.reference_busbw_gbps is not None \
             and iso.reference_busbw_gbps < floor:
         misses.append(ProfileMiss("sendrecv", "busbw", iso.reference_busbw_gbps, floor, 0))
@@ -229,7 +265,9 @@ def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[Pro
                   pair_bw: Mapping[str, tuple[float | None, float | None]], complete: bool) -> Finding:
     mine = sorted(r for r, info in p.ranks.items() if info.node == node)
     problems: list[tuple[Severity, Action, str]] = []
-    evidence: dict[str, Any] = {"ranks": mine, "group_nodes": len(p.nodes), "group_ranks": p.world}
+    short, full = judged_against(p)
+    evidence: dict[str, Any] = {"ranks": mine, "group_nodes": len(p.nodes), "group_ranks": p.world,
+                                "device": "cpu" if p.cpu else "cuda", "judged_against": full}
     bad_ranks = {r: n for r, n in corrupt.items() if r in mine}
     if bad_ranks:
         evidence["corrupted_from_ranks"] = {str(k): v for k, v in sorted(bad_ranks.items())}
@@ -296,12 +334,13 @@ def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[Pro
         bw, lat = pair_bw.get(node, (None, None))
         detail = (f"; pairs: {bw:.2f} GB/s, p95 {lat:.0f} us" if bw is not None and lat is not None else "")
         return Finding(CHECK, NODE, Severity.OK,
-                       f"fabric probe passed on {len(p.nodes)} node(s) / {p.world} ranks{detail}",
-                       Action.NONE, evidence)
+                       f"fabric probe passed on {len(p.nodes)} node(s) / {p.world} ranks{detail} "
+                       f"(judged against: {short})", Action.NONE, evidence)
     severity = max(s for s, _, _ in problems)
     action = max(a for _, a, _ in problems)
     ordered = sorted(problems, key=lambda t: (t[0], t[1]), reverse=True)
-    return Finding(CHECK, NODE, severity, "; ".join(m for _, _, m in ordered), action, evidence)
+    return Finding(CHECK, NODE, severity, "; ".join(m for _, _, m in ordered) + f" (judged against: {short})",
+                   action, evidence)
 
 
 def _readings(node: str, rows: Sequence[Row], pair_bw: Mapping[str, tuple[float | None, float | None]],

@@ -2,8 +2,9 @@
 
 Coordination goes through the launcher's rendezvous store (torch.distributed's ``TCPStore``: the
 torchrun agent's, else one hosted by rank 0), never through the data path under test: who is on
-which node, the idle gate, heartbeats, the pair plan of each round, every rank's results and rank
-0's verdict are keys in it. The data path is the process group (NCCL on GPUs, gloo on CPU).
+which node, the idle gate, heartbeats, the sweep's agreements (iterations per size, whether a sum
+was wrong), the pair plan of each round, every rank's results and rank 0's verdict are keys in it.
+The data path is the process group (NCCL on GPUs, gloo on CPU).
 
 **Bounded.** A heartbeat thread writes ``hb/<rank>`` every ``heartbeat_s`` with the phase the rank
 is in; rank 0 watches them. A watchdog ends every rank at the deadline: rank 0 names the ranks
@@ -17,9 +18,9 @@ tears down a process group after a failure (that can hang); the process exits.
 objects are torn down under them (seen as SIGABRT at exit), so ``gpumon probe-fabric`` flushes its
 output and leaves with ``os._exit``.
 
-**Exit codes**: rank 0 exits with the group's status (0 ok, 1 warn/unknown, 2 fail; srun and
-torchrun pass it on); other ranks exit 0 once their node's finding is recorded, 3 when they could
-not run at all, 2 when they lost the group.
+**Exit codes**: rank 0 exits with the group's status (0 ok, 1 warn/unknown, 2 fail; srun passes
+it on, torchrun exits 1 for any rank that failed and logs the rank's code); other ranks exit 0 once
+their node's finding is recorded, 3 when they could not run at all, 2 when they lost the group.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ log = logging.getLogger("gpumon.fabric")
 
 PREFIX = "gpumon-fabric/"
 STALE_BEATS = 3  # heartbeats missed before a rank counts as lost
+AGREE_TURN_S = 0.5  # a rank waiting for the others' agreement looks for a lost rank this often
 ABORT_GRACE_S = 4.0  # after the deadline: the most a rank takes to report, record and exit
 EXIT_OK, EXIT_WARN, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2, 3
 
@@ -70,6 +72,10 @@ class RankSetup:
     record: Callable[[Finding, dict[str, Any]], None]  # this node's finding + group summary
     report: Callable[[dict[str, Any], Verdict | None], None]  # rank 0: the group report
     max_bytes: int | None = None
+    # this rank's GPU index -> enter what its device does differently (a simulated node's device
+    # model: the CPU rank standing in for a simulated GPU carries out that GPU's faults)
+    enter_device: Callable[[int], None] | None = None
+    profile: str = ""  # the SKU profile whose floors judge NCCL on GPUs (named in the findings)
 
 
 class _Store:
@@ -124,6 +130,8 @@ class RankRun:
         self.store: _Store | None = None
         self.iso: Isolator | None = None  # rank 0, once the pair rounds start
         self._confirm: list[tuple[str, str]] | None = None  # rank 0: link faults still to re-measure
+        self._agreed: dict[str, int] = {}  # agreements made so far, per group of ranks
+        self.cpu = True  # gloo on CPU (judged without the profile's GPU floors); set with the device
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -134,6 +142,31 @@ class RankRun:
         if phase.split(" ", 1)[0] != self.phase.split(" ", 1)[0]:
             log.info("rank %d: %s", self.rank, phase)
         self.phase = phase
+
+    def _agree(self, ranks: Sequence[int], value: float) -> float:
+        """The largest ``value`` of ``ranks``, through the rendezvous store (never the data path under
+        test). Every rank of ``ranks`` makes the same agreements in the same order, so the n-th one of
+        a group is the same key everywhere. Waits in short turns: rank 0 gives up as soon as a rank
+        of the group is lost, the others as soon as rank 0 has ended the probe."""
+        assert self.store is not None
+        store, group = self.store, list(ranks)
+        name = "all" if group == list(range(self.world)) else "-".join(map(str, group))
+        n = self._agreed[name] = self._agreed.get(name, 0) + 1
+        keys = [f"agree/{name}/{n}/{q}" for q in group]
+        store.set(f"agree/{name}/{n}/{self.rank}", value)
+        while True:
+            try:
+                store.wait(keys, min(AGREE_TURN_S, self.remaining()))
+                break
+            except Exception:
+                if time.monotonic() >= self.deadline:
+                    raise
+                gone = sorted(set(self.lost()) & set(group)) if self.rank == 0 else []
+                if gone:
+                    raise RuntimeError(f"rank(s) {', '.join(map(str, gone))} stopped answering") from None
+                if self.rank != 0 and store.has("verdict"):
+                    raise RuntimeError("rank 0 ended the probe") from None
+        return max(float(store.get(k)) for k in keys)
 
     def _mine(self) -> list[int]:
         return sorted(r for r, i in self.ranks.items() if i.node == self.s.node)
@@ -226,7 +259,10 @@ class RankRun:
         for t in self._threads:
             t.start()
         device = self._device(torch)
+        self.cpu = not device.startswith("cuda")
         gate = self.s.gate(self._gpu_index())
+        if self.s.enter_device is not None:
+            self.s.enter_device(self._gpu_index())
         store.set(f"rank/{self.rank}", {"node": self.s.node, "local_rank": launch.local_rank,
                                         "pid": os.getpid(), "busy": gate.busy, "gate": gate.evidence})
         self.progress("rendezvous: waiting for every rank")
@@ -247,8 +283,8 @@ class RankRun:
         dist.init_process_group(backend, store=PrefixStore(PREFIX + "pg/", store.raw), rank=self.rank,
                                 world_size=self.world, timeout=datetime.timedelta(seconds=s.op_timeout_s),
                                 device_id=torch.device(device) if backend == "nccl" else None)
-        r = Rank(dist, self.rank, self.world, device, self.progress)
-        cpu = not device.startswith("cuda")
+        r = Rank(dist, self.rank, self.world, device, self.progress, agree=self._agree)
+        cpu = self.cpu
         max_bytes = self.s.max_bytes or (s.cpu.max_bytes if cpu else s.max_bytes)
         plan = SweepPlan(ops=tuple(s.collectives),
                          sizes=sizes(s.min_bytes, max_bytes, s.cpu.step_factor if cpu else s.step_factor),
@@ -256,7 +292,8 @@ class RankRun:
                          warmup=s.cpu.warmup if cpu else s.warmup, size_budget_s=s.size_budget_s, seed=s.seed)
         large_min = min(s.cpu.large_min_bytes if cpu else s.large_min_bytes, plan.sizes[-1])
         if self.rank == 0:
-            self.probe = Probe(settings=s, ranks=self.ranks, world=self.world, large_min_bytes=large_min)
+            self.probe = Probe(settings=s, ranks=self.ranks, world=self.world, large_min_bytes=large_min,
+                               cpu=cpu, profile=self.s.profile)
         if self.world > 1:
             collective_sweep(r, plan, self.collectives)
         self._pair_rounds(r, plan, large_min)
@@ -459,7 +496,7 @@ class RankRun:
         ranks.setdefault(0, RankInfo(0, self.s.node, self.launch.local_rank, os.getpid()))
         self.ranks = ranks
         probe = self.probe or Probe(settings=self.s.settings, ranks=ranks, world=self.world,
-                                    large_min_bytes=1)
+                                    large_min_bytes=1, cpu=self.cpu, profile=self.s.profile)
         probe.ranks = ranks
         # a peer that died a moment ago: let its heartbeat go stale before naming it
         settle = min(end - 1.5, time.monotonic() + STALE_BEATS * self.s.settings.heartbeat_s + 0.2)

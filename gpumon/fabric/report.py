@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpumon.fabric.judge import Verdict
+from gpumon.report import console_for
 
 _STYLE = {"ok": "green", "skipped": "dim", "unknown": "yellow", "warn": "yellow", "fail": "bold red"}
 
@@ -25,18 +26,23 @@ def _num(value: Any, fmt: str) -> str:
 
 def print_report(doc: dict[str, Any], verdict: Verdict | None, where: str,
                  console: Console | None = None) -> None:
-    console = console or Console(highlight=False, soft_wrap=False)
+    # piped: one event per line, nothing folded (gpumon.report.console_for, as check and status);
+    # lines outside the tables are never broken by rich either (soft_wrap), a terminal wraps them
+    console = console or console_for()
     nodes = doc.get("nodes", [])
     console.print(f"fabric probe: [bold]{doc.get('status')}[/] ({doc.get('outcome')}) — {len(nodes)} nodes, "
                   f"{doc.get('ranks')} ranks, {doc.get('seconds')} s, launched by "
-                  f"{doc.get('launch', {}).get('launcher')}")
+                  f"{doc.get('launch', {}).get('launcher')}", soft_wrap=True)
     if doc.get("reason"):
-        console.print(f"  {doc['reason']}")
+        console.print(f"  {doc['reason']}", soft_wrap=True)
     rows = doc.get("collectives") or []
     if rows:
-        table = Table(title="collectives (group: slowest rank's median, worst rank's p95/p99)",
-                      title_justify="left")
-        for col in ("op", "size", "n", "p50 us", "p95 us", "p99 us", "busbw GB/s", "wrong"):
+        # titles on lines of their own: a table title is padded with blanks to the table's width
+        console.print("collectives (group: slowest rank's median, worst rank's p95/p99; latencies in us)",
+                      soft_wrap=True)
+        table = Table()
+        # 72 columns wide: nothing is cut on an 80-column terminal
+        for col in ("op", "size", "n", "p50", "p95", "p99", "busbw GB/s", "wrong"):
             table.add_column(col, justify="left" if col == "op" else "right", no_wrap=True)
         for r in rows:
             table.add_row(r["op"], _size(r["nbytes"]), str(r["iterations"]),
@@ -47,18 +53,22 @@ def print_report(doc: dict[str, Any], verdict: Verdict | None, where: str,
     if iso:
         bw, lat = _num(iso["reference_busbw_gbps"], ".3f"), _num(iso["reference_p95_us"], ".0f")
         console.print(f"pair rounds: {iso['rounds']}, {iso['pairs_measured']} pairs; reference {bw} GB/s, "
-                      f"p95 {lat} us")
+                      f"p95 {lat} us", soft_wrap=True)
     for rank, lost in (doc.get("lost") or {}).items():
-        console.print(f"[bold red]lost[/] rank {rank} on {lost['node']} (last heard: {lost['last_heard']})")
+        console.print(f"[bold red]lost[/] rank {rank} on {lost['node']} (last heard: {lost['last_heard']})",
+                      soft_wrap=True)
     if doc.get("stopped"):
-        console.print(f"stopped: {doc['stopped']}")
+        console.print(f"stopped: {doc['stopped']}", soft_wrap=True)
     findings = doc.get("findings") or {}
     if findings:
-        table = Table(title="nodes", title_justify="left")
-        for col in ("node", "severity", "action", "why"):
-            table.add_column(col, overflow="fold")
+        console.print("nodes", soft_wrap=True)
+        table = Table()
+        # on a narrow terminal only the message folds: a node's name and its verdict stay whole
+        for col in ("node", "severity", "action"):
+            table.add_column(col, no_wrap=True)
+        table.add_column("why", overflow="fold")
         for node, f in sorted(findings.items()):
             sev = f["severity"]
             table.add_row(node, f"[{_STYLE.get(sev, '')}]{sev}[/]", f["action"], f["message"])
         console.print(table)
-    console.print(f"report: {where}")
+    console.print(f"report: {where}", soft_wrap=True)

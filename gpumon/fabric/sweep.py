@@ -108,11 +108,21 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+# ranks that must agree on a value, and this rank's value -> the largest of theirs
+Agree = Callable[[Sequence[int], float], float]
+
+
 class Rank:
-    """This rank's view of the group, the device and the clock; ``progress`` says where it is."""
+    """This rank's view of the group, the device and the clock; ``progress`` says where it is.
+
+    ``agree``: how ranks agree on a number (the slowest time per iteration, whether any saw a wrong
+    sum). The probe passes one that goes through the rendezvous store, off the data path under test:
+    a device that corrupts what it receives would otherwise corrupt the agreement too, and ranks
+    that disagree make different calls and hang. Without one (tests of the sweep alone): a MAX
+    all-reduce or an exchange over the process group."""
 
     def __init__(self, dist: Any, rank: int, world: int, device: str,
-                 progress: Callable[[str], None]) -> None:
+                 progress: Callable[[str], None], agree: Agree | None = None) -> None:
         import torch
 
         self.dist = dist
@@ -122,6 +132,7 @@ class Rank:
         self.device = device
         self.cuda = device.startswith("cuda")
         self.progress = progress
+        self._agree = agree
 
     def sync(self) -> None:
         if self.cuda:
@@ -134,9 +145,22 @@ class Rank:
         return out
 
     def agree_max(self, value: float) -> float:
+        """The largest ``value`` of every rank of the group."""
+        if self._agree is not None:
+            return self._agree(range(self.world), value)
         t = self.torch.tensor([value], dtype=self.torch.float64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return float(t.item())
+
+    def agree_pair(self, peer: int, value: float) -> float:
+        """The larger ``value`` of this rank and ``peer``."""
+        if self._agree is not None:
+            return self._agree(sorted((self.rank, peer)), value)
+        th = self.torch
+        mine = th.tensor([value], dtype=th.float64, device=self.device)
+        theirs = th.empty_like(mine)
+        _exchange(self.dist, mine, theirs, peer)
+        return max(value, float(theirs.item()))
 
 
 class _Op:
@@ -349,10 +373,7 @@ def pair_exchange(r: Rank, peer: int, plan: SweepPlan, done: list[OpResult]) -> 
     th, dist = r.torch, r.dist
 
     def agree(value: float) -> float:
-        mine = th.tensor([value], dtype=th.float64, device=r.device)
-        theirs = th.empty_like(mine)
-        _exchange(dist, mine, theirs, peer)
-        return max(value, float(theirs.item()))
+        return r.agree_pair(peer, value)
 
     for nbytes in plan.sizes:
         n = max(1, nbytes // 4)

@@ -112,7 +112,8 @@ def _op(op: str, nbytes: int, t: float, **kw: object) -> OpResult:
 
 
 def _probe(settings: FabricConfig, n: int = 4) -> Probe:
-    p = Probe(settings=settings, ranks=_ranks(n), world=n, large_min_bytes=1 << 30, time=time.time())
+    p = Probe(settings=settings, ranks=_ranks(n), world=n, large_min_bytes=1 << 30, cpu=False,
+              time=time.time())
     for r in range(n):
         p.collectives[r] = [_op("all_reduce", 8, 40e-6), _op("all_reduce", 2 << 30, 2 ** 31 / 180e9)]
     return p
@@ -128,6 +129,31 @@ def test_a_group_below_the_profile_with_no_node_to_blame_warns_everyone() -> Non
     assert {f.severity for f in ok.findings.values()} == {Severity.OK}
     row = next(r for r in ok.rows if r.nbytes == 2 << 30)
     assert row.busbw_gbps == pytest.approx(2 ** 31 / (2 ** 31 / 180e9) / 1e9 * 1.5)
+
+
+def test_cpu_ranks_are_never_held_against_the_profiles_gpu_floors_and_say_what_judged_them() -> None:
+    """The H100 profile's floors on a gloo group: the same slow figures warn on GPUs and pass on CPU,
+    and each finding names its reference."""
+    settings = FabricConfig(busbw_min_gbps={"all_reduce": 330.0, "sendrecv": 41.0},
+                            latency_p95_us_max={"all_reduce": 1.0})
+    slow = _probe(settings)
+    for r in slow.collectives:  # 1 MiB in 2 ms: 0.5 GB/s, CPU speed
+        slow.collectives[r] = [_op("all_reduce", 8, 400e-6), _op("all_reduce", 2 << 30, 4.0)]
+    slow.profile = "h100-sxm"
+    gpu = judge(slow)
+    assert {f.severity for f in gpu.findings.values()} == {Severity.WARN}
+    assert all("judged against: NCCL on GPUs: profile h100-sxm" in f.message for f in gpu.findings.values())
+    slow.cpu = True
+    cpu = judge(slow)
+    assert {f.severity for f in cpu.findings.values()} == {Severity.OK} and not cpu.misses
+    for f in cpu.findings.values():
+        assert "judged against: gloo on CPU: the group's own pairs, not a GPU profile" in f.message, f.message
+        assert f.evidence["device"] == "cpu"
+        assert "never the GPU floors of profile h100-sxm" in f.evidence["judged_against"]
+        assert "slow below 0.15 x the reference busbw" in f.evidence["judged_against"]
+    # wrong data fails a CPU group all the same
+    slow.collectives[2][0] = _op("all_reduce", 8, 400e-6, wrong=1)
+    assert judge(slow).findings["n2"].severity is Severity.FAIL
 
 
 def test_corruption_names_the_sending_rank_and_a_wrong_sum_without_a_source_names_the_receiver() -> None:
