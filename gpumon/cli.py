@@ -476,5 +476,8 @@ def _set_healthy(config: Config, args: argparse.Namespace, scenario: Scenario | 
                            + (_CORRUPT_HINT if exc.corrupt else "")) from None
     finally:
         health.close()
-    print(f"gpumon: {args.component} marked healthy ({args.reason})")
+    print(f"gpumon: {args.component} marked healthy ({args.reason}): its recorded faults are closed; a "
+          "finding a check still repeats word for word is accepted (gpumon status lists it, /metrics "
+          "gpumon_finding_accepted), and its fault is raised again as soon as the check says "
+          "anything else about it")
     return EXIT_OK

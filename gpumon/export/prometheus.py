@@ -123,11 +123,11 @@ class Snapshot:
     runs: Mapping[str, CheckRun] = field(default_factory=dict)
     # component -> (state, recommended action); "node" for the node itself
     health: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    # gpumon.remediate.runner.RemediationLoop.snapshot(), when remediation is configured
+    remediation: Mapping[str, Any] | None = None
     # (check, component) of each finding the health state accepted (set-healthy, a passing
     # retest) that the check still repeats
     accepted: frozenset[tuple[str, str]] = frozenset()
-    # gpumon.remediate.runner.RemediationLoop.snapshot(), when remediation is configured
-    remediation: Mapping[str, Any] | None = None
 
 
 class GpumonCollector(Collector):
