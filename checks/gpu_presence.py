@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.check import Check, CheckContext
+from gpumon.check import GPU_LOST, Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, NotSupported
 from gpumon.hw.inventory import NVIDIA_VENDOR, Inventory, PciDevice
 from gpumon.hw.nvml import GpuInfo
@@ -79,7 +79,8 @@ class GpuPresenceCheck(Check):
         out: list[Finding] = []
         for index, cond in sorted(nv.lost.items()):
             out.append(self.finding(gpu(index), Severity.FAIL, f"GPU {index} lost ({cond.call}): NVML "
-                                    "answers GPU_IS_LOST", Action.REBOOT_NODE, call=cond.call))
+                                    "answers GPU_IS_LOST", Action.REBOOT_NODE, call=cond.call,
+                                    **{GPU_LOST: True}))
         for index, cond in sorted(nv.unreadable.items()):
             out.append(self.from_condition(cond, gpu(index)))
         for bus_id, cond in sorted(bus.unreadable.items()):

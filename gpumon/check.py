@@ -45,6 +45,14 @@ class KernelLogFold(Protocol):
 
 P = TypeVar("P")
 
+# Evidence of a finding that says its GPU is lost (fallen off the bus, NVML answers GPU_IS_LOST):
+# ``gpu_lost: true``. Every check that reads the GPU through NVML says so once the GPU is gone
+# (``Check.unreadable_gpus``, ``condition_finding``), besides the checks that name the loss itself
+# (gpu_presence, xid's Xid 79): one event, which the daemon logs once, at WARNING, for the first
+# finding that says it; the other checks' findings of the same loss are logged at INFO. All of
+# them are still findings, in the health state and on /metrics.
+GPU_LOST = "gpu_lost"
+
 # Evidence of a finding that is a measurement to repeat before it fails (bandwidth varies run to
 # run): ``retryable: true``, and ``retry_id`` to tell apart several on one component. The
 # bootstrap suite runs the check once more for those below threshold (gpumon/bootstrap.py).
@@ -158,7 +166,8 @@ class Check:
         from every check that reads GPUs through NVML: a lost GPU needs a reboot, another a reset."""
         return [self.finding(gpu(index), Severity.FAIL,
                              f"GPU lost: {why}" if why.lost else f"GPU unreadable: {why}",
-                             Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason)
+                             Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason,
+                             **({GPU_LOST: True} if why.lost else {}))
                 for index, why in sorted(inventory.unreadable_gpus.items())]
 
 
@@ -178,7 +187,7 @@ def condition_finding(check: str, cond: HwCondition, component: str | None = Non
     comp = component or cond.component
     if isinstance(cond, GpuLost):
         return Finding(check, comp, Severity.FAIL, f"GPU lost ({cond.call}): {cond}",
-                       Action.REBOOT_NODE, {"call": cond.call})
+                       Action.REBOOT_NODE, {"call": cond.call, GPU_LOST: True})
     if isinstance(cond, HwTimeout):
         # An NVML call on a GPU that does not return is the driver not answering for that GPU:
         # the caller sits in the kernel (D state), cannot be killed, and a GPU reset goes through

@@ -411,10 +411,8 @@ def _state_dir(config: Config, args: argparse.Namespace, scenario: Scenario | No
 def _status(config: Config, args: argparse.Namespace, scenario: Scenario | None) -> int:
     from datetime import datetime, timezone
 
-    from rich.table import Table
-
     from gpumon.health import StoreError, load_view
-    from gpumon.report import console_for
+    from gpumon.report import console_for, print_records
 
     state_dir = _state_dir(config, args, scenario)
     try:
@@ -443,15 +441,18 @@ def _status(config: Config, args: argparse.Namespace, scenario: Scenario | None)
     if node.quarantine is not None:
         console.print(f"quarantined by {node.quarantine.by} since {when(node.quarantine.since)}: "
                       f"{node.quarantine.reason}")
-    table = Table(title_justify="left")
-    for col in ("component", "state", "action", "since", "why"):
-        table.add_column(col)
-    shown = {n: c for n, c in view.components.items() if args.verbose or c.level.value != "healthy"}
+    # a healthy component is listed too while a check still reports a finding on it that
+    # set-healthy accepted: /metrics shows that finding's severity (and gpumon_finding_accepted)
+    shown = {n: c for n, c in view.components.items()
+             if args.verbose or c.level.value != "healthy" or c.accepted}
+    rows = []
     for name, comp in sorted(shown.items()):
-        why = "; ".join(f"{f.check}: {f.message}" for f in comp.why)
-        table.add_row(name, comp.level.value, comp.action.value, when(comp.since), why)
+        why = [f"{f.check}: {f.message}" for f in comp.why]
+        why += [f"accepted, still reported: {a.check}: {a.severity.value}: {a.message}"
+                for a in comp.accepted]
+        rows.append(((name, comp.level.value, comp.action.value, when(comp.since)), why))
     if shown:
-        console.print(table)
+        print_records(console, ("component", "state", "action", "since", "why"), rows, wrap={3})
     healthy = len(view.components) - len(shown)
     if healthy:
         console.print(f"{healthy} more components healthy (-v lists them)")
@@ -460,7 +461,7 @@ def _status(config: Config, args: argparse.Namespace, scenario: Scenario | None)
             continue
         for e in events[-args.history:]:
             console.print(f"  {when(e.time)} {name} {e.kind.value} {e.check} "
-                          f"{e.payload.get('message', e.payload.get('reason', ''))}")
+                          f"{e.payload.get('message', e.payload.get('reason', ''))}", markup=False)
     return code
 
 
@@ -487,5 +488,8 @@ def _set_healthy(config: Config, args: argparse.Namespace, scenario: Scenario | 
                            + (_CORRUPT_HINT if exc.corrupt else "")) from None
     finally:
         health.close()
-    print(f"gpumon: {args.component} marked healthy ({args.reason})")
+    print(f"gpumon: {args.component} marked healthy ({args.reason}): its recorded faults are closed; a "
+          "finding a check still repeats word for word is accepted (gpumon status lists it, /metrics "
+          "gpumon_finding_accepted), and its fault is raised again as soon as the check says "
+          "anything else about it")
     return EXIT_OK

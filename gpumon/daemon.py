@@ -27,7 +27,7 @@ from typing import Any
 
 from gpumon import __version__
 from gpumon.agent import Agent
-from gpumon.check import Check, KernelLog
+from gpumon.check import GPU_LOST, Check, KernelLog
 from gpumon.config import split_listen
 from gpumon.daemon_report import ReportWriter
 from gpumon.errors import StartupError
@@ -35,7 +35,7 @@ from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder
 from gpumon.export.webserver import load_web_config, serve_metrics
 from gpumon.health import Health, HealthView
 from gpumon.kernel_pump import WATERMARK_STATE, KernelLogPump
-from gpumon.model import CheckRun, Phase, Severity
+from gpumon.model import CheckRun, Finding, Phase, Severity
 from gpumon.remediate.runner import RemediationLoop
 from gpumon.runner import Worker
 
@@ -45,6 +45,9 @@ log = logging.getLogger("gpumon.daemon")
 # counts and readings did (a storm changes an Xid count at every run). A scrape of content that
 # changed since the last render renders it itself: it never sees stale figures.
 PRERENDER_COUNTS_S = 10.0
+# How often the main loop looks for health events another process stored (gpumon set-healthy),
+# so that /metrics says what gpumon status says within that, however seldom the checks run.
+FOREIGN_S = 1.0
 # How often the main loop tells systemd's watchdog it is alive (and ticks the health state).
 WATCHDOG_S = 5.0
 
@@ -75,6 +78,11 @@ def _health_map(view: HealthView) -> dict[str, tuple[str, str]]:
     return health
 
 
+def _accepted(view: HealthView) -> frozenset[tuple[str, str]]:
+    """(check, component) of the findings the health state accepted that checks still repeat."""
+    return frozenset((a.check, a.component) for comp in view.components.values() for a in comp.accepted)
+
+
 class Daemon:
     def __init__(self, agent: Agent, *, rng: random.Random | None = None) -> None:
         self.agent = agent
@@ -83,6 +91,8 @@ class Daemon:
         self.wake = threading.Event()
         self.latest: dict[str, CheckRun] = {}
         self._last_severity: dict[tuple[str, str], Severity] = {}
+        # component -> the checks whose latest finding says the GPU is lost, first first (see _say)
+        self._lost: dict[str, dict[str, None]] = {}
         self._lock = threading.Lock()
         # per check, the thread that runs it (waits for it within its deadline) and records
         # what it found, kept between runs (see gpumon.runner.Worker)
@@ -100,7 +110,8 @@ class Daemon:
         self._content_changed = threading.Event()
         self._check_names: set[str] = set()
         self._node_said: tuple[str, str] | None = None
-        self._health_of: tuple[HealthView, Mapping[str, tuple[str, str]]] | None = None
+        self._health_of: tuple[HealthView, Mapping[str, tuple[str, str]],
+                               frozenset[tuple[str, str]]] | None = None
         self.health: Health | None = None
         self.snapshots: SnapshotHolder | None = None
         self.report: ReportWriter | None = None
@@ -196,21 +207,22 @@ class Daemon:
 
     def _snapshot(self) -> Snapshot:
         health: Mapping[str, tuple[str, str]] = {}
+        accepted: frozenset[tuple[str, str]] = frozenset()
         if self.health is not None:
             view = self.health.view()
             # the view is a new object only when the health state changed (most runs leave
             # it as it was): the same view, the same map, which the snapshot holder then
             # need not compare item by item
             if self._health_of is None or self._health_of[0] is not view:
-                self._health_of = (view, _health_map(view))
-            health = self._health_of[1]
+                self._health_of = (view, _health_map(view), _accepted(view))
+            health, accepted = self._health_of[1], self._health_of[2]
         runs = dict(self.latest)
         if self.health is not None:
             # a store that cannot write is a finding like any other (read-only or full state dir)
             store = self.health.store_finding()
             runs[store.check] = CheckRun(store.check, [store], time.time(), 0.0, "completed")
         return Snapshot(node=self.agent.node, profile=self.agent.profile.name, version=__version__,
-                        runs=runs, health=health,
+                        runs=runs, health=health, accepted=accepted,
                         remediation=self.remediation.snapshot() if self.remediation else None)
 
     # -- main loop -------------------------------------------------------------------
@@ -227,11 +239,14 @@ class Daemon:
                  len(agent.inventory.gpus), ", ".join(c.name for c in self._checks))
         sd_notify("READY=1\nSTATUS=running checks")
         start = time.monotonic()
-        last_watchdog = -math.inf
+        last_watchdog = last_sync = -math.inf
         while not self.stop.is_set():
             now = time.monotonic()
             if duration is not None and now - start >= duration:
                 break
+            if now - last_sync >= FOREIGN_S:
+                last_sync = now
+                self._foreign_events()
             if now - last_watchdog >= WATCHDOG_S:
                 sd_notify("WATCHDOG=1")
                 last_watchdog = now
@@ -337,13 +352,8 @@ class Daemon:
                     changed = True
                     self._last_severity[key] = f.severity
                     if before is not None or f.severity is not Severity.OK:
-                        # a check that does not apply here (no fabric probe yet, no IB) is no
-                        # problem: said once at INFO, its reason stays in the finding
-                        quiet = f.severity is Severity.SKIPPED and before in (None, Severity.OK)
-                        log.log(logging.INFO if quiet else logging.WARNING,
-                                "%s %s: %s -> %s: %s (action %s)", f.check, f.component,
-                                before.value if before else "new", f.severity.value, f.message,
-                                f.action.value)
+                        self._say(f, before)
+                self._lost_by(f)
             if self.health is not None:
                 # A 1 s check (ib) repeats itself every second: fold it only when what it
                 # says changed, or once a minute so the store's last_seen stays fresh.
@@ -379,6 +389,46 @@ class Daemon:
                     self._report_due()
             if changed:
                 self._report_due()
+
+    def _say(self, f: Finding, before: Severity | None) -> None:
+        """Log a change of a finding's severity: at WARNING, but a GPU's loss once (its first
+        finding that says the GPU is lost, gpumon.check.GPU_LOST); the other checks' findings of
+        the same loss at INFO, naming the check that reported it."""
+        level, note = logging.WARNING, ""
+        if f.severity is Severity.SKIPPED and before in (None, Severity.OK):
+            # a check that does not apply here (no fabric probe yet, no IB) is no problem: said
+            # once at INFO, its reason stays in the finding
+            level = logging.INFO
+        elif f.severity is Severity.FAIL and f.evidence.get(GPU_LOST) is True:
+            others = [c for c in self._lost.get(f.component, {}) if c != f.check]
+            if others:
+                level, note = logging.INFO, f"; the loss of {f.component} was reported by {others[0]}"
+        log.log(level, "%s %s: %s -> %s: %s (action %s%s)", f.check, f.component,
+                before.value if before else "new", f.severity.value, f.message, f.action.value, note)
+
+    def _lost_by(self, f: Finding) -> None:
+        """Keep, per component, the checks whose latest finding says the GPU is lost, in the order
+        they first said it."""
+        if f.severity is Severity.FAIL and f.evidence.get(GPU_LOST) is True:
+            self._lost.setdefault(f.component, {}).setdefault(f.check, None)
+        elif f.component in self._lost:
+            self._lost[f.component].pop(f.check, None)
+
+    def _foreign_events(self) -> None:
+        if self.health is None or not self.health.sync():
+            return
+        with self._lock:
+            if self.remediation is not None:
+                view = self.health.view()
+                node_said = (view.node.level.value, view.node.action.value)
+                if node_said != self._node_said:
+                    self._node_said = node_said
+                    self.remediation.wake.set()
+            if self.snapshots is not None:
+                self.snapshots.set(self._snapshot())
+                self._render_now.set()
+                self._content_changed.set()
+            self._report_due()
 
     def _latest_runs(self) -> list[CheckRun]:
         with self._lock:

@@ -380,3 +380,77 @@ print("ready", flush=True)
 import time
 time.sleep(60)
 """
+
+
+# -- issue 18, point 8: after set-healthy, gpumon status and /metrics say the same ----------------
+
+
+def _metric(text: str, name: str, **labels: str) -> dict[str, float]:
+    """``name``'s samples whose labels include ``labels``: the rest of their labels -> value."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        body, value = line[len(name) + 1:].rsplit("} ", 1)
+        have = dict(part.split("=", 1) for part in body.split(","))
+        have = {k: v.strip('"') for k, v in have.items()}
+        if all(have.get(k) == v for k, v in labels.items()):
+            out[",".join(f"{k}={v}" for k, v in sorted(have.items()) if k not in labels)] = float(value)
+    return out
+
+
+def _gpu1_in_metrics(text: str) -> tuple[str, int | None, bool]:
+    """gpu/1 as /metrics shows it: its health state, throttle's severity there, whether accepted."""
+    states = [k.removeprefix("state=") for k, v in _metric(text, "gpumon_health_state",
+                                                           component="gpu/1").items() if v == 1]
+    state = states[0] if len(states) == 1 else ""
+    severity = _metric(text, "gpumon_finding_severity", check="throttle", component="gpu/1")
+    accepted = _metric(text, "gpumon_finding_accepted", check="throttle", component="gpu/1")
+    return state, int(severity[""]) if severity else None, accepted.get("") == 1
+
+
+def test_after_set_healthy_status_and_metrics_agree_until_the_fault_is_raised_again(tmp_path: Path) -> None:
+    """GPU 1 throttled for the whole run; set-healthy gpu/1 while throttle says "current reading; no
+    window history yet"; throttle (every second) repeats that word for word until it has 6 s of
+    history, then says a share: the fault is raised again. At every read in between, status and
+    /metrics tell the same story (before: status said healthy and nothing more while /metrics said
+    throttle fails on gpu/1)."""
+    scenario = _scenario(tmp_path, "throttled",
+                         "  - {at_s: 0, kind: throttle, gpu: 1, reasons: [hw_slowdown]}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("checks:\n  throttle:\n    interval_s: 1\n    min_history_s: 6\n")
+    simdir, port = tmp_path / "sim", _free_port()
+    state = simdir / "state"
+    with _daemon(scenario, simdir, "--listen", f"127.0.0.1:{port}", config=config):
+        assert _wait(lambda: _gpu1_in_metrics(_scrape(port))[0] == "unhealthy", 30)
+        override = subprocess.run([sys.executable, "-m", "gpumon", "set-healthy", "gpu/1", "--reason",
+                                   "fan replaced", "--simulate", str(scenario), "--sim-dir", str(simdir)],
+                                  capture_output=True, text=True, env=clean_env(), timeout=60)
+        assert override.returncode == 0, override.stderr
+        assert "raised again" in override.stdout, override.stdout
+        # the daemon folds it within a second (FOREIGN_S), whatever runs
+        assert _wait(lambda: _gpu1_in_metrics(_scrape(port))[0] == "healthy", 5)
+        phases: list[tuple[str, int | None, bool]] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            before = _gpu1_in_metrics(_scrape(port))
+            doc = json.loads(_status(state).stdout)
+            after = _gpu1_in_metrics(_scrape(port))
+            if before != after:
+                continue  # the state changed while we read: no moment to compare
+            comp = doc["components"]["gpu/1"]
+            raised = [f for f in comp["why"] if f["check"] == "throttle"]
+            accepted = [a for a in comp.get("accepted", []) if a["check"] == "throttle"]
+            state_m, severity_m, accepted_m = before
+            assert comp["state"] == state_m, (comp, before)
+            assert bool(accepted) == accepted_m, (comp, before)
+            if severity_m == 4:  # /metrics says throttle fails on gpu/1: so does status, raised or accepted
+                assert raised or accepted, (comp, before)
+                shown = (raised or accepted)[0]
+                assert shown["severity"] == "fail", (comp, before)
+            phases.append(before)
+            if state_m == "unhealthy":
+                break
+        # both phases were seen: accepted (healthy, throttle still failing), then raised again
+        assert ("healthy", 4, True) in phases, phases
+        assert phases[-1] == ("unhealthy", 4, False), phases

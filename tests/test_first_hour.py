@@ -6,7 +6,10 @@ CLI in a subprocess on simulated nodes.
 - ``--simulate`` keeps the node per user and per scenario (``$XDG_STATE_HOME/gpumon/sim/S``, here under
   the test's own tmp directory): the demo daemon, then ``status``, then ``run-bootstrap`` all find it,
   and every file a command names exists after it;
-- piped output (COLUMNS=80, as in a pager or a log) never breaks a word, one record per line;
+- piped output (COLUMNS=80, as in a pager or a log) never breaks a word, one record per line, and is
+  not padded to the widest record (issue 18: 1,677 characters a line);
+- on a terminal of 100 or 80 columns no word is cut or folded (issue 18: ``ROBUST_CHANNEL_GPU_HAS_F…``);
+- one lost GPU is one WARNING line in the daemon's log, however many checks see it (issue 18: 7 lines);
 - the exit code does not depend on where stdout goes (a reader that left: ``| head``);
 - ``list-checks`` shows no interval for checks the daemon does not schedule.
 """
@@ -14,6 +17,8 @@ CLI in a subprocess on simulated nodes.
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
 import subprocess
 import sys
@@ -133,16 +138,131 @@ def test_list_checks_piped_at_80_columns_keeps_every_description_whole() -> None
         assert cls.description in row, (name, row)  # one record per line, no word folded
 
 
+def _row(lines: list[str], name: str) -> str:
+    [row] = [ln for ln in lines if re.match(rf"{re.escape(name)}\s", ln)]
+    return row
+
+
 def test_status_piped_at_80_columns_keeps_every_word_whole(bad_node: Path) -> None:
     doc = json.loads(run_gpumon("status", "--state-dir", str(bad_node), "--json").stdout)
     proc = run_gpumon("status", "--state-dir", str(bad_node), env=clean_env(COLUMNS="80"))
     assert proc.returncode == 2, proc.stderr
     bad = {n: c for n, c in doc["components"].items() if c["state"] != "healthy"}
     assert {"gpu/1", "gpu/3"} <= set(bad), bad
+    lines = proc.stdout.splitlines()
     for name, comp in bad.items():
-        [row] = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"│ {name} ")]
+        row = _row(lines, name)  # one record per line
         for why in comp["why"]:
             assert f"{why['check']}: {why['message']}" in row, (why, row)
+
+
+def test_status_piped_pads_no_line(bad_node: Path) -> None:
+    proc = run_gpumon("status", "--state-dir", str(bad_node))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert all(ln == ln.rstrip() for ln in lines), [ln for ln in lines if ln != ln.rstrip()]
+    # each record is as long as what it says, not as the widest one (gpu/3 has seven reasons)
+    header = next(ln for ln in lines if ln.startswith("component"))
+    assert header.split() == ["component", "state", "action", "since", "why"] and len(header) < 100
+    gpu1, gpu3 = _row(lines, "gpu/1"), _row(lines, "gpu/3")
+    assert len(gpu1) < len(gpu3) - 100, (gpu1, gpu3)
+    assert gpu1.endswith("(current reading; no window history yet)"), gpu1
+    check = run_gpumon("check", "--simulate", str(bad_node.parent.parent / "bad.yaml"))
+    assert check.returncode == 2, check.stderr
+    lines = check.stdout.splitlines()
+    assert all(ln == ln.rstrip() for ln in lines)
+    header = next(ln for ln in lines if ln.startswith("check"))
+    assert header.split() == ["check", "component", "severity", "action", "message"] and len(header) < 80
+
+
+# ------------------------------------------------------------- on a terminal: no word cut or folded
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _on_terminal(*args: str, columns: int) -> tuple[int, str]:
+    """The command's exit code and what it showed on a terminal (a pty) of ``columns`` columns."""
+    master, slave = pty.openpty()
+    with subprocess.Popen([sys.executable, "-m", "gpumon", *args], stdout=slave, stderr=subprocess.DEVNULL,
+                          env=clean_env(COLUMNS=str(columns), LINES="50", TERM="xterm-256color")) as proc:
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the command closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        os.close(master)
+        code = proc.wait(timeout=120)
+    return code, _ANSI.sub("", b"".join(chunks).decode()).replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("columns", [100, 80])
+def test_status_on_a_terminal_cuts_no_word_that_names_the_fault(bad_node: Path, columns: int) -> None:
+    doc = json.loads(run_gpumon("status", "--state-dir", str(bad_node), "--json").stdout)
+    code, shown = _on_terminal("status", "--state-dir", str(bad_node), columns=columns)
+    assert code == 2, shown
+    assert "…" not in shown, shown
+    assert all(len(ln) <= columns for ln in shown.splitlines()), shown
+    # a message may wrap, at its spaces only: every word of it is on the screen whole
+    words = set(shown.split())
+    assert "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS" in words, shown
+    for name, comp in doc["components"].items():
+        if comp["state"] == "healthy":
+            continue
+        assert name in words and comp["action"] in words, (name, shown)
+        for why in comp["why"]:
+            assert set(why["message"].split()) <= words, (why["message"], shown)
+
+
+@pytest.mark.parametrize("columns", [100, 80])
+def test_check_on_a_terminal_cuts_no_word_that_names_the_fault(bad_node: Path, columns: int) -> None:
+    scenario = str(bad_node.parent.parent / "bad.yaml")
+    doc = json.loads(run_gpumon("check", "--simulate", scenario, "--json").stdout)
+    code, shown = _on_terminal("check", "--simulate", scenario, columns=columns)
+    assert code == 2, shown
+    assert "…" not in shown and all(len(ln) <= columns for ln in shown.splitlines()), shown
+    words = set(shown.split())
+    assert "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS" in words, shown
+    for f in doc["findings"]:
+        assert {f["check"], f["component"]} <= words, (f, shown)
+        assert set(f["message"].split()) <= words, (f["message"], shown)
+
+
+# ------------------------------------------------------------- one lost GPU, one WARNING line
+
+def test_one_lost_gpu_is_one_warning_line_in_the_daemons_log(tmp_path: Path) -> None:
+    """faulty-8xh100's GPU 3 falling off the bus (Xid 79, then NVML answers GPU_IS_LOST), at 2 s instead
+    of 30 s and with every NVML check run each second, so that each of them sees the loss in seconds."""
+    scenario = tmp_path / "lost.yaml"
+    scenario.write_text("name: lost\nsku: h100-sxm\ngpus: 8\nfaults:\n"
+                        "  - {at_s: 0, kind: throttle, gpu: 1, reasons: [hw_slowdown]}\n"
+                        "  - {at_s: 2, kind: xid, gpu: 3, code: 79}\n")
+    config = tmp_path / "fast.yaml"
+    config.write_text("checks:\n" + "".join(f"  {name}:\n    interval_s: 1\n" for name in (
+        "gpu_presence", "memory", "nvlink", "nvswitch", "thermal", "throttle", "xid")))
+    proc = run_gpumon("--config", str(config), "daemon", "--simulate", str(scenario), "--sim-dir",
+                      str(tmp_path / "sim"), "--duration", "7", "--listen", "127.0.0.1:0", timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if " gpu/3: " in ln]
+    warnings = [ln for ln in lines if " gpumon WARNING " in ln]
+    assert len(warnings) == 1, "\n".join(lines)
+    assert "-> fail:" in warnings[0] and ("Xid 79" in warnings[0] or "lost" in warnings[0]), warnings
+    first = warnings[0].split(" gpumon WARNING ")[1].split()[0]
+    # the other checks that saw the loss say so at INFO, naming the check that reported it
+    infos = [ln for ln in lines if " gpumon INFO " in ln]
+    seen = {ln.split(" gpumon INFO ")[1].split()[0] for ln in infos}
+    assert len(seen) >= 4, "\n".join(lines)
+    assert all(f"the loss of gpu/3 was reported by {first}" in ln for ln in infos), infos
+    # GPU 1's throttling is another fault: its own WARNING line
+    assert any(" gpumon WARNING throttle gpu/1: " in ln for ln in proc.stderr.splitlines()), proc.stderr
+    # still one finding per check in the health state, as before
+    doc = json.loads(run_gpumon("status", "--state-dir", str(tmp_path / "sim" / "state"), "--json").stdout)
+    gpu3 = doc["components"]["gpu/3"]
+    assert {w["check"] for w in gpu3["why"]} >= {first, *seen}, gpu3
 
 
 # ------------------------------------------------------------- 5: the exit code is the command's, piped

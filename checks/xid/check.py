@@ -55,7 +55,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from gpumon.bootstate import enter_boot, restore
-from gpumon.check import Check, CheckContext
+from gpumon.check import GPU_LOST, Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.kernellog import SavedKernelLog
@@ -426,6 +426,8 @@ class XidCheck(Check):
             evidence["reported_via_xid"] = g.via
         evidence.update(extra)
         evidence.update({k: v for k, v in ident.items()})
+        if code == 79 and g.component.startswith("gpu/"):
+            evidence[GPU_LOST] = True  # the loss the NVML checks then report too: logged once
         # counted per boot: the series restarts at 0 after a reboot, as a counter may
         evidence["readings"] = [reading("xid_events_total", g.count, code=code)]
         times = "" if g.count == 1 else f" ({g.count} events)"

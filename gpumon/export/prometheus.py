@@ -17,6 +17,9 @@ what it means, its unit and where the number comes from):
   every other state (a component's other states are not sent: they would be most of
   the exposition)
 - ``recommended_action{component,action}``: likewise for the recommended action
+- ``finding_accepted{check,component}`` 1 while the check repeats a finding that an operator's
+  ``gpumon set-healthy`` (or a passing retest) accepted: ``finding_severity`` still says what
+  the check found, the health series leave it out (as ``gpumon status`` does)
 - ``remediation_*`` when remediation is configured
 - readings that checks publish in a finding's ``evidence["readings"]`` as
   ``[name, value, {labels}]``: ``gpumon_<name>{check,component,labels...}``, with the HELP
@@ -85,6 +88,12 @@ FAMILIES: Mapping[str, str] = {
         f"What should be done about each component: 1 for the current action (label action: "
         f"{_ACTIONS}; the worst open fault's wins); only component=\"node\" also gets 0 for the "
         "others. Source: gpumon's health store, from the checks' findings and NVIDIA's Xid catalog.",
+    "gpumon_finding_accepted":
+        "1 while a check repeats, word for word, a finding on a component that an operator's gpumon "
+        "set-healthy (or a passing retest) accepted (labels check, component): gpumon_finding_severity "
+        "still says what the check found, and gpumon_health_state leaves it out, as gpumon status "
+        "does (listed there as accepted). The fault is raised again, and this series goes, as soon "
+        "as the check says anything else about it. Source: gpumon's health store.",
     "gpumon_remediation_info":
         "Always 1: the remediation backend (label backend: kubernetes, slurm) and mode (label mode: "
         "observe = only report, enforce = act) of the daemon's remediation loop. Source: gpumon "
@@ -116,6 +125,9 @@ class Snapshot:
     health: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     # gpumon.remediate.runner.RemediationLoop.snapshot(), when remediation is configured
     remediation: Mapping[str, Any] | None = None
+    # (check, component) of each finding the health state accepted (set-healthy, a passing
+    # retest) that the check still repeats
+    accepted: frozenset[tuple[str, str]] = frozenset()
 
 
 class GpumonCollector(Collector):
@@ -161,11 +173,16 @@ class GpumonCollector(Collector):
                 self._readings(f.check, f.component, f.evidence.get("readings"), readings)
             for comp in sorted(worst):
                 severity.add_metric([name, comp], SEVERITY_VALUE[worst[comp]])
+        accepted = _gauge("gpumon_finding_accepted", ["check", "component"])
+        for check, comp in sorted(snap.accepted):
+            accepted.add_metric([check, comp], 1.0)
         if fast:
             yield from (last, duration, outcome)
             yield from self._remediation(snap)
         if content:
             yield severity
+            if snap.accepted:  # none on most nodes: no family at all
+                yield accepted
             yield from self._health(snap)
             yield from self._reading_families(readings)
 
@@ -284,7 +301,7 @@ def _signature(snap: Snapshot, known: _Parts | None = None) -> tuple[tuple[Any, 
     parts[None] = (seen if seen is not None and seen[0] is snap.health
                    else (snap.health, tuple(sorted(snap.health.items()))))
     runs = tuple((name, parts[name][1]) for name in sorted(snap.runs))
-    return (snap.node, snap.profile, snap.version, runs, parts[None][1]), parts
+    return (snap.node, snap.profile, snap.version, runs, parts[None][1], tuple(sorted(snap.accepted))), parts
 
 
 class SnapshotHolder:

@@ -5,6 +5,7 @@ SQLite and ``Health`` ties the two together for the daemon and the CLI.
 """
 
 from gpumon.health.state import (
+    Accepted,
     ComponentHealth,
     Event,
     EventKind,
@@ -23,6 +24,7 @@ from gpumon.health.store import DB_NAME, EventStore, Health, StoreError, load_vi
 
 __all__ = [
     "DB_NAME",
+    "Accepted",
     "ComponentHealth",
     "Event",
     "EventKind",

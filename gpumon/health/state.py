@@ -281,16 +281,37 @@ class Quarantine:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """A finding a check is still repeating that an operator's ``set_healthy`` (or a passing
+    retest) accepted: no fault while the check repeats it word for word; raised again as soon as
+    the check says anything else about it (another severity, action or message)."""
+
+    check: str
+    component: str
+    key: str
+    severity: Severity
+    action: Action
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"check": self.check, "component": self.component, "key": self.key,
+                "severity": self.severity.value, "action": self.action.value, "message": self.message}
+
+
+@dataclass(frozen=True)
 class ComponentHealth:
     component: str
     level: Level
     action: Action
     since: float  # when level or action last changed
     why: tuple[Fault, ...]  # open faults, worst first
+    # findings still reported but accepted (set_healthy, a passing retest): not faults
+    accepted: tuple[Accepted, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"component": self.component, "state": self.level.value, "action": self.action.value,
-                "since": self.since, "why": [f.to_json() for f in self.why]}
+                "since": self.since, "why": [f.to_json() for f in self.why],
+                "accepted": [a.to_json() for a in self.accepted]}
 
 
 @dataclass(frozen=True)
@@ -800,7 +821,9 @@ class HealthState:
         why = tuple(sorted((f for f in self._faults.values() if f.component == name), key=_fault_order))
         mark = self._marks.get(name)
         level, action = _level(why)
-        return ComponentHealth(name, level, action, mark.since if mark else 0.0, why)
+        accepted = tuple(Accepted(fid[0], fid[1], fid[2], _severity(sig[0]), _action(sig[1]), sig[2])
+                         for fid, sig in sorted(self._acked.items()) if fid[1] == name)
+        return ComponentHealth(name, level, action, mark.since if mark else 0.0, why, accepted)
 
     def components(self) -> dict[str, ComponentHealth]:
         return {name: self.component(name) for name in sorted(self._marks)}

@@ -858,6 +858,17 @@ class Health:
             self._publish()
             return events
 
+    def sync(self) -> bool:
+        """Fold what another process (``gpumon set-healthy``) stored since we last looked; True
+        when there was something (the view is then new)."""
+        with self._lock:
+            before = (self._loaded, self._last_id)
+            self._sync()
+            if (self._loaded, self._last_id) == before:
+                return False
+            self._publish()
+            return True
+
     def tick(self) -> None:
         """Housekeeping, cheap to call every loop: retry a failed store, write ``last_seen``
         refreshes, compact once per ``compact_interval_s``."""
