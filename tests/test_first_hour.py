@@ -229,7 +229,9 @@ def test_check_on_a_terminal_cuts_no_word_that_names_the_fault(bad_node: Path, c
     assert "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS" in words, shown
     for f in doc["findings"]:
         assert {f["check"], f["component"]} <= words, (f, shown)
-        assert set(f["message"].split()) <= words, (f["message"], shown)
+        # each `check --simulate` replays on a temporary node of its own: its paths differ per run
+        said = {w for w in f["message"].split() if "/gpumon-sim-" not in w}
+        assert said <= words, (f["message"], shown)
 
 
 # ------------------------------------------------------------- one lost GPU, one WARNING line
