@@ -53,6 +53,34 @@ _STATE_HOME = tempfile.mkdtemp(prefix="gpumon-tests-state-")
 atexit.register(shutil.rmtree, _STATE_HOME, True)
 
 
+def need_tool(name: str, package: str) -> str:
+    """The path of a tool a test drives; missing: a skip on a developer machine, a failure under CI
+    (where .ci/run must have installed its Debian package)."""
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} missing: .ci/run must install the Debian package {package}")
+        pytest.skip(f"{name} not installed (Debian package {package})")
+    return path
+
+
+def tls_web_config(where: Path, user: str, password: str) -> tuple[Path, Path]:
+    """A throw-away certificate for 127.0.0.1/localhost and an exporter web config with TLS and one
+    basic-auth user (bcrypt): (web config, certificate)."""
+    import bcrypt
+
+    key, crt = where / "tls.key", where / "tls.crt"
+    subprocess.run([need_tool("openssl", "openssl"), "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                    "-keyout", str(key), "-out", str(crt), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
+    web = where / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {crt}\n  key_file: {key}\n"
+                   f"basic_auth_users:\n  {user}: '{hashed}'\n")
+    return web, crt
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("LD_LIBRARY_PATH", nvml_inject.STATE_ENV, "NOTIFY_SOCKET")}

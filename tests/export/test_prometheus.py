@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import tls_web_config
 from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
 from gpumon.export.webserver import WebConfig, load_web_config, serve_metrics
 from gpumon.model import Action, CheckRun, Finding, Severity, reading
@@ -110,17 +111,7 @@ def _get(url: str, headers: dict[str, str] | None = None, context: ssl.SSLContex
 
 
 def test_basic_auth_and_tls_from_a_web_config(tmp_path: Path) -> None:
-    import bcrypt
-
-    key, crt = tmp_path / "tls.key", tmp_path / "tls.crt"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                    "-out", str(crt), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
-    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
-    web = tmp_path / "web.yml"
-    web.write_text(f"tls_server_config:\n  cert_file: {crt}\n  key_file: {key}\n"
-                   f"basic_auth_users:\n  prom: '{hashed}'\n")
+    web, crt = tls_web_config(tmp_path, "prom", "s3cret")
     config = load_web_config(web)
     server, _ = serve_metrics(make_registry(SnapshotHolder(_snapshot())), "127.0.0.1", 0, config)
     try:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import socket
 import ssl
 import subprocess
@@ -28,22 +26,13 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import clean_env
+from conftest import clean_env, need_tool, tls_web_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "config" / "prometheus" / "gpumon-scrape.yaml"
 EXAMPLE_TARGETS = ROOT / "config" / "prometheus" / "gpumon-targets.example.yaml"
 RULES = ROOT / "config" / "prometheus" / "gpumon-rules.yaml"
 TLS_BEGIN, TLS_END = "# --- TLS and basic auth", "# --- end TLS and basic auth"
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} missing: .ci/run must install the Debian package prometheus")
-        pytest.skip(f"{name} not installed (Debian package prometheus)")
-    return path
 
 
 def _free_port() -> int:
@@ -120,7 +109,8 @@ def running(*commands: tuple[list[str], dict[str, str] | None]) -> Iterator[None
 
 
 def _prometheus_cmd(config: Path, tmp_path: Path, port: int) -> list[str]:
-    return [_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+    return [need_tool("prometheus", "prometheus"), f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{port}"]
 
 
@@ -130,8 +120,8 @@ def _daemon_cmd(scenario: Path, port: int, *extra: str) -> list[str]:
 
 
 def test_promtool_check_config_passes_on_the_shipped_file_as_is(tmp_path: Path) -> None:
-    proc = subprocess.run([_tool("promtool"), "check", "config", str(SHIPPED)], capture_output=True,
-                          text=True, timeout=60, cwd=tmp_path)
+    proc = subprocess.run([need_tool("promtool", "prometheus"), "check", "config", str(SHIPPED)],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert f"SUCCESS: {SHIPPED} is valid prometheus config file syntax" in out, out
@@ -148,8 +138,8 @@ def test_the_example_targets_file_is_discovered_with_instance_the_host(tmp_path:
     config.write_text(SHIPPED.read_text()
                       .replace("/etc/prometheus/gpumon-targets/*.yaml", str(EXAMPLE_TARGETS))
                       .replace("  - gpumon-rules.yaml", f"  - {RULES}"))
-    proc = subprocess.run([_tool("promtool"), "check", "service-discovery", "--timeout=1s", str(config),
-                           "gpumon"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([need_tool("promtool", "prometheus"), "check", "service-discovery", "--timeout=1s",
+                           str(config), "gpumon"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = {(t["labels"]["__address__"], t["labels"]["instance"], t["labels"]["job"], t["labels"]["cluster"])
              for t in json.loads(proc.stdout)}
@@ -203,17 +193,7 @@ def test_prometheus_sees_the_fault_arrive(tmp_path: Path) -> None:
 def test_the_shipped_tls_and_basic_auth_block_scrapes_a_tls_exporter(tmp_path: Path) -> None:
     """Uncommented as its comment says, the block scrapes a node serving /metrics over TLS with basic
     auth (exporter.web_config_file), which refuses a scrape without the password."""
-    import bcrypt
-
-    key, crt = tmp_path / "tls.key", tmp_path / "tls.crt"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                    "-out", str(crt), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
-    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
-    web = tmp_path / "web.yml"
-    web.write_text(f"tls_server_config:\n  cert_file: {crt}\n  key_file: {key}\n"
-                   f"basic_auth_users:\n  prometheus: '{hashed}'\n")
+    web, crt = tls_web_config(tmp_path, "prometheus", "s3cret")
     gpumon_config = tmp_path / "gpumon.yaml"
     gpumon_config.write_text(f"exporter:\n  web_config_file: {web}\n")
     password = tmp_path / "password"
