@@ -127,12 +127,19 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
         # ... and ends once the IB port is back and its outage is stored (the ok finding after it)
         while time.monotonic() < deadline:
             _, doc = _get(made, "n-ib", "/api/v1/events?limit=10000")
-            if any(e["check"] == "ib" and e["component"] == "ib/mlx5_2/1" and e["evidence"].get("recent_outages")
-                   for e in doc["events"]):
+            if any(e["check"] == "ib" and e["component"] == "ib/mlx5_2/1"
+                   and e["evidence"].get("recent_outages") for e in doc["events"]):
                 break
             time.sleep(0.3)
         else:
             pytest.fail("the IB outage never reached n-ib's history")
+        while time.monotonic() < deadline:  # and the Xid 79 n-xid's (at 3 s: long since, unless slow)
+            _, doc = _get(made, "n-xid", "/api/v1/findings")
+            if any(f["check"] == "xid" for f in doc["health"]["faults"]):
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail("the Xid 79 never reached n-xid's health state")
         yield made
     finally:
         for p in procs:
@@ -181,10 +188,11 @@ def test_api_findings_are_the_current_faults(nodes: Nodes) -> None:
     code, doc = _get(nodes, "n-xid", "/api/v1/findings")
     assert code == 200
     assert doc["node"]["node"] == "n-xid"
-    assert doc["health"]["state"] == "unhealthy"
+    assert doc["health"]["state"] == "unhealthy", doc
     faults = {(f["check"], f["component"]) for f in doc["health"]["faults"]}
     assert ("xid", "gpu/3") in faults, faults
-    assert any(f["check"] == "xid" and f["evidence"].get("code") == 79 for f in doc["findings"])
+    assert any(f["check"] == "xid" and f["evidence"].get("code") == 79
+               for f in doc["findings"]), doc["findings"]
 
 
 @pytest.mark.parametrize(("query", "parameter", "words"), [
@@ -198,7 +206,8 @@ def test_api_findings_are_the_current_faults(nodes: Nodes) -> None:
     ("check=xid", "check", "unknown parameter"),
     ("limit=5&limit=6", "limit", "given 2 times"),
 ])
-def test_api_bad_parameters_are_400_with_the_reason(nodes: Nodes, query: str, parameter: str, words: str) -> None:
+def test_api_bad_parameters_are_400_with_the_reason(nodes: Nodes, query: str, parameter: str,
+                                                    words: str) -> None:
     code, doc = _get(nodes, "n-ok", "/api/v1/events?" + query)
     assert code == 400, doc
     assert doc["parameter"] == parameter and words in doc["error"], doc
@@ -222,7 +231,8 @@ def test_api_limit_truncates_and_rfc3339_is_read(nodes: Nodes) -> None:
 def _why(nodes: Nodes, *names: str, extra: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
     proc = run_gpumon("why", "--nodes", ",".join(names), "--start", repr(nodes.job_start),
                       "--end", repr(time.time()), *nodes.node_urls(*[n for n in names if n in nodes.ports]),
-                      "--cacert", str(nodes.cert), "--user", USER, "--password-file", str(nodes.password_file),
+                      "--cacert", str(nodes.cert), "--user", USER,
+                      "--password-file", str(nodes.password_file),
                       "--timeout", "5", "--json", *extra, timeout=60)
     assert proc.stdout, proc.stderr
     return proc.returncode, json.loads(proc.stdout)
@@ -236,18 +246,21 @@ def test_why_names_the_ib_port_and_the_gpu_and_lists_the_dead_node(nodes: Nodes)
     assert doc["watchdog_timeout_s"] == 5.0
     assert doc["nccl"]["NCCL_IB_TIMEOUT"] == 14 and doc["nccl"]["NCCL_IB_RETRY_CNT"] == 7
     assert doc["nccl"]["retry_window_s"] == pytest.approx(4.096e-6 * 2 ** 14 * 7, abs=1e-3)
-    assert doc["log"]["stuck_collective"]["op"] == "ALLREDUCE" and doc["log"]["stuck_collective"]["seq"] == 1580
+    stuck = doc["log"]["stuck_collective"]
+    assert stuck["op"] == "ALLREDUCE" and stuck["seq"] == 1580
     suspects = {(s["node"], s["component"], s["what"]) for s in doc["suspects"]}
     assert ("n-ib", "ib/mlx5_2/1", "ib_outage") in suspects, doc["suspects"]
     # (the NVML checks' GPU_IS_LOST findings follow at their own intervals: not waited for here)
-    xid = next(s for s in doc["suspects"] if (s["node"], s["component"], s["what"]) == ("n-xid", "gpu/3", "xid"))
+    xid = next(s for s in doc["suspects"]
+               if (s["node"], s["component"], s["what"]) == ("n-xid", "gpu/3", "xid"))
     assert xid["tier"] == 1 and xid["evidence"] == {"code": 79, "action": "reboot_node"}, xid
     assert not [s for s in doc["suspects"] if s["node"] == "n-ok"], doc["suspects"]
     ib = next(s for s in doc["suspects"] if s["what"] == "ib_outage")
     assert ib["tier"] == 1 and "longer than NCCL's IB retry window" in ib["why"]
     assert ib["relative_s"] < 0 and ib["time"] == pytest.approx(ib["evidence"]["start"])
     # the log's "Connection closed by remote peer n-xid" backs the suspect on n-xid
-    assert any("Connection closed by remote peer n-xid" in s["why"] for s in doc["suspects"] if s["node"] == "n-xid")
+    assert any("Connection closed by remote peer n-xid" in s["why"]
+               for s in doc["suspects"] if s["node"] == "n-xid")
     assert doc["unreachable"] == ["n-down"]
     down = next(n for n in doc["nodes"] if n["node"] == "n-down")
     assert down["reachable"] is False and "cannot connect" in down["error"]
