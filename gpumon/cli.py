@@ -32,6 +32,7 @@ from gpumon.sim.render import default_root
 from gpumon.sim.scenario import Scenario, builtin_scenarios, load_scenario
 from gpumon.sim.simulation import Simulation
 from gpumon.usage import EXIT_USAGE, UsageParser
+from gpumon.why import cli as why_cli
 
 EXIT_OK = 0
 EXIT_WARN = 1
@@ -104,6 +105,7 @@ def build_parser() -> UsageParser:
 
     canary_cli.add_parser(sub, [common])
     fabric_cli.add_parser(sub, [common])
+    why_cli.add_parser(sub, [common])
 
     p = sub.add_parser("status", parents=[common], help="health state: why, since when, history")
     p.add_argument("--state-dir", type=Path, metavar="DIR", help="default: state_dir of the config")
@@ -219,6 +221,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s gpumon %(levelname)s %(message)s")
     try:
+        if args.command == "why":
+            # reads other nodes' history: no machine, no checks, no node config needed here
+            return why_cli.main(args)
         scenario = load_scenario(args.simulate) if args.simulate else None
         checks = load_checks()
         config = load_config(args.config, checks, overrides=_overrides(args))

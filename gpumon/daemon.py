@@ -31,6 +31,7 @@ from gpumon.check import GPU_LOST, Check, KernelLog
 from gpumon.config import split_listen
 from gpumon.daemon_report import ReportWriter
 from gpumon.errors import StartupError
+from gpumon.export.api import HistoryApi, identity_of
 from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder
 from gpumon.export.webserver import load_web_config, serve_metrics
 from gpumon.health import Health, HealthView
@@ -176,12 +177,24 @@ class Daemon:
         try:
             holder = self.snapshots or SnapshotHolder(self._snapshot())
             self._exposition = CachedExposition(holder)
-            self._server, _ = serve_metrics(self._exposition, host, port, web)
+            self._server, _ = serve_metrics(self._exposition, host, port, web, api=self._history_api(holder))
             threading.Thread(target=self._prerender, name="gpumon-render", daemon=True).start()
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on {settings.listen}: {exc.strerror or exc}") from None
         log.info("metrics on http%s://%s:%d/metrics", "s" if web and web.tls_server_config else "",
                  host, self._server.server_port)
+
+    def _history_api(self, holder: SnapshotHolder) -> HistoryApi:
+        """The query API (gpumon.export.api): health.db read-only per request, the current state
+        and the latest runs' findings from what the exporter already holds (no hardware call)."""
+        agent = self.agent
+        identity = identity_of(agent.node, agent.hw.fs.boot_id(), agent.hw.fs.boot_time(), time.time())
+
+        def findings() -> list[dict[str, Any]]:
+            return [f.to_json() for run in holder.get().runs.values() for f in run.findings]
+
+        return HistoryApi(agent.state_dir, identity,
+                          lambda: self.health.view() if self.health is not None else None, findings)
 
     def _prerender(self) -> None:
         # Scrapes must stay fast even right after the node's state changed: render the new

@@ -157,6 +157,7 @@ _LANDING = b"""<!DOCTYPE html>
 <body>
 <h1>gpumon exporter</h1>
 <p>GPU node health checks. <a href="metrics">Metrics</a></p>
+%API%
 </body>
 </html>
 """
@@ -169,7 +170,8 @@ def _answer(start_response: Callable[..., Any], status: str, content_type: str, 
 
 
 class Routes:
-    """WSGI app: ``/metrics`` is ``metrics``, ``/`` a landing page, anything else 404.
+    """WSGI app: ``/metrics`` is ``metrics``, ``/`` a landing page, ``/api/...`` the query API
+    (``api``, gpumon.export.api) when the daemon serves one, anything else 404.
 
     Serving the exposition on every path hid typos in scrape configs (a job
     scraping ``/metric`` got data) and left nothing to show a browser. The
@@ -177,15 +179,22 @@ class Routes:
     reverse proxy that serves the exporter under a path prefix.
     """
 
-    def __init__(self, metrics: Callable[..., Iterable[bytes]]) -> None:
+    def __init__(self, metrics: Callable[..., Iterable[bytes]],
+                 api: Callable[..., Iterable[bytes]] | None = None) -> None:
         self.metrics = metrics
+        self.api = api
+        self.landing = _LANDING.replace(b"%API%\n", b"" if api is None else (
+            b'<p>Query API (JSON): <a href="api/v1/findings">api/v1/findings</a>, '
+            b'<a href="api/v1/events">api/v1/events</a></p>\n'))
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             return self.metrics(environ, start_response)
+        if self.api is not None and path.startswith("/api/"):
+            return self.api(environ, start_response)
         if path == "/":
-            return _answer(start_response, "200 OK", "text/html; charset=utf-8", _LANDING)
+            return _answer(start_response, "200 OK", "text/html; charset=utf-8", self.landing)
         return _answer(start_response, "404 Not Found", "text/plain; charset=utf-8", b"404 page not found\n")
 
 
@@ -279,16 +288,18 @@ def _tls_context(tls: TlsServerConfig) -> ssl.SSLContext:
 
 
 def serve_metrics(registry: CollectorRegistry | Callable[..., Iterable[bytes]], address: str, port: int,
-                  web: WebConfig | None = None, *,
-                  timeout_s: float = CONNECTION_TIMEOUT_S) -> tuple[MetricsServer, threading.Thread]:
+                  web: WebConfig | None = None, *, timeout_s: float = CONNECTION_TIMEOUT_S,
+                  api: Callable[..., Iterable[bytes]] | None = None
+                  ) -> tuple[MetricsServer, threading.Thread]:
     """Start serving /metrics on a daemon thread; returns the server (``shutdown()`` stops it).
 
     ``registry`` is a registry (rendered per scrape) or a WSGI app such as
     ``CachedExposition``. ``timeout_s`` bounds each socket operation of a
-    connection, the TLS handshake included.
+    connection, the TLS handshake included. ``api``: the query API's WSGI app
+    (``/api/...``), behind the same TLS and basic auth as /metrics.
     """
     app: Callable[..., Iterable[bytes]] = Routes(
-        make_wsgi_app(registry) if isinstance(registry, CollectorRegistry) else registry)
+        make_wsgi_app(registry) if isinstance(registry, CollectorRegistry) else registry, api)
     web = web or WebConfig()
     if web.basic_auth_users:
         app = BasicAuth(app, web.basic_auth_users)

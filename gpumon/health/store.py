@@ -432,6 +432,39 @@ class EventStore:
             self._reset()
             raise self._error(exc) from exc
 
+    def window(self, since: float, until: float, limit: int
+               ) -> tuple[list[dict[str, Any]], bool, float | None]:
+        """Events whose span (``time`` .. ``last_seen``) meets [since, until], oldest first, at most
+        ``limit``: (rows, truncated, the time of the oldest event still stored). Rows are plain
+        dicts (the query API's), decoded but not folded; a row that cannot be decoded is skipped
+        as in ``load``."""
+        try:
+            conn = self._connect()  # sets _has_latest: read the column only where the file has it
+            conn.execute("BEGIN")
+            # time <= until uses the time index; the last_seen test is on those rows only
+            cur = conn.execute(
+                f"SELECT id, time, boot_id, kind, component, check_name, payload, last_seen, "
+                f"{'latest' if self._has_latest else 'NULL'} FROM events WHERE time <= ? "
+                "AND coalesce(last_seen, time) >= ? ORDER BY time, id LIMIT ?",
+                (until, since, limit + 1))
+            rows = cur.fetchall()
+            first = conn.execute("SELECT min(time) FROM events").fetchone()
+            conn.execute("COMMIT")
+        except (sqlite3.Error, OSError) as exc:
+            self._reset()
+            raise self._error(exc) from exc
+        out: list[dict[str, Any]] = []
+        for row in rows[:limit]:
+            event = _decode(row)
+            if event is None:
+                continue
+            out.append({"id": event.id, "time": event.time, "last_seen": event.last_seen,
+                        "kind": event.kind.value, "check": event.check, "component": event.component,
+                        "boot_id": event.boot_id, "payload": dict(event.payload),
+                        "latest": None if event.latest is None else dict(event.latest)})
+        history_from = None if first is None or first[0] is None else float(first[0])
+        return out, len(rows) > limit, history_from
+
     def max_id(self) -> int:
         """The highest id ever given (AUTOINCREMENT keeps it after deletes)."""
         try:

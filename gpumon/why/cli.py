@@ -1,0 +1,123 @@
+"""``gpumon why``: why did this job die (or crawl)? Reads the nodes' history; changes nothing.
+
+Exit codes (the Nagios convention of every gpumon command, so an epilog can act on 2 only):
+0 no infrastructure evidence (every node answered, none recorded a fault that explains the
+failure: look at the application); 1 inconclusive (no suspect on the nodes that answered, but
+some did not answer); 2 at least one infrastructure suspect; 3 cannot answer (bad usage, the job
+cannot be resolved, no node answered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpumon.errors import ConfigError
+from gpumon.why.collect import DEFAULT_TEMPLATE, Access, collect
+from gpumon.why.job import Job, explicit_job, slurm_job
+from gpumon.why.joblog import JobLog, parse_file
+from gpumon.why.reason import LEAD_S, Reasoner, nccl_settings
+from gpumon.why.report import print_verdict, to_json
+
+
+def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "why", parents=list(parents),
+        help="post-mortem of a job: which node, part and moment explain its failure",
+        description="Asks every node of a job for its health history (the exporter's query API, in "
+                    "parallel), reads the job's log if given, and names the infrastructure events "
+                    "that explain the failure, ranked; or says there are none. Exit 0 no "
+                    "infrastructure evidence, 1 inconclusive (nodes unreachable), 2 suspect(s) found, "
+                    "3 cannot answer.")
+    which = p.add_argument_group("the job (--job, or --nodes with --start)")
+    which.add_argument("--job", metavar="ID", help="a Slurm job id (sacct, else scontrol show job)")
+    which.add_argument("--nodes", metavar="A,B,..", help="the job's nodes, by name")
+    which.add_argument("--start", metavar="TIME", help="the job's start: Unix seconds or ISO 8601 "
+                       "(without a zone: this host's local time)")
+    which.add_argument("--end", metavar="TIME", help="the job's end / failure (default: now)")
+    src = p.add_argument_group("the evidence")
+    src.add_argument("--api-url", default=DEFAULT_TEMPLATE, metavar="TEMPLATE",
+                     help=f"each node's API base URL, {{node}} replaced by its name "
+                          f"(default {DEFAULT_TEMPLATE})")
+    src.add_argument("--node-url", action="append", default=[], metavar="NODE=URL",
+                     help="this node's API base URL instead of the template's (repeatable)")
+    src.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="per node, for all it is asked (default 10)")
+    src.add_argument("--workers", type=int, default=64, metavar="N", help="nodes asked at once (default 64)")
+    src.add_argument("--cacert", metavar="FILE", help="CA certificate of the exporters' TLS")
+    src.add_argument("--cert", metavar="FILE", help="client certificate (exporters requiring one)")
+    src.add_argument("--key", metavar="FILE", help="its key")
+    src.add_argument("--user", metavar="NAME", help="basic auth user of the exporters' web config")
+    src.add_argument("--password-file", type=Path, metavar="FILE", help="basic auth password (first line)")
+    src.add_argument("--log", type=Path, metavar="FILE",
+                     help="the job's log: NCCL watchdog lines, NCCL warnings and settings")
+    src.add_argument("--nccl-env", action="append", default=[], metavar="NAME=VALUE",
+                     help="the job's NCCL settings (NCCL_IB_TIMEOUT=.., NCCL_IB_RETRY_CNT=..; repeatable); "
+                          "default: what the log says NCCL read, else NCCL's defaults")
+    src.add_argument("--nccl-version", metavar="X.Y.Z", help="the job's NCCL (default: from the log)")
+    src.add_argument("--watchdog-timeout", type=float, metavar="SECONDS",
+                     help="the job's collective timeout (default: from the log, else PyTorch's 600)")
+    p.add_argument("--json", action="store_true", help="print the JSON verdict (schema gpumon.why/v1)")
+
+
+def _pairs(values: Sequence[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for v in values:
+        key, eq, value = v.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"{flag} {v!r}: expected NAME=VALUE", key=flag)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def resolve(args: argparse.Namespace) -> Job:
+    if args.job and (args.nodes or args.start):
+        raise ConfigError("--job or --nodes/--start, not both", key="why")
+    if args.job:
+        return slurm_job(args.job)
+    if not (args.nodes and args.start):
+        raise ConfigError("which job? --job ID (Slurm), or --nodes A,B and --start TIME [--end TIME]",
+                          key="why")
+    return explicit_job(args.nodes, args.start, args.end)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.timeout <= 0 or args.workers < 1:
+        raise ConfigError("--timeout must be > 0 and --workers >= 1", key="why")
+    job = resolve(args)
+    log: JobLog | None = None
+    if args.log is not None:
+        try:
+            log = parse_file(args.log)
+        except OSError as exc:
+            raise ConfigError(f"cannot read the job log: {exc.strerror or exc}", file=str(args.log)) from None
+    env = dict(log.nccl_env) if log is not None else {}
+    env.update(_pairs(args.nccl_env, "--nccl-env"))
+    nccl = nccl_settings(env, args.nccl_version or (log.nccl_version if log is not None else None))
+    password = None
+    if args.password_file is not None:
+        try:
+            lines = args.password_file.read_text().splitlines()
+            password = lines[0] if lines else ""
+        except OSError as exc:
+            raise ConfigError(f"cannot read the password file: {exc.strerror or exc}",
+                              file=str(args.password_file)) from None
+    access = Access(args.api_url, _pairs(args.node_url, "--node-url"), args.user, password, args.cacert,
+                    args.cert, args.key)
+    now = time.time()
+    end = job.end if job.end is not None else now
+    # a minute after the end: a check that saw the fault a sample late, the reboot that followed
+    nodes = collect(job.nodes, access, job.start - LEAD_S, end + 60.0, timeout_s=args.timeout,
+                    workers=args.workers)
+    verdict = Reasoner(job, nodes, log, nccl, now=now, watchdog_s=args.watchdog_timeout).judge()
+    if args.json:
+        print(json.dumps(to_json(verdict), indent=2, default=str))
+    else:
+        from gpumon.report import console_for
+        print_verdict(verdict, console_for())
+    return verdict.exit_code
+

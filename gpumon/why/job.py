@@ -1,0 +1,162 @@
+"""The job a post-mortem is about: its nodes and its window, from Slurm or from the command line.
+
+Slurm: ``sacct`` first (the accounting database keeps finished jobs; ``-X`` the allocation, not
+its steps), ``scontrol show job`` when sacct is missing or has no accounting storage (it knows a
+job only for ``MinJobAge`` after its end, 300 s by default). ``source`` says which answered.
+Slurm prints times in the controller's local time without a zone: they are read as this host's
+local time (run ``why`` where Slurm's clients run, as the epilog does).
+
+Kubernetes (a Job's or PyTorchJob's pods) is not read yet: give ``--nodes``/``--start``/``--end``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from gpumon.errors import GpumonError, HwCondition
+from gpumon.hw.tools import ToolRunner
+
+SLURM_TIMEOUT_S = 20.0  # as gpumon.remediate.slurm: above Slurm's own client retry
+_SACCT_FIELDS = ("JobID", "State", "ExitCode", "Start", "End", "NodeList")
+_JOB_ID = re.compile(r"\d+(?:_\d+)?(?:\+\d+)?\Z")
+_UNKNOWN_TIMES = frozenset({"", "Unknown", "None", "N/A"})
+# A job that ended in one of these failed: the post-mortem looks for the cause of a failure
+FAILED_STATES = frozenset({"FAILED", "NODE_FAIL", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "BOOT_FAIL",
+                           "DEADLINE", "PREEMPTED"})
+
+
+class JobError(GpumonError):
+    """The job cannot be resolved (no such job, Slurm unreachable, a bad time)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    nodes: tuple[str, ...]
+    start: float
+    end: float | None  # None: still running (the window ends now)
+    id: str | None = None
+    state: str | None = None
+    exit_code: str | None = None
+    source: str = "command line"
+
+    @property
+    def failed(self) -> bool | None:
+        if self.state is None:
+            return None
+        # "CANCELLED by 1000": the first word is the state
+        return self.state.split()[0] in FAILED_STATES or self.exit_code not in (None, "0:0")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "nodes": list(self.nodes), "start": self.start, "end": self.end,
+                "state": self.state, "exit_code": self.exit_code, "source": self.source}
+
+
+def parse_time(text: str, what: str) -> float:
+    """Unix seconds, or an ISO 8601 / RFC 3339 time; one without a zone is this host's local time."""
+    value = text.strip()
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    iso = value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value
+    try:
+        return datetime.fromisoformat(iso).timestamp()
+    except ValueError:
+        raise JobError(f"{what} {text!r}: not Unix seconds nor an ISO 8601 time "
+                       "(2024-06-10T06:13:20Z, or local time without the Z)") from None
+
+
+def explicit_job(nodes: str, start: str, end: str | None) -> Job:
+    names = tuple(dict.fromkeys(n.strip() for n in nodes.split(",") if n.strip()))
+    if not names:
+        raise JobError("--nodes names no node")
+    t0 = parse_time(start, "--start")
+    t1 = parse_time(end, "--end") if end else None
+    if t1 is not None and t1 < t0:
+        raise JobError("--end is before --start")
+    return Job(names, t0, t1)
+
+
+def slurm_job(job_id: str, runner: ToolRunner | None = None, timeout_s: float = SLURM_TIMEOUT_S) -> Job:
+    if not _JOB_ID.match(job_id):
+        raise JobError(f"--job {job_id!r}: not a Slurm job id (digits, an array task 12_3, a het job 12+1)")
+    runner = runner or ToolRunner(timeout_s)
+    why_not: list[str] = []
+    try:
+        return _from_sacct(job_id, runner, timeout_s)
+    except (HwCondition, JobError) as exc:
+        why_not.append(f"sacct: {exc}")
+    try:
+        return _from_scontrol(job_id, runner, timeout_s)
+    except (HwCondition, JobError) as exc:
+        why_not.append(f"scontrol: {exc}")
+    raise JobError(f"Slurm job {job_id} not found: " + "; ".join(why_not))
+
+
+def _run(runner: ToolRunner, argv: list[str], timeout_s: float) -> str:
+    result = runner.run(argv, timeout=timeout_s)
+    if result.returncode != 0:
+        raise JobError((result.stderr.strip() or result.stdout.strip() or f"exit {result.returncode}")[:300])
+    return result.stdout
+
+
+def _slurm_time(text: str) -> float | None:
+    if text.strip() in _UNKNOWN_TIMES:
+        return None
+    try:
+        return datetime.fromisoformat(text.strip()).timestamp()
+    except ValueError:
+        return None
+
+
+def expand_nodes(spec: str, runner: ToolRunner, timeout_s: float) -> tuple[str, ...]:
+    """A Slurm hostlist (``gpu[01-03],login1``) as names, by Slurm's own ``scontrol show hostnames``."""
+    if spec.strip() in ("", "None assigned", "(null)"):
+        return ()
+    out = _run(runner, ["scontrol", "show", "hostnames", spec], timeout_s)
+    return tuple(n.strip() for n in out.splitlines() if n.strip())
+
+
+def _from_sacct(job_id: str, runner: ToolRunner, timeout_s: float) -> Job:
+    out = _run(runner, ["sacct", "--parsable2", "--noheader", "-X", "-j", job_id,
+                        "-o", ",".join(_SACCT_FIELDS)], timeout_s)
+    rows = [line.split("|") for line in out.splitlines() if line.strip()]
+    rows = [r for r in rows if len(r) == len(_SACCT_FIELDS) and r[0] == job_id] or \
+        [r for r in rows if len(r) == len(_SACCT_FIELDS)]
+    if not rows:
+        raise JobError("no such job in the accounting database")
+    jid, state, exit_code, start, end, nodelist = rows[0]
+    t0 = _slurm_time(start)
+    if t0 is None:
+        raise JobError(f"job {jid} has not started (state {state})")
+    return Job(expand_nodes(nodelist, runner, timeout_s), t0, _slurm_time(end), jid, state, exit_code,
+               "sacct")
+
+
+def scontrol_fields(text: str) -> dict[str, str]:
+    """``scontrol show job -o`` is ``Key=Value`` words; values hold no spaces but for a few
+    free-text keys, which come after the ones read here."""
+    fields: dict[str, str] = {}
+    for word in text.split():
+        key, eq, value = word.partition("=")
+        if eq and key not in fields:
+            fields[key] = value
+    return fields
+
+
+def _from_scontrol(job_id: str, runner: ToolRunner, timeout_s: float) -> Job:
+    out = _run(runner, ["scontrol", "show", "job", "-o", job_id], timeout_s)
+    fields = scontrol_fields(out)
+    if "JobState" not in fields:
+        raise JobError("no such job known to the controller")
+    t0 = _slurm_time(fields.get("StartTime", ""))
+    if t0 is None:
+        raise JobError(f"job {job_id} has not started (state {fields['JobState']})")
+    end = _slurm_time(fields.get("EndTime", ""))
+    if fields["JobState"] in ("RUNNING", "PENDING", "SUSPENDED"):
+        end = None  # EndTime of a running job is its time limit, not an end
+    return Job(expand_nodes(fields.get("NodeList", ""), runner, timeout_s), t0, end,
+               fields.get("JobId", job_id), fields["JobState"], fields.get("ExitCode"), "scontrol")

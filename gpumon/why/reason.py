@@ -1,0 +1,415 @@
+"""The reasoning: from the nodes' health history and the job's log to ranked suspects, or none.
+
+What a collective failure looks like from the outside: every rank blocks in one collective, and
+PyTorch's watchdog gives up ``watchdog_timeout`` later (10 min by default for ProcessGroupNCCL,
+pytorch/pytorch PR #110947). The cause, if it is the infrastructure, happened about one watchdog
+timeout *before* the job's end, not at it: that is the ``expected`` moment suspects are ranked by.
+
+What counts (each from what the node's checks recorded, judged there by gpumon's own rules; the
+Xid catalog's verdict is the one the node stored, not re-judged here):
+
+- tier 1, explains a collective failure: a GPU lost (NVML GPU_IS_LOST), an Xid whose catalog
+  action is reset_gpu / reboot_node / check_cables / inspect_hardware, an InfiniBand outage longer
+  than NCCL's IB retry window, an NVLink link down, a reboot of the node during the job;
+- tier 2, may explain it or a slow job: hung NVML/tool calls, HW or thermal slowdown, a failed
+  fabric probe, an SDC (canary/guard) failure, any other failure that needs an action;
+- context, listed in the timeline only: warnings, application-class Xids (catalog action
+  restart_app, e.g. Xid 13), IB outages NCCL retried through.
+
+NCCL's IB retry window (NCCL User Guide, Environment Variables, NCCL_IB_TIMEOUT and
+NCCL_IB_RETRY_CNT, docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html): each try waits
+4.096 us x 2^NCCL_IB_TIMEOUT and "the total time spent waiting for a response is the product of
+NCCL_IB_TIMEOUT and NCCL_IB_RETRY_CNT": 4.096 us x 2^T x RETRY_CNT. Defaults: NCCL_IB_RETRY_CNT 7;
+NCCL_IB_TIMEOUT 18 up to NCCL 2.22 (7.5 s), 20 from 2.23 (30 s). Unknown NCCL version: the shorter
+window (7.5 s), said as an assumption, so an outage between 7.5 and 30 s is a suspect only "if NCCL
+< 2.23".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumon.why.collect import NodeEvidence
+from gpumon.why.job import Job
+from gpumon.why.joblog import JobLog
+
+IB_TIMEOUT_DEFAULT_OLD = 18  # NCCL 2.14 .. 2.22
+IB_TIMEOUT_DEFAULT_NEW = 20  # NCCL >= 2.23
+IB_RETRY_CNT_DEFAULT = 7
+NCCL_DEFAULTS_CHANGED = (2, 23, 0)
+PYTORCH_WATCHDOG_DEFAULT_S = 600.0  # ProcessGroupNCCL's default timeout (PyTorch PR #110947)
+# an event this long before the job's start is still read (the state the job started on)
+LEAD_S = 3600.0
+_HW_ACTIONS = frozenset({"reset_gpu", "reboot_node", "check_cables", "inspect_hardware"})
+
+
+def _version(text: str | None) -> tuple[int, int, int] | None:
+    if not text:
+        return None
+    try:
+        parts = [int(p) for p in text.split("+")[0].split(".")[:3]]
+    except ValueError:
+        return None
+    padded = [*parts, 0, 0, 0]
+    return padded[0], padded[1], padded[2]
+
+
+@dataclass(frozen=True)
+class NcclSettings:
+    ib_timeout: int
+    retry_cnt: int
+    source: str  # where the numbers come from, in words
+
+    @property
+    def retry_window_s(self) -> float:
+        return float(4.096e-6 * (2 ** self.ib_timeout) * self.retry_cnt)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"NCCL_IB_TIMEOUT": self.ib_timeout, "NCCL_IB_RETRY_CNT": self.retry_cnt,
+                "retry_window_s": round(self.retry_window_s, 3), "source": self.source}
+
+
+def nccl_settings(env: Mapping[str, str], version: str | None) -> NcclSettings:
+    """From the job's NCCL environment (``--nccl-env``, or what its log says NCCL read), else the
+    defaults of its NCCL version, else the shorter of the documented defaults."""
+    notes = []
+    parsed = _version(version)
+    if parsed is None:
+        default_t = IB_TIMEOUT_DEFAULT_OLD
+        default_note = ("NCCL version unknown: NCCL_IB_TIMEOUT assumed 18 (the default before NCCL 2.23, "
+                        "the shorter window; 20 since 2.23)")
+    elif parsed >= NCCL_DEFAULTS_CHANGED:
+        default_t, default_note = IB_TIMEOUT_DEFAULT_NEW, f"NCCL {version}: default NCCL_IB_TIMEOUT 20"
+    else:
+        default_t, default_note = IB_TIMEOUT_DEFAULT_OLD, f"NCCL {version}: default NCCL_IB_TIMEOUT 18"
+
+    def number(name: str) -> int | None:
+        raw = env.get(name)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            notes.append(f"{name}={raw!r} not a number: ignored")
+            return None
+
+    t, r = number("NCCL_IB_TIMEOUT"), number("NCCL_IB_RETRY_CNT")
+    notes.append(f"NCCL_IB_TIMEOUT={t} from the job's environment" if t is not None else default_note)
+    notes.append(f"NCCL_IB_RETRY_CNT={r} from the job's environment" if r is not None
+                 else "NCCL_IB_RETRY_CNT default 7")
+    return NcclSettings(t if t is not None else default_t, r if r is not None else IB_RETRY_CNT_DEFAULT,
+                        "; ".join(notes))
+
+
+@dataclass
+class Item:
+    """One thing that happened on a node, placed on the job's timeline."""
+
+    node: str
+    time: float
+    component: str
+    check: str
+    what: str  # a category: gpu_lost, xid, ib_outage, nvlink_down, reboot, hung_call, slowdown, ...
+    tier: int  # 1, 2: a suspect; 3: context
+    summary: str
+    why: str = ""  # how it explains the failure (suspects)
+    until: float | None = None  # the span's end (still open at the last reading: last_seen)
+    evidence: dict[str, Any] = field(default_factory=dict)
+    score: float = 0.0
+
+    def to_json(self, end: float | None) -> dict[str, Any]:
+        return {"node": self.node, "time": self.time,
+                "relative_s": None if end is None else round(self.time - end, 1),
+                "until": self.until, "component": self.component, "check": self.check, "what": self.what,
+                "tier": self.tier, "summary": self.summary, "why": self.why, "evidence": self.evidence}
+
+
+@dataclass
+class Verdict:
+    verdict: str  # infrastructure | no_infrastructure_evidence | inconclusive | cannot_answer
+    job: Job
+    end: float  # the failure (the job's end), or now for a running job
+    expected: float  # end - watchdog timeout: where the cause is looked for first
+    watchdog_s: float
+    watchdog_source: str
+    nccl: NcclSettings
+    suspects: list[Item]
+    timeline: list[Item]
+    nodes: list[NodeEvidence]
+    log: JobLog | None
+    notes: list[str]
+
+    @property
+    def unreachable(self) -> list[NodeEvidence]:
+        return [n for n in self.nodes if not n.reachable]
+
+    @property
+    def exit_code(self) -> int:
+        return {"no_infrastructure_evidence": 0, "inconclusive": 1, "infrastructure": 2,
+                "cannot_answer": 3}[self.verdict]
+
+
+def _span(event: Mapping[str, Any]) -> tuple[float, float]:
+    t = float(event.get("time") or 0.0)
+    seen = event.get("last_seen")
+    latest = event.get("latest") or {}
+    ends = [t, float(seen) if isinstance(seen, (int, float)) else t]
+    if isinstance(latest.get("time"), (int, float)):
+        ends.append(float(latest["time"]))
+    return t, max(ends)
+
+
+def _evidences(event: Mapping[str, Any]) -> list[tuple[float, Mapping[str, Any]]]:
+    """(time said, evidence) of what the event said at its transition and, refreshed, last."""
+    out: list[tuple[float, Mapping[str, Any]]] = []
+    if isinstance(event.get("evidence"), Mapping):
+        out.append((float(event.get("time") or 0.0), event["evidence"]))
+    latest = event.get("latest")
+    if isinstance(latest, Mapping) and isinstance(latest.get("evidence"), Mapping):
+        out.append((float(latest.get("time") or event.get("time") or 0.0), latest["evidence"]))
+    return out
+
+
+def _outages(events: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[float, float | None, float]]]:
+    """Per IB port, its outages (start, end or None if still down at the last reading, seconds down),
+    merged from every event's evidence: the measured records and the one still open."""
+    found: dict[str, dict[float, tuple[float, float | None, float]]] = {}
+    for e in events:
+        comp = str(e.get("component", ""))
+        if e.get("check") != "ib" or not comp.startswith("ib/"):
+            continue
+        port = found.setdefault(comp, {})
+        for said, ev in _evidences(e):
+            for r in ev.get("recent_outages") or []:
+                try:
+                    start, end, down = float(r["start"]), r.get("end"), float(r.get("down_s") or 0.0)
+                except (KeyError, TypeError, ValueError):
+                    continue
+                key = round(start)
+                port[key] = (start, None if end is None else float(end), down)
+            ongoing = ev.get("ongoing_outage_s")
+            if isinstance(ongoing, (int, float)):
+                start = said - float(ongoing)
+                key = round(start)
+                old = port.get(key)
+                if old is None or (old[1] is None and old[2] < float(ongoing)):
+                    port[key] = (start, None, float(ongoing))
+    return {comp: sorted(v.values()) for comp, v in found.items() if v}
+
+
+def _fmt_s(s: float) -> str:
+    sign = "-" if s < 0 else "+"
+    s = abs(s)
+    if s < 120:
+        return f"{sign}{s:.0f} s"
+    if s < 7200:
+        return f"{sign}{s / 60:.1f} min"
+    return f"{sign}{s / 3600:.1f} h"
+
+
+class Reasoner:
+    def __init__(self, job: Job, nodes: list[NodeEvidence], log: JobLog | None, nccl: NcclSettings,
+                 *, now: float, watchdog_s: float | None = None) -> None:
+        self.job = job
+        self.nodes = nodes
+        self.log = log
+        self.nccl = nccl
+        self.end = job.end if job.end is not None else now
+        if watchdog_s is not None:
+            self.watchdog_s, self.watchdog_source = watchdog_s, "--watchdog-timeout"
+        elif log is not None and log.watchdog_timeout_s is not None:
+            self.watchdog_s = log.watchdog_timeout_s
+            self.watchdog_source = f"the job log ({log.path}: Timeout(ms)=)"
+        else:
+            self.watchdog_s = PYTORCH_WATCHDOG_DEFAULT_S
+            self.watchdog_source = "PyTorch ProcessGroupNCCL's default (10 min): no watchdog line in a log"
+        self.expected = max(job.start, self.end - self.watchdog_s)
+        self.notes: list[str] = []
+
+    # -- one node's history to items ------------------------------------------------------------
+
+    def items(self, ev: NodeEvidence) -> list[Item]:
+        out: list[Item] = []
+        events = list(ev.events)
+        # an open fault's current words (from /findings) are fresher than the stored refresh
+        by_id = {e.get("id"): e for e in events}
+        for fault in ev.faults:
+            e = by_id.get(fault.get("event_id"))
+            if e is not None:
+                e = dict(e)
+                e["last_seen"] = max(float(e.get("last_seen") or 0.0), float(fault.get("last_seen") or 0.0))
+                e["latest"] = {"time": fault.get("last_seen"), "message": fault.get("message"),
+                               "evidence": fault.get("evidence") or {}}
+                by_id[e.get("id")] = e
+        events = [by_id.get(e.get("id"), e) for e in events]
+        lost: set[str] = set()
+        for e in events:
+            kind = e.get("kind")
+            t, until = _span(e)
+            if kind == "boot":
+                if self.job.start <= t <= self.end:
+                    out.append(Item(ev.node, t, "node", "", "reboot", 1,
+                                    "the daemon saw a new boot of the node",
+                                    "a node that reboots takes every rank on it down"))
+                continue
+            if kind != "finding":
+                continue
+            sev, action = e.get("severity"), e.get("action")
+            if sev in ("ok", "skipped", None) and e.get("check") != "ib":
+                continue
+            comp, check = str(e.get("component", "")), str(e.get("check", ""))
+            evidence: Mapping[str, Any] = e.get("evidence") or {}
+            message = str((e.get("latest") or {}).get("message") or e.get("message") or "")
+            base: dict[str, Any] = {"node": ev.node, "time": t, "component": comp, "check": check,
+                                    "until": until}
+            if check == "ib" and comp.startswith("ib/"):
+                continue  # outages are read from every ib event together, below
+            if check == "xid":
+                code = evidence.get("code")
+                if action in _HW_ACTIONS and sev == "fail":
+                    out.append(Item(**base, what="xid", tier=1, summary=message,
+                                    why=f"Xid {code}: gpumon's Xid catalog says {action}: the GPU's work "
+                                        "(the rank's kernels) is lost or stalled",
+                                    evidence={"code": code, "action": action}))
+                else:
+                    out.append(Item(**base, what="xid", tier=3, summary=message,
+                                    why=f"Xid {code}: catalog action {action}: usually the application's "
+                                        "own fault (points at the job, not the node)",
+                                    evidence={"code": code, "action": action}))
+            elif evidence.get("gpu_lost"):
+                if comp in lost:
+                    continue  # every NVML check reports the same loss: the first one says it
+                lost.add(comp)
+                out.append(Item(**base, what="gpu_lost", tier=1, summary=f"{comp} lost: {message}",
+                                why="a GPU that fell off the bus stops its rank inside the collective; the "
+                                    "others wait for it until the watchdog fires"))
+            elif "hung_in" in evidence:
+                out.append(Item(**base, what="hung_call", tier=2 if sev == "fail" else 3, summary=message,
+                                why="a driver or tool call that does not return on the node: the GPU or "
+                                    "driver may have stopped answering the job too"))
+            elif check == "nvlink" and comp.startswith("nvlink/") and sev == "fail":
+                out.append(Item(**base, what="nvlink_down", tier=1, summary=message,
+                                why="a collective's NVLink traffic over a lane that is down stalls or fails"))
+            elif check in ("throttle", "thermal") and sev in ("fail", "warn"):
+                out.append(Item(**base, what="slowdown", tier=2 if sev == "fail" else 3, summary=message,
+                                why="a GPU held at low clocks makes its rank the slowest: every collective "
+                                    "waits for it (a slow job; a hang only if extreme)"))
+            elif check == "fabric" and sev == "fail":
+                out.append(Item(**base, what="fabric_probe", tier=2, summary=message,
+                                why="gpumon's fabric probe found this node's links below par"))
+            elif check in ("guard", "sdc_canary") and sev == "fail":
+                out.append(Item(**base, what="sdc", tier=2, summary=message,
+                                why="silent data corruption on this GPU: wrong numbers (a loss spike or NaN "
+                                    "that stops the job), not a hang"))
+            elif sev == "fail" and action in _HW_ACTIONS:
+                out.append(Item(**base, what="hardware", tier=2, summary=message,
+                                why=f"a failure the node's check says needs {action}"))
+            elif sev in ("warn", "fail"):
+                out.append(Item(**base, what="warning", tier=3, summary=message))
+        for port, outages in _outages(events).items():
+            for start, end, down in outages:
+                stop = end if end is not None else start + down
+                long = down > self.nccl.retry_window_s
+                still = " (still down at the last reading)" if end is None else ""
+                summary = f"{port} down {down:.1f} s{still}"
+                window = f"{self.nccl.retry_window_s:.2f} s"
+                if long:
+                    why = (f"down {down:.1f} s, longer than NCCL's IB retry window of {window} "
+                           f"(NCCL_IB_TIMEOUT={self.nccl.ib_timeout}, "
+                           f"NCCL_IB_RETRY_CNT={self.nccl.retry_cnt}): "
+                           "the queue pair errors out (retry exceeded) and the collective on this rail "
+                           "never completes")
+                else:
+                    why = (f"down {down:.1f} s, within NCCL's IB retry window of {window}: NCCL "
+                           "retried through it")
+                out.append(Item(ev.node, start, port, "ib", "ib_outage", 1 if long else 3, summary, why,
+                                until=stop, evidence={"start": start, "end": end, "down_s": down,
+                                                      "retry_window_s": round(self.nccl.retry_window_s, 3)}))
+        if ev.identity is not None:
+            boot = ev.identity.get("boot_time")
+            if isinstance(boot, (int, float)) and self.job.start < boot <= self.end and not any(
+                    i.what == "reboot" for i in out):
+                out.append(Item(ev.node, float(boot), "node", "", "reboot", 1,
+                                "the node booted during the job (its current boot time)",
+                                "a node that reboots takes every rank on it down"))
+        return out
+
+    # -- the judgement --------------------------------------------------------------------------
+
+    def _in_job(self, item: Item) -> bool:
+        until = item.until if item.until is not None else item.time
+        return item.time <= self.end and until >= self.job.start
+
+    def _score(self, item: Item) -> float:
+        # when it mattered: an outage when it outlasted the retry window, anything else when raised
+        t = item.time
+        if item.what == "ib_outage":
+            t = item.time + self.nccl.retry_window_s
+        if t < self.job.start:
+            t = self.job.start  # raised before the job: it mattered from its start
+        d = abs(t - self.expected)
+        return 1.0 / (1.0 + d / max(self.watchdog_s, 1.0))
+
+    def judge(self) -> Verdict:
+        timeline: list[Item] = []
+        for ev in self.nodes:
+            if ev.reachable:
+                timeline += self.items(ev)
+        timeline.sort(key=lambda i: (i.time, i.node, i.component))
+        suspects = [i for i in timeline if i.tier <= 2 and self._in_job(i)]
+        for s in suspects:
+            s.score = self._score(s)
+        suspects.sort(key=lambda i: (i.tier, -i.score, i.time))
+        self._corroborate(suspects)
+        reachable = [n for n in self.nodes if n.reachable]
+        unreachable = [n for n in self.nodes if not n.reachable]
+        for n in reachable:
+            if n.truncated:
+                self.notes.append(f"{n.node}: more events in the window than read (truncated)")
+            if n.history_from is not None and n.history_from > self.job.start:
+                self.notes.append(f"{n.node}: its health history starts at "
+                                  f"{_fmt_s(n.history_from - self.end)} from the failure, after the job's "
+                                  "start (older events were folded away, or the daemon was not running)")
+            if n.clock_skew_s is not None and abs(n.clock_skew_s) > 2.0:
+                self.notes.append(f"{n.node}: its clock is {n.clock_skew_s:+.1f} s off this host's: "
+                                  "times relative to the failure are off by as much")
+            ident = (n.identity or {}).get("node")
+            if ident and ident != n.node and ident.split(".")[0] != n.node.split(".")[0]:
+                self.notes.append(f"{n.node}: the API at {n.url} answers as node {ident!r} (wrong URL?)")
+        if unreachable:
+            self.notes.append(f"{len(unreachable)} of {len(self.nodes)} nodes did not answer: their history "
+                              "is unknown, so the verdict is of the others only (lower confidence)")
+        if not reachable:
+            verdict = "cannot_answer"
+        elif suspects:
+            verdict = "infrastructure"
+        elif unreachable:
+            verdict = "inconclusive"
+        else:
+            verdict = "no_infrastructure_evidence"
+        if self.job.failed is False and verdict == "infrastructure":
+            self.notes.append("the job did not fail: the suspects may explain a slow run, not a failure")
+        return Verdict(verdict, self.job, self.end, self.expected, self.watchdog_s, self.watchdog_source,
+                       self.nccl, suspects, timeline, self.nodes, self.log, self.notes)
+
+    def _corroborate(self, suspects: list[Item]) -> None:
+        """The job log's "connection closed by remote peer X": a rank on X went away. Said with a
+        suspect on that node; on its own it is a note (a crashed process looks the same)."""
+        if self.log is None:
+            return
+        for peer, n in self.log.peers_closed.items():
+            short = peer.split(".")[0]
+            names = [ev.node for ev in self.nodes if ev.node == peer or ev.node.split(".")[0] == short]
+            hits = [s for s in suspects if s.node in names]
+            for s in hits:
+                s.why += f"; the job log has {n} line(s) 'Connection closed by remote peer {peer}'"
+            if not hits:
+                self.notes.append(f"the job log says the remote peer {peer} closed its connections "
+                                  f"({n} line(s)): a rank there went away; no infrastructure event on it "
+                                  "explains that")
+
+
+def relative(t: float, end: float) -> str:
+    return _fmt_s(t - end)

@@ -1,0 +1,79 @@
+"""The verdict for people (a table) and for programs (``--json``, schema ``gpumon.why/v1``).
+
+JSON (a contract once documented in the README, "gpumon why"): ``schema``, ``verdict``
+(``infrastructure`` | ``no_infrastructure_evidence`` | ``inconclusive`` | ``cannot_answer``),
+``exit_code``, ``job``, ``failure_time``, ``expected_cause_time``, ``watchdog_timeout_s`` and its
+``watchdog_source``, ``nccl`` (the IB retry window used), ``suspects`` (ranked, best first),
+``timeline`` (everything read, suspects and context, oldest first), ``nodes`` (each node's
+reachability and what it answered), ``unreachable`` (names), ``log`` (what the job log said),
+``notes`` (what limits the verdict).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from rich.console import Console
+
+from gpumon.report import print_records
+from gpumon.why.reason import Verdict, relative
+
+SCHEMA = "gpumon.why/v1"
+
+_HEADLINE = {
+    "infrastructure": "infrastructure suspect(s) found",
+    "no_infrastructure_evidence": "no infrastructure evidence: every node answered and none recorded a "
+                                  "fault that explains the failure (look at the application)",
+    "inconclusive": "no infrastructure evidence on the nodes that answered, but not every node answered",
+    "cannot_answer": "cannot answer: no node's history could be read",
+}
+
+
+def to_json(v: Verdict) -> dict[str, Any]:
+    return {"schema": SCHEMA, "verdict": v.verdict, "exit_code": v.exit_code, "summary": _HEADLINE[v.verdict],
+            "job": v.job.to_json(), "failure_time": v.end, "expected_cause_time": v.expected,
+            "watchdog_timeout_s": v.watchdog_s, "watchdog_source": v.watchdog_source,
+            "nccl": v.nccl.to_json(),
+            "suspects": [dict(s.to_json(v.end), rank=i + 1, score=round(s.score, 3))
+                         for i, s in enumerate(v.suspects)],
+            "timeline": [i.to_json(v.end) for i in v.timeline],
+            "nodes": [n.to_json() for n in v.nodes],
+            "unreachable": [n.node for n in v.unreachable],
+            "log": None if v.log is None else v.log.to_json(),
+            "notes": list(v.notes)}
+
+
+def _utc(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def print_verdict(v: Verdict, console: Console) -> None:
+    job = v.job
+    name = f"job {job.id}" if job.id else "job"
+    state = f", {job.state} (exit {job.exit_code})" if job.state else ""
+    console.print(f"{name}: {len(job.nodes)} node(s), {_utc(job.start)} .. "
+                  f"{_utc(job.end) if job.end is not None else 'still running'}{state} [{job.source}]",
+                  markup=False)
+    console.print(f"failure at {_utc(v.end)}; cause expected about {relative(v.expected, v.end)} "
+                  f"(watchdog timeout {v.watchdog_s:g} s: {v.watchdog_source})", markup=False)
+    console.print(f"NCCL IB retry window {v.nccl.retry_window_s:.2f} s ({v.nccl.source})", markup=False)
+    if v.log is not None and v.log.stuck is not None:
+        s = v.log.stuck
+        ranks = ",".join(str(r) for r in sorted({t.rank for t in v.log.timeouts if t.rank is not None}))
+        console.print(f"job log: watchdog timed out {s.op} SeqNum={s.seq} after {s.ran_ms} ms "
+                      f"(Timeout(ms)={s.timeout_ms}) on rank(s) {ranks or '?'}", markup=False)
+    console.print(f"verdict: {_HEADLINE[v.verdict]}", markup=False)
+    if v.suspects:
+        rows = [((str(i + 1), s.node, s.component, s.what, relative(s.time, v.end)), [s.summary, s.why])
+                for i, s in enumerate(v.suspects)]
+        print_records(console, ("#", "node", "component", "event", "at", "why it explains the failure"), rows)
+    for n in v.unreachable:
+        console.print(f"UNREACHABLE {n.node} ({n.url}): {n.error}", markup=False)
+    context = [i for i in v.timeline if i.tier > 2]
+    if context:
+        console.print(f"context ({len(context)}, not suspects):", markup=False)
+        for i in context[-20:]:
+            console.print(f"  {relative(i.time, v.end):>10} {i.node} {i.component} {i.summary}", markup=False)
+    for note in v.notes:
+        console.print(f"note: {note}", markup=False)
