@@ -234,3 +234,19 @@ def test_slurm_wrapper_finds_the_venv_without_the_link(tmp_path: Path) -> None:
     proc = wrapper()
     assert proc.returncode == 1 and "/opt/gpumon/bin/gpumon" in proc.stdout, proc.stdout + proc.stderr
     assert not mark.exists()
+
+
+def test_every_package_of_the_checkout_is_in_the_wheel(wheel: Path) -> None:
+    """A package pyproject does not list is silently left out of the wheel (it imports from a
+    checkout, not on a node): every folder with an __init__.py under gpumon/ and checks/ must be there."""
+    with zipfile.ZipFile(wheel) as whl:
+        names = set(whl.namelist())
+    missing = []
+    for top, installed_as in (("gpumon", "gpumon"), ("checks", "gpumon_checks")):
+        for init in sorted((ROOT / top).rglob("__init__.py")):
+            if "__pycache__" in init.parts:
+                continue
+            rel = init.relative_to(ROOT / top).as_posix()
+            if f"{installed_as}/{rel}" not in names:
+                missing.append(f"{top}/{rel}")
+    assert not missing, f"packages missing from the wheel (add them to pyproject's packages): {missing}"
