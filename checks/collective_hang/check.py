@@ -212,7 +212,7 @@ class CollectiveHangCheck(Check):
         if not breaks:
             return self.ok(comp, f"collective-hang signature ({words}; judged at {params.hold_s:g} s)",
                            **evidence)
-        return self.ok(comp, f"not stuck in a collective: {evidence['activity']} ({'; '.join(breaks)})",
+        return self.ok(comp, f"not stuck in a collective ({evidence['activity']}): {'; '.join(breaks)}",
                        **evidence)
 
 
