@@ -24,14 +24,16 @@ REGISTRY = load_checks()
 # nobody could source is left out). A profile may gain keys; losing one is a regression.
 SOURCED = {
     "h100-sxm": {"burnin.baseline_tflops", "burnin.memory_bandwidth_gbps", "nccl.busbw_min_gbps",
-                 "p2p.min_gbps", "host_bandwidth.min_gbps"},
+                 "p2p.min_gbps", "host_bandwidth.min_gbps", "collective_hang.max_power_w"},
     "h200-sxm": {"burnin.baseline_tflops", "burnin.memory_bandwidth_gbps", "nccl.busbw_min_gbps",
-                 "p2p.min_gbps", "host_bandwidth.min_gbps", "rdma.gdr_efficiency"},
+                 "p2p.min_gbps", "host_bandwidth.min_gbps", "rdma.gdr_efficiency",
+                 "collective_hang.max_power_w"},
     "a100-sxm-80gb": {"burnin.baseline_tflops", "burnin.memory_bandwidth_gbps", "nccl.busbw_min_gbps",
-                      "host_bandwidth.min_gbps", "rdma.gdr_efficiency"},
-    "gb200": {"nccl.busbw_min_gbps", "p2p.min_gbps", "host_bandwidth.min_gbps", "rdma.gdr_efficiency"},
-    "h100-pcie": {"burnin.baseline_tflops", "burnin.memory_bandwidth_gbps"},
-    "b200": set(),
+                      "host_bandwidth.min_gbps", "rdma.gdr_efficiency", "collective_hang.max_power_w"},
+    "gb200": {"nccl.busbw_min_gbps", "p2p.min_gbps", "host_bandwidth.min_gbps", "rdma.gdr_efficiency",
+              "collective_hang.max_power_w"},
+    "h100-pcie": {"burnin.baseline_tflops", "burnin.memory_bandwidth_gbps", "collective_hang.max_power_w"},
+    "b200": {"collective_hang.max_power_w"},
 }
 
 # PCI-SIG signalling rate per lane (GT/s) by generation; rate / 8 bits is an upper bound on the
@@ -94,6 +96,12 @@ def test_thresholds_agree_with_the_profiles_own_facts(name: str) -> None:
     if _value(profile, "rdma", "gdr_efficiency") is not None:
         # the efficiency multiplies the profile's IB rate; without one it would scale the port's own
         assert profile.network.ib_rate_gbps is not None and profile.network.ib_ports
+
+    hang = _value(profile, "collective_hang", "max_power_w")
+    if hang is not None and profile.gpu.tdp_w is not None:
+        # the hung-collective signature is a GPU at full utilization drawing little power: a
+        # ceiling at half the board power or more would take working GPUs for hung ones
+        assert hang < profile.gpu.tdp_w / 2
 
     peaks = _value(profile, "burnin", "baseline_tflops")
     if peaks is not None:

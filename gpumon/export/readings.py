@@ -92,6 +92,26 @@ READINGS: Mapping[str, ReadingDoc] = MappingProxyType({
         "ratio 0..1. Source: NVML nvmlDeviceGetCurrentClocksEventReasons sampled on every run, "
         "time-weighted, and the thermal violation counter of nvmlDeviceGetViolationStatus.",
         ("throttle",)),
+    "gpu_collective_hang": ReadingDoc(
+        "gauge",
+        "1 while this GPU has shown the hung-collective signature without a break for at least hold_s "
+        "(default 60 s), else 0 (a flag): a compute process on it, utilization above "
+        "min_utilization_pct (95 %), board power below max_power_w (the SKU profile's: 160 W on "
+        "H100/H200 SXM, 100 W on A100 and H100 PCIe), memory utilization below 5 % and PCIe below "
+        "300 MB/s each way, i.e. a kernel spinning in a collective that will not complete (scitix/"
+        "sichek's GPUHang rule). Source: NVML nvmlDeviceGetUtilizationRates, nvmlDeviceGetPowerUsage, "
+        "nvmlDeviceGetComputeRunningProcesses, nvmlDeviceGetPcieThroughput, sampled every run of the "
+        "collective_hang check (10 s). The GPUs showing it wait; a node of the same job whose GPUs "
+        "show 0 meanwhile is the one to look at.",
+        ("collective_hang",)),
+    "gpu_collective_hang_seconds": ReadingDoc(
+        "gauge",
+        "How long this GPU's current unbroken run of hung-collective signature samples had lasted at "
+        "the collective_hang check's last run: 0 when that sample did not show it; gpu_collective_hang "
+        "turns 1 when it reaches hold_s (default 60 s). Unit: seconds. Source: gpumon's timing of the "
+        "check's NVML samples (any sample without the signature, or a gap over max_sample_gap_s, "
+        "starts it again from 0).",
+        ("collective_hang",)),
     "xid_events_total": ReadingDoc(
         "counter",
         "NVIDIA Xid error events on this component since boot, per root Xid code (label code; an Xid 45 "

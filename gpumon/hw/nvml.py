@@ -325,6 +325,22 @@ class PcieLink:
 
 
 @dataclass(frozen=True)
+class Utilization:
+    """nvmlDeviceGetUtilizationRates: shares of NVML's last sample period (1/6 s to 1 s by product)."""
+
+    gpu_pct: int  # time one or more kernels was executing on the GPU
+    memory_pct: int  # time device memory was being read or written
+
+
+@dataclass(frozen=True)
+class PcieThroughput:
+    """nvmlDeviceGetPcieThroughput: bytes over the GPU's PCIe link in the driver's 20 ms window, KB/s."""
+
+    tx_kbps: int  # NVML_PCIE_UTIL_TX_BYTES: from the GPU to the host side
+    rx_kbps: int  # NVML_PCIE_UTIL_RX_BYTES: into the GPU
+
+
+@dataclass(frozen=True)
 class ComputeProcess:
     """A process with a compute (CUDA) context on a GPU, as NVML lists it."""
 
@@ -418,6 +434,16 @@ class NvmlReadings(Nvml):
 
     def utilization_pct(self, index: int) -> int:
         return int(self.device(index, "nvmlDeviceGetUtilizationRates").gpu)
+
+    def utilization(self, index: int) -> Utilization:
+        rates = self.device(index, "nvmlDeviceGetUtilizationRates")
+        return Utilization(int(rates.gpu), int(rates.memory))
+
+    def pcie_throughput(self, index: int) -> PcieThroughput:
+        """Both directions, each its own bounded call (NVML samples each for 20 ms)."""
+        return PcieThroughput(
+            int(self.device(index, "nvmlDeviceGetPcieThroughput", pynvml.NVML_PCIE_UTIL_TX_BYTES)),
+            int(self.device(index, "nvmlDeviceGetPcieThroughput", pynvml.NVML_PCIE_UTIL_RX_BYTES)))
 
     def compute_processes(self, index: int) -> list[ComputeProcess]:
         """Processes holding a compute context on GPU ``index`` (graphics-only clients are not listed).

@@ -48,6 +48,7 @@ GPU sections, one per GPU, in index order (``gpu N`` starts GPU N; N must be 0, 
     power <usage mW> <enforced limit mW>
     pcie <current gen> <max gen> <current width> <max width>
     utilization <gpu %> <memory %>
+    pcie_throughput <tx KB/s> <rx KB/s>   # nvmlDeviceGetPcieThroughput (TX_BYTES, RX_BYTES)
     ecc_mode <current 0|1> <pending 0|1>
     ecc_errors <volatile corrected> <volatile uncorrected> <aggregate corrected> <aggregate uncorrected>
     remapped_rows <corrected> <uncorrected> <pending 0|1> <failure 0|1>
@@ -202,6 +203,9 @@ class GpuState:
     pcie_width_max: int = 16
     utilization_gpu: int = 0
     utilization_memory: int = 0
+    # nvmlDeviceGetPcieThroughput, KB/s as NVML reports it (the driver's 20 ms window)
+    pcie_tx_kbps: int = 0
+    pcie_rx_kbps: int = 0
     ecc_mode_current: bool = True
     ecc_mode_pending: bool = True
     ecc_volatile_corrected: int = 0
@@ -374,6 +378,7 @@ def _gpu_lines(g: GpuState, position: int) -> Iterator[str]:
     yield "pcie " + " ".join(_num(v, w + " pcie") for v in (
         g.pcie_gen_current, g.pcie_gen_max, g.pcie_width_current, g.pcie_width_max))
     yield f"utilization {_num(g.utilization_gpu, w, 100)} {_num(g.utilization_memory, w, 100)}"
+    yield f"pcie_throughput {_num(g.pcie_tx_kbps, w + ' pcie tx')} {_num(g.pcie_rx_kbps, w + ' pcie rx')}"
     yield f"ecc_mode {_num(g.ecc_mode_current, w)} {_num(g.ecc_mode_pending, w)}"
     yield "ecc_errors " + " ".join(_num(v, w + " ecc_errors", _U64) for v in (
         g.ecc_volatile_corrected, g.ecc_volatile_uncorrected,
@@ -517,6 +522,8 @@ def _apply_gpu_line(g: dict[str, object], key: str, value: str, where: str) -> N
          g["pcie_width_max"]) = _ints(t, 4, where)
     elif key == "utilization":
         g["utilization_gpu"], g["utilization_memory"] = _ints(t, 2, where)
+    elif key == "pcie_throughput":
+        g["pcie_tx_kbps"], g["pcie_rx_kbps"] = _ints(t, 2, where)
     elif key == "ecc_mode":
         cur, pend = _ints(t, 2, where)
         g["ecc_mode_current"], g["ecc_mode_pending"] = bool(cur), bool(pend)

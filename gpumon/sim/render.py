@@ -475,6 +475,17 @@ class SimNode:
             for f in self._faults("utilization", t):
                 if f.gpu == i and f.active(t) and f.pct is not None:
                     g.utilization_gpu = f.pct
+            for f in self._faults("activity", t):
+                if f.gpu == i and f.active(t):
+                    if f.pct is not None:
+                        g.utilization_gpu = f.pct
+                    if f.memory_pct is not None:
+                        g.utilization_memory = f.memory_pct
+                    if f.power_w is not None:
+                        g.power_usage_mw = round(f.power_w * 1000)
+                    if f.pcie_mbps is not None:
+                        # NVML's KB/s; the collective_hang check divides by 1024 (sichek's MB/s)
+                        g.pcie_tx_kbps = g.pcie_rx_kbps = round(f.pcie_mbps * 1024)
             for f in self._faults("compute_process", t):
                 if f.gpu == i and f.active(t) and f.pid is not None:
                     used = None if f.memory_mib is None else f.memory_mib << 20

@@ -22,7 +22,7 @@ from gpumon.schema import Source, build, load_yaml, load_yaml_file
 
 FAULT_KINDS = ("xid", "throttle", "ib_down", "nvml_error", "nvml_hang", "aer", "kernel_line",
                "temperature", "nvlink_down", "nvlink_errors", "ecc", "remap", "fabric", "pcie_link",
-               "gpu_missing", "ib_rate", "ib_errors", "sxid", "utilization", "fm_log",
+               "gpu_missing", "ib_rate", "ib_errors", "sxid", "utilization", "activity", "fm_log",
                # compute faults: the simulated GPU's device model (gpumon/sim/devices.py)
                "compute_slow", "allreduce_corrupt", "p2p_slow", "sdc",
                # a process holding the GPU (the SDC canary's idle gate)
@@ -49,6 +49,8 @@ _FIELDS = {
     "ib_errors": {"device", "port", "counter", "count", "per_s"},
     "sxid": {"switch", "code", "fatal", "link", "message"},
     "utilization": {"gpu", "pct"},
+    # what NVML says a GPU is doing: utilization, memory activity, board power, PCIe traffic
+    "activity": {"gpu", "pct", "memory_pct", "power_w", "pcie_mbps"},
     "fm_log": {"text"},
     "compute_slow": {"gpu", "factor"},
     "allreduce_corrupt": {"gpu", "count"},
@@ -76,6 +78,7 @@ _REQUIRED = {
     "ib_errors": {"device", "counter"},
     "sxid": {"switch", "code"},
     "utilization": {"gpu", "pct"},
+    "activity": {"gpu"},
     "fm_log": {"text"},
     "compute_slow": {"gpu", "factor"},
     "allreduce_corrupt": {"gpu"},
@@ -132,6 +135,9 @@ class Fault:
     switch: int | None = field(default=None, metadata={"min": 0})
     fatal: bool | None = None
     pct: int | None = field(default=None, metadata={"min": 0, "max": 100})
+    memory_pct: int | None = field(default=None, metadata={"min": 0, "max": 100})
+    power_w: float | None = field(default=None, metadata={"min": 0, "max": 4000})
+    pcie_mbps: float | None = field(default=None, metadata={"min": 0, "max": 4_000_000})  # each direction
     factor: float | None = field(default=None, metadata={"min": 0.001, "max": 1.0})
     peer: int | None = field(default=None, metadata={"min": 0})
     pid: int | None = field(default=None, metadata={"min": 1, "max": 0xFFFFFFFF})
@@ -144,8 +150,8 @@ class Fault:
         for name in ("gpu", "code", "message", "device", "function", "error", "seconds", "severity",
                      "text", "core_c", "hbm_c", "link", "counter", "per_s", "corrected", "uncorrected",
                      "pending", "failure", "banks_low", "banks_none", "state", "status", "width", "gen",
-                     "rate_gbps", "switch", "fatal", "pct", "factor", "peer", "pid", "memory_mib", "dtype",
-                     "rate"):
+                     "rate_gbps", "switch", "fatal", "pct", "memory_pct", "power_w", "pcie_mbps", "factor",
+                     "peer", "pid", "memory_mib", "dtype", "rate"):
             if getattr(self, name) is not None and name not in allowed:
                 raise ValueError(f"a {self.kind} fault takes no {name!r}")
         if self.reasons and "reasons" not in allowed:

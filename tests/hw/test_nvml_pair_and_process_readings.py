@@ -1,6 +1,6 @@
-"""NvmlReadings.p2p_status, topology_common_ancestor and compute_processes over the real nvidia-ml-py
-and the injection library: values, NotSupported (remembered per peer), errors mapped to gpumon's
-conditions on the right GPU.
+"""NvmlReadings.p2p_status, topology_common_ancestor, compute_processes, utilization and
+pcie_throughput over the real nvidia-ml-py and the injection library: values, NotSupported
+(remembered per peer), errors mapped to gpumon's conditions on the right GPU.
 """
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ import pytest
 
 from gpumon.errors import GpuLost, HwFailure, NotSupported
 from gpumon.hw.calls import BoundedCaller
-from gpumon.hw.nvml import P2P_CAPABILITIES, ComputeProcess, NvmlError, NvmlReadings
+from gpumon.hw.nvml import (
+    P2P_CAPABILITIES,
+    ComputeProcess,
+    NvmlError,
+    NvmlReadings,
+    PcieThroughput,
+    Utilization,
+)
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState, write_state
 
 NVLINK_NOT_SUPPORTED = 5  # NVML_P2P_STATUS_NOT_SUPPORTED
@@ -105,3 +112,32 @@ def test_compute_processes_not_supported_and_errors(nvml_state: Path) -> None:
         4, "gpu/0", f"{symbol}(gpu/0)")
     with pytest.raises(GpuLost):
         nvml.compute_processes(1)
+
+
+# -- activity: utilization rates and PCIe throughput (the collective_hang check's readings) ----------
+
+def test_utilization_and_pcie_throughput_per_direction(nvml_state: Path) -> None:
+    write_state(_node(utilization_gpu=100, utilization_memory=3, pcie_tx_kbps=204_800,
+                      pcie_rx_kbps=17), nvml_state)
+    nvml = _nvml()
+    assert nvml.utilization(1) == Utilization(gpu_pct=100, memory_pct=3)
+    assert nvml.pcie_throughput(1) == PcieThroughput(tx_kbps=204_800, rx_kbps=17)
+    assert nvml.utilization(0) == Utilization(0, 0)
+    assert nvml.pcie_throughput(0) == PcieThroughput(0, 0)
+
+
+def test_pcie_throughput_not_supported_is_remembered_and_a_lost_gpu_is_lost(nvml_state: Path) -> None:
+    symbol = "nvmlDeviceGetPcieThroughput"
+    write_state(NvmlNodeState(gpus=[GpuState(index=0, calls=[InjectedCall(symbol, error=3)]),
+                                    GpuState(index=1, calls=[InjectedCall("*", error=15)])]), nvml_state)
+    nvml = _nvml()
+    with pytest.raises(NotSupported):
+        nvml.pcie_throughput(0)
+    write_state(NvmlNodeState(gpus=[GpuState(index=0), GpuState(index=1)]), nvml_state)
+    with pytest.raises(NotSupported, match="remembered"):
+        nvml.pcie_throughput(0)
+    assert nvml.utilization(0) == Utilization(0, 0)
+    lost = GpuState(index=1, calls=[InjectedCall("*", error=15)])
+    write_state(NvmlNodeState(gpus=[GpuState(index=0), lost]), nvml_state)
+    with pytest.raises(GpuLost):
+        nvml.utilization(1)

@@ -62,7 +62,8 @@ REQUIRED_SYMBOLS = {
     "nvmlDeviceGetMaxClockInfo", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit",
     "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth",
     "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth", "nvmlDeviceGetUtilizationRates",
-    "nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows",
+    "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors",
+    "nvmlDeviceGetRemappedRows",
     "nvmlDeviceGetRowRemapperHistogram", "nvmlDeviceGetRetiredPages", "nvmlDeviceGetGpuFabricInfo",
     "nvmlDeviceGetGpuFabricInfoV", "nvmlDeviceGetP2PStatus", "nvmlDeviceGetTopologyCommonAncestor",
     "nvmlEventSetCreate", "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",
@@ -87,7 +88,8 @@ PYNVML_WRAPPERS = [
     "nvmlDeviceGetMaxClockInfo", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit",
     "nvmlDeviceGetPowerManagementLimit", "nvmlDeviceGetCurrPcieLinkGeneration",
     "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth",
-    "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors",
+    "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetEccMode",
+    "nvmlDeviceGetTotalEccErrors",
     "nvmlDeviceGetRemappedRows", "nvmlDeviceGetRowRemapperHistogram", "nvmlDeviceGetRetiredPages",
     "nvmlDeviceGetRetiredPages_v2", "nvmlDeviceGetRetiredPagesPendingStatus",
     "nvmlDeviceGetGpuFabricInfo", "nvmlDeviceGetGpuFabricInfoV",
@@ -125,6 +127,7 @@ def rich_state() -> NvmlNodeState:
     g1.topology = {3: 20}
     g1.sm_clock_mhz, g1.power_usage_mw, g1.pcie_width_current = 1410, 512345, 8
     g1.utilization_gpu, g1.utilization_memory = 97, 41
+    g1.pcie_tx_kbps, g1.pcie_rx_kbps = 123456, 789
     g2 = s.gpus[2]
     g2.name = "NVIDIA H100 PCIe"
     g2.nvlink_states = []
@@ -417,6 +420,11 @@ def test_clocks_thermals_power(node: Node) -> None:
     assert pcie == [5, 5, 8, 16]
     util = pynvml.nvmlDeviceGetUtilizationRates(h(1))
     assert (util.gpu, util.memory) == (97, 41)
+    assert pynvml.nvmlDeviceGetPcieThroughput(h(1), pynvml.NVML_PCIE_UTIL_TX_BYTES) == 123456
+    assert pynvml.nvmlDeviceGetPcieThroughput(h(1), pynvml.NVML_PCIE_UTIL_RX_BYTES) == 789
+    assert pynvml.nvmlDeviceGetPcieThroughput(h(0), pynvml.NVML_PCIE_UTIL_RX_BYTES) == 0
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlDeviceGetPcieThroughput(h(1), pynvml.NVML_PCIE_UTIL_COUNT)
 
 
 def test_memory_errors(node: Node) -> None:

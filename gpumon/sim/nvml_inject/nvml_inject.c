@@ -35,6 +35,7 @@
  *   clocks_event_reasons CURRENT SUPPORTED | violation POLICY NS | temperature GPU MEM|- |
  *   thresholds SHUTDOWN SLOWDOWN MEM_MAX GPU_MAX | clocks SM MEM VIDEO MAX_SM MAX_MEM MAX_VIDEO |
  *   power USAGE_MW LIMIT_MW | pcie GEN MAXGEN WIDTH MAXWIDTH | utilization GPU MEM |
+ *   pcie_throughput TX_KBPS RX_KBPS |
  *   ecc_mode CUR PEND | ecc_errors VOL_CORR VOL_UNC AGG_CORR AGG_UNC |
  *   remapped_rows CORR UNC PENDING FAILURE | remap_histogram MAX HIGH PARTIAL LOW NONE |
  *   retired_pages SBE|- DBE|- PENDING | fabric STATE STATUS CLIQUE UUIDHEX HEALTHMASK HEALTHSUMMARY |
@@ -58,6 +59,9 @@
  *   state until timeoutms and returns NVML_ERROR_TIMEOUT if nothing new arrived.
  * - NVLink: no links -> NOT_SUPPORTED for every NvLink call; link >= count -> INVALID_ARGUMENT.
  * - Fabric info: NOT_SUPPORTED before Hopper (architecture < 9).
+ * - PCIe throughput: nvmlDeviceGetPcieThroughput answers the "pcie_throughput" line (KB/s, counter
+ *   NVML_PCIE_UTIL_TX_BYTES 0 / RX_BYTES 1; another counter -> INVALID_ARGUMENT). Real NVML measures
+ *   it over a 20 ms window; here it is whatever the state says.
  * - Compute processes: the "process" records in file order, MIG ids 0xFFFFFFFF (MIG off); sizing like
  *   NVML: *infoCount too small (0 to query) -> INSUFFICIENT_SIZE with the count, SUCCESS if there are none.
  */
@@ -291,6 +295,7 @@ typedef struct {
     unsigned int power_mw, limit_mw;
     unsigned int pcie_gen, pcie_max_gen, pcie_width, pcie_max_width;
     unsigned int util_gpu, util_mem;
+    unsigned int pcie_tx_kbps, pcie_rx_kbps;
     unsigned int ecc_cur, ecc_pend;
     u64 ecc[4]; /* volatile corrected, volatile uncorrected, aggregate corrected, aggregate uncorrected */
     unsigned int remap[4]; /* corrected, uncorrected, pending, failure */
@@ -549,6 +554,7 @@ static const struct {
     {"power", "uu", {GOFF(power_mw), GOFF(limit_mw)}},
     {"pcie", "uuuu", {GOFF(pcie_gen), GOFF(pcie_max_gen), GOFF(pcie_width), GOFF(pcie_max_width)}},
     {"utilization", "uu", {GOFF(util_gpu), GOFF(util_mem)}},
+    {"pcie_throughput", "uu", {GOFF(pcie_tx_kbps), GOFF(pcie_rx_kbps)}},
     {"ecc_mode", "bb", {GOFF(ecc_cur), GOFF(ecc_pend)}},
     {"ecc_errors", "UUUU", {GOFF(ecc[0]), GOFF(ecc[1]), GOFF(ecc[2]), GOFF(ecc[3])}},
     {"remapped_rows", "uubb", {GOFF(remap[0]), GOFF(remap[1]), GOFF(remap[2]), GOFF(remap[3])}},
@@ -1435,6 +1441,20 @@ EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtili
     REQUIRE(util);
     util->gpu = g->util_gpu;
     util->memory = g->util_mem;
+    return leave(NVML_SUCCESS);
+}
+
+#define PCIE_UTIL_TX_BYTES 0 /* nvmlPcieUtilCounter_t */
+#define PCIE_UTIL_RX_BYTES 1
+EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, unsigned int counter, unsigned int *value) {
+    DEVICE_ENTER(device, g);
+    REQUIRE(value);
+    if (counter == PCIE_UTIL_TX_BYTES)
+        *value = g->pcie_tx_kbps;
+    else if (counter == PCIE_UTIL_RX_BYTES)
+        *value = g->pcie_rx_kbps;
+    else
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
     return leave(NVML_SUCCESS);
 }
 
