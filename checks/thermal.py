@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.check import Check, CheckContext
+from gpumon.check import Check, CheckContext, each_gpu
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
 from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
@@ -101,12 +101,13 @@ class ThermalCheck(Check):
     def run(self, ctx: CheckContext) -> list[Finding]:
         params = ctx.params_as(ThermalConfig)
         out = self.unreadable_gpus(ctx.inventory)
-        for info in ctx.inventory.gpus:
-            try:
-                out.extend(self._gpu(ctx, params, info.index))
-            except (GpuLost, HwTimeout) as cond:
+        # every GPU at once: a call that hangs on all of them costs one bound, not one per GPU
+        for info, got in each_gpu(ctx, ctx.inventory.gpus, lambda info: self._gpu(ctx, params, info.index)):
+            if isinstance(got, HwCondition):
                 # a lost or hung GPU is the finding; asking it more would only wait again
-                out.append(self.from_condition(cond, gpu(info.index)))
+                out.append(self.from_condition(got, gpu(info.index)))
+            else:
+                out.extend(got)
         return out
 
     def _gpu(self, ctx: CheckContext, params: ThermalConfig, index: int) -> list[Finding]:

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon.bootstate import dump_state, enter_boot, restore
-from gpumon.check import Check, CheckContext
+from gpumon.check import Check, CheckContext, each_gpu
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
-from gpumon.hw.nvml import CLOCK_EVENT_REASONS, PERF_POLICIES
+from gpumon.hw.nvml import CLOCK_EVENT_REASONS, PERF_POLICIES, GpuInfo
 from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
 
 # NVIDIA documents HW slowdown as engaged by the board for thermal or power
@@ -273,15 +273,18 @@ class ThrottleCheck(Check):
         out = self.unreadable_gpus(ctx.inventory)
         enter_boot(state, ctx.hw.fs.boot_id())  # a reboot restarts every counter and ends every slowdown
         gpus = state.gpus
-        for info in ctx.inventory.gpus:
+
+        def read(info: GpuInfo) -> tuple[int, dict[str, Any], dict[str, int]]:
+            return (ctx.hw.nvml.clocks_event_reasons(info.index), *self._readings(ctx, info.index))
+
+        # every GPU at once: a call that hangs on all of them costs one bound, not one per GPU
+        for info, got in each_gpu(ctx, ctx.inventory.gpus, read, catch=(HwCondition,)):
             comp = gpu(info.index)
-            try:
-                mask = ctx.hw.nvml.clocks_event_reasons(info.index)
-                readings, counters = self._readings(ctx, info.index)
-            except HwCondition as cond:
+            if isinstance(got, HwCondition):
                 # the reasons unreadable, or the GPU lost or hung in a reading: that is its finding
-                out.append(self.from_condition(cond, comp))
+                out.append(self.from_condition(got, comp))
                 continue
+            mask, readings, counters = got
             now = ctx.clock()
             history = gpus.get(key := str(info.index))
             if history is None:

@@ -7,8 +7,10 @@ component it examined (``ok`` included).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, MutableMapping
+from collections.abc import Callable, Hashable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -44,6 +46,8 @@ class KernelLogFold(Protocol):
 
 
 P = TypeVar("P")
+G = TypeVar("G")
+R = TypeVar("R")
 
 # Evidence of a finding that says its GPU is lost (fallen off the bus, NVML answers GPU_IS_LOST):
 # ``gpu_lost: true``. Every check that reads the GPU through NVML says so once the GPU is gone
@@ -102,6 +106,50 @@ class CheckContext:
         if not isinstance(self.params, config):
             raise TypeError(f"check options are {type(self.params).__name__}, not {config.__name__}")
         return self.params
+
+
+def each_gpu(ctx: CheckContext, gpus: Sequence[G], read: Callable[[G], R],
+             catch: tuple[type[HwCondition], ...] = (GpuLost, HwTimeout)) -> list[tuple[G, R | HwCondition]]:
+    """``read(g)`` for every GPU at once, one thread per GPU: ``(g, value or the condition it raised)``
+    in the order given. A check that reads its GPUs one after the other waits out the call bound
+    once per GPU when a call hangs on every GPU (a driver-wide hang, the common real case): 8 GPUs
+    x 5 s passes the check's own timeout and no GPU is named. Read at once, every GPU's hung call
+    is named within one bound. Conditions in ``catch`` are the GPU's result; anything else raised
+    is re-raised here (the first in GPU order). The runner's "hung in" names a call the helper
+    threads wait on (``BoundedCaller.on_behalf_of``)."""
+    items = list(gpus)
+    if len(items) <= 1:
+        out: list[tuple[G, R | HwCondition]] = []
+        for g in items:
+            try:
+                out.append((g, read(g)))
+            except catch as cond:
+                out.append((g, cond))
+        return out
+    parent = threading.get_ident()
+    caller = getattr(getattr(ctx, "hw", None), "caller", None)
+    results: list[tuple[bool, Any]] = [(False, None)] * len(items)
+
+    def one(i: int) -> None:
+        scope = caller.on_behalf_of(parent) if caller is not None else contextlib.nullcontext()
+        with scope:
+            try:
+                results[i] = (True, read(items[i]))
+            except catch as cond:
+                results[i] = (True, cond)
+            except BaseException as exc:  # re-raised on the check's thread
+                results[i] = (False, exc)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"gpumon-gpu-read-{i}", daemon=True)
+               for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for done, value in results:
+        if not done:
+            raise value
+    return [(g, value) for g, (_, value) in zip(items, results, strict=True)]
 
 
 class Check:

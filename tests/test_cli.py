@@ -173,6 +173,34 @@ def test_a_hung_nvml_call_is_its_gpus_finding_within_its_bound_in_every_check(tm
             assert (f["message"], f["action"]) == (want, "reboot_node"), f
 
 
+def test_a_driver_wide_hang_names_every_gpu_within_one_bound(tmp_path: Path) -> None:
+    """Issue 23 #5: one NVML call hangs on EVERY GPU (a driver-wide hang; 30 s, bound 1 s). Each check
+    that makes the call names every GPU with it, reboot_node, within the bound + 1 s: the GPUs are
+    read at once, so the bound is not waited out once per GPU (8 x 1 s, past a check's own timeout
+    with the default 5 s bound: 'throttle' on 'node', action none, after 20 s)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("timeouts:\n  nvml_call_s: 1\n")
+    scenario = tmp_path / "hang.yaml"
+    functions = ("nvmlDeviceGetTemperature", "nvmlDeviceGetEccMode")
+    scenario.write_text("name: hang\nsku: h100-sxm\ngpus: 8\nfaults:\n" + "".join(
+        f"  - {{kind: nvml_hang, gpu: {g}, function: {fn}, seconds: 30}}\n"
+        for fn in functions for g in range(8)))
+    proc = run_gpumon("--config", str(cfg), "check", "thermal", "throttle", "memory", "--simulate",
+                      str(scenario), "--json", "-v")
+    assert proc.returncode == 2, proc.stderr
+    doc = json.loads(proc.stdout)
+    runs = {c["check"]: c for c in doc["checks"]}
+    assert {r["outcome"] for r in runs.values()} == {"completed"}, runs
+    assert all(r["seconds"] <= 2.0 for r in runs.values()), runs  # bound + 1 s, not 8 bounds
+    found = {(f["check"], f["component"]): f for f in doc["findings"]}
+    for check, fn in (("thermal", functions[0]), ("throttle", functions[0]), ("memory", functions[1])):
+        for g in range(8):
+            f = found[(check, f"gpu/{g}")]
+            assert (f["severity"], f["action"], f["message"]) == (
+                "fail", "reboot_node", f"hung after 1 s in {fn}(gpu/{g})"), f
+    assert not [f for f in doc["findings"] if f["component"] == "node" and f["severity"] != "ok"]
+
+
 def test_hung_check_is_reported_within_timeout_plus_1s_while_others_finish(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("timeouts:\n  nvml_call_s: 60\nchecks:\n  throttle:\n    timeout_s: 2\n")

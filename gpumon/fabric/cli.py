@@ -51,6 +51,9 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
                    help="largest message (default: checks.fabric.max_bytes, 2 GiB; cpu.max_bytes on CPU)")
     p.add_argument("--deadline", type=float, metavar="SECONDS",
                    help="end the probe by then, naming the ranks lost (default: checks.fabric.deadline_s)")
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="the pairing and data patterns of an earlier run (its report's 'seed'; default: "
+                        "checks.fabric.seed, else a new one each run); rank 0's counts")
     p.add_argument("--port", type=int, help="rendezvous port (default: MASTER_PORT, else 29500)")
     p.add_argument("--master-addr", metavar="HOST", help="rendezvous host (default: from the launcher)")
 
@@ -144,7 +147,7 @@ def main(args: argparse.Namespace, agent: Agent) -> int:
     setup = RankSetup(launch=launch, settings=settings, node=node, device=device,
                       deadline_s=args.deadline or settings.deadline_s, gate=gate, record=record,
                       report=report, max_bytes=args.max_bytes, enter_device=enter_device,
-                      profile=profile.name)
+                      profile=profile.name, seed=args.seed)
     try:
         return RankRun(setup).run()
     finally:

@@ -38,10 +38,11 @@ Classification (recomputed from all pairs after every ``add``):
   ``latency_floor_us`` (the floor keeps a 2 µs -> 7 µs wobble of a tiny number from counting);
   a pair with a value and not bad is *fast*; a pair with no value and no failure tells nothing;
 - a node fast with at least one partner is *good* (its NIC and path reach the reference);
-- *node fault*: fast with none, and bad with >= ``confirm_partners`` distinct partners that are
-  good. Only good partners count: a bad pair of two suspects is evidence against both, explained
-  by either. It costs a third round only when two bad nodes met in round 1 (each has one good
-  partner after round 2);
+- *node fault*: fast with none, and bad with more than ``confirm_partners`` distinct partners that
+  are good, or with exactly that many when no good partner it has not met is left. Only good
+  partners count: a bad pair of two suspects is evidence against both, explained by either. The
+  extra partner is the re-measurement: a node is not failed on one pair that read slow once next
+  to a slow path. A node fault so costs a third round (a fourth when two bad nodes met in round 1);
 - *link fault*: a bad pair whose two nodes are each fast with some other partner (both named);
 - *suspect*: fast with none, not a node fault, and bad with a partner that is not a node fault.
   Suspects left when the rounds end are ``unresolved``;
@@ -413,8 +414,20 @@ class Isolator:
         # Only good partners confirm: a bad pair of two suspects is evidence against both and is
         # explained by either (a bad node paired with a node whose round-1 pair failed by chance
         # would otherwise convict that node too).
-        node_faults = {n for n in self._nodes
-                       if not fast[n] and sum(1 for p in bad[n] if fast[p]) >= s.confirm_partners}
+        # A node is failed only after one more measurement with a fresh partner: one pair that read
+        # slow once (noise, contention) next to a slow path would otherwise fail a healthy node. So a
+        # node bad with confirm_partners good partners stays a suspect (paired with a good node it
+        # has not met) until it is bad with one more, or no good partner is left to try.
+        good = [n for n in self._nodes if fast[n]]
+        node_faults = set()
+        for n in self._nodes:
+            if fast[n]:
+                continue
+            proven = sum(1 for p in bad[n] if fast[p])
+            if proven > s.confirm_partners or (
+                    proven == s.confirm_partners
+                    and not any(g != n and g not in self._met[n] for g in good)):
+                node_faults.add(n)
         suspects: list[str] = []
         untested: list[str] = []
         for n in self._nodes:
@@ -560,12 +573,21 @@ def _union(kind_sets: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
     return tuple(k for k in _KIND_ORDER if k in seen)
 
 
+def bw_text(gbps: float) -> str:
+    """A bandwidth in the unit that shows it: 46.2 GB/s on GPUs, 160 MB/s on CPU ranks (not 0.0 GB/s)."""
+    for unit, scale in (("GB/s", 1.0), ("MB/s", 1e-3), ("kB/s", 1e-6)):
+        if abs(gbps) >= scale:
+            value = gbps / scale
+            return f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{gbps * 1e9:.0f} B/s"
+
+
 def _values(m: _Merged) -> str:
     parts: list[str] = []
     if m.failed is not None:
         parts.append(f"failed: {m.failed}")
     if m.busbw is not None:
-        parts.append(f"{m.busbw:.1f} GB/s")
+        parts.append(bw_text(m.busbw))
     if m.p95 is not None:
         parts.append(f"p95 {m.p95:.1f} us")
     return ", ".join(parts) or "no value"
@@ -574,7 +596,7 @@ def _values(m: _Merged) -> str:
 def _ref_text(ref_bw: float | None, ref_lat: float | None, s: IsolationSettings) -> str:
     parts: list[str] = []
     if ref_bw is not None:
-        parts.append(f"reference {ref_bw:.1f} GB/s (slow below {s.slow_fraction * ref_bw:.1f})")
+        parts.append(f"reference {bw_text(ref_bw)} (slow below {bw_text(s.slow_fraction * ref_bw)})")
     if ref_lat is not None:
         limit = max(s.latency_factor * ref_lat, ref_lat + s.latency_floor_us)
         parts.append(f"reference p95 {ref_lat:.1f} us (slow above {limit:.1f})")

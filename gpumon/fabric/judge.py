@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.fabric.isolate import IsolationVerdict, PairResult
+from gpumon.fabric.isolate import IsolationVerdict, PairResult, bw_text
 from gpumon.fabric.settings import FabricConfig
 from gpumon.fabric.sweep import OpResult, busbw_factor
 from gpumon.model import NODE, Action, Finding, Severity, Status, overall_status, reading
@@ -119,7 +119,7 @@ class ProfileMiss:
 
     def text(self) -> str:
         if self.what == "busbw":
-            return (f"{self.op} busbw {self.measured:.1f} GB/s at large sizes, below the profile's "
+            return (f"{self.op} busbw {bw_text(self.measured)} at large sizes, below the profile's "
                     f"{self.limit:g} GB/s")
         return f"{self.op} p95 {self.measured:.0f} us at small sizes, above the profile's {self.limit:g} us"
 
@@ -161,6 +161,8 @@ class Probe:
     hung: str | None = None  # the phase the group stopped in, when it did not finish
     time: float = 0.0
     profile: str = ""  # the SKU profile the floors come from (named in the findings)
+    # heartbeat silences that ended: rank -> [(seconds, what it said before, what it said after)]
+    silences: dict[int, list[tuple[float, str, str]]] = field(default_factory=dict)
 
     @property
     def nodes(self) -> list[str]:
@@ -171,6 +173,82 @@ class Probe:
         return info.node if info else f"rank {rank}"
 
 
+@dataclass(frozen=True)
+class Stall:
+    """A call far slower than its own size's median, or a heartbeat that went silent and came back:
+    a link that went down for a moment. ``nodes`` are the ones involved; ``named``: they are the
+    culprit's side (a rank's own silence), else "one of these" (a pair, a whole-group collective,
+    where every rank waits for the slowest)."""
+
+    where: str  # "all_gather 32768 B timed", "sendrecv 8 B warm-up with rank 2", "heartbeat"
+    nodes: tuple[str, ...]
+    seconds: float  # the stalled call (or silence)
+    median_s: float | None  # the size's median call
+    named: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"where": self.where, "nodes": list(self.nodes), "seconds": round(self.seconds, 3),
+                "median_s": None if self.median_s is None else round(self.median_s, 6), "named": self.named}
+
+    def text(self) -> str:
+        med = f" (its median {self.median_s * 1e3:.1f} ms)" if self.median_s is not None else ""
+        if self.named:
+            return f"{', '.join(self.nodes)} went silent for {self.seconds:.1f} s {self.where}"
+        return (f"{self.where} stalled {self.seconds:.2f} s{med}: one of {', '.join(self.nodes)} "
+                "(or the path between them)")
+
+
+def _stalled(seconds: float, median: float, factor: float, floor: float) -> bool:
+    """Far above its own median: ``factor`` times, and ``floor`` seconds more (CPU noise and
+    scheduling cannot reach it; a lost packet's retransmit timeout does)."""
+    return (math.isfinite(seconds) and math.isfinite(median) and seconds > factor * median
+            and seconds - median > floor)
+
+
+def find_stalls(p: Probe) -> list[Stall]:
+    """Every stall the ranks' own numbers show: a collective's tail (p99), its slowest warm-up call,
+    its agreements (through the store), the same for each pair exchange, and heartbeat silences."""
+    margins = p.settings.cpu if p.cpu else p.settings
+    factor, floor = margins.stall_factor, margins.stall_floor_s
+    group = tuple(p.nodes)
+    seen: dict[tuple[str, tuple[str, ...]], Stall] = {}
+
+    def add(st: Stall) -> None:
+        key = (st.where, st.nodes)
+        if key not in seen or seen[key].seconds < st.seconds:
+            seen[key] = st
+
+    def scan(rank: int, results: Sequence[OpResult]) -> None:
+        for r in results:
+            if r.peer is not None:
+                nodes = tuple(sorted({p.node_of(rank), p.node_of(r.peer)}))
+                label = f"sendrecv {r.nbytes} B between {' and '.join(nodes)}"
+            else:
+                nodes, label = group, f"{r.op} {r.nbytes} B"
+            med = r.p50_s
+            for what, value, base in (("timed", r.p99_s, med), ("warm-up", r.warmup_max_s, med),
+                                      ("agreement", r.agree_max_s, med)):
+                if _stalled(value, base, factor, floor):
+                    add(Stall(f"{label} {what}", nodes, value, med, named=False))
+
+    for rank, results in sorted(p.collectives.items()):
+        scan(rank, results)
+    for rank, results in sorted(p.pair_results.items()):
+        scan(rank, results)
+    silent = {q: v for q, v in p.silences.items() if v}
+    others = [q for q in p.ranks if q != 0]
+    if silent and others and len(silent) * 2 > len(others) and 0 not in silent:
+        # most ranks silent at once, as rank 0 saw it: rank 0's own node was the one cut off
+        worst = max((x for v in silent.values() for x in v), key=lambda x: x[0])
+        add(Stall(f"(rank 0 heard most of the group go silent, during {worst[1]})",
+                  (p.node_of(0),), worst[0], None, named=True))
+    else:
+        for q, events in sorted(silent.items()):
+            worst = max(events, key=lambda x: x[0])
+            add(Stall(f"(its heartbeat, during {worst[1]})", (p.node_of(q),), worst[0], None, named=True))
+    return sorted(seen.values(), key=lambda st: -st.seconds)
+
+
 @dataclass
 class Verdict:
     rows: list[Row]
@@ -178,6 +256,7 @@ class Verdict:
     misses: list[ProfileMiss]
     corrupt: dict[int, int]  # source rank -> wrong elements traced to it
     complete: bool
+    stalls: list[Stall] = field(default_factory=list)
 
     @property
     def status(self) -> Status:
@@ -234,9 +313,10 @@ def judge(p: Probe) -> Verdict:
     unexplained = {k: v for k, v in unexplained.items() if v} if not corrupt else {}
     complete = not p.lost and not p.errors and p.hung is None
     pair_bw = _node_pair_values(p)
-    findings = {node: _node_finding(p, node, rows, misses, corrupt, unexplained, pair_bw, complete)
+    stalls = find_stalls(p)
+    findings = {node: _node_finding(p, node, rows, misses, corrupt, unexplained, pair_bw, complete, stalls)
                 for node in p.nodes}
-    return Verdict(rows, findings, misses, corrupt, complete)
+    return Verdict(rows, findings, misses, corrupt, complete, stalls)
 
 
 def _node_pair_values(p: Probe) -> dict[str, tuple[float | None, float | None]]:
@@ -262,7 +342,8 @@ def _median(values: list[float]) -> float | None:
 
 def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[ProfileMiss],
                   corrupt: Mapping[int, int], unexplained: Mapping[int, int],
-                  pair_bw: Mapping[str, tuple[float | None, float | None]], complete: bool) -> Finding:
+                  pair_bw: Mapping[str, tuple[float | None, float | None]], complete: bool,
+                  stalls: Sequence[Stall] = ()) -> Finding:
     mine = sorted(r for r, info in p.ranks.items() if info.node == node)
     problems: list[tuple[Severity, Action, str]] = []
     short, full = judged_against(p)
@@ -302,6 +383,21 @@ def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[Pro
             problems.append((Severity.WARN, Action.NONE,
                              f"{node} was slow with its partner(s) and the rounds could not tell which side "
                              f"is at fault ({'; '.join(iso.notes) or 'too few nodes'})"))
+    mine_stalls = [st for st in stalls if node in st.nodes]
+    if mine_stalls:
+        # a link that went down for a moment and came back: never "ok". Named (its own heartbeat
+        # went silent): its NIC, cable or port; else one of the nodes measured when it stalled
+        evidence["stalls"] = [st.to_json() for st in mine_stalls]
+        named = [st for st in mine_stalls if st.named]
+        if named:
+            problems.append((Severity.WARN, Action.CHECK_CABLES,
+                             f"{node} stalled during the probe: {named[0].text()}: a link that went "
+                             "down and came back (its NIC, cable or switch port)"))
+        others = [st for st in mine_stalls if not st.named]
+        if others:
+            more = f" (+{len(others) - 1} more)" if len(others) > 1 else ""
+            problems.append((Severity.WARN, Action.NONE,
+                             f"a call stalled during the probe: {others[0].text()}{more}"))
     lost_here = {r: what for r, what in p.lost.items() if r in mine}
     lost_nodes = {p.node_of(r) for r in p.lost}
     # rank 0 losing most of the group is more likely cut off itself than seeing a majority fail
@@ -332,7 +428,7 @@ def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[Pro
     evidence["readings"] = _readings(node, rows, pair_bw, p.time, complete and not problems)
     if not problems:
         bw, lat = pair_bw.get(node, (None, None))
-        detail = (f"; pairs: {bw:.2f} GB/s, p95 {lat:.0f} us" if bw is not None and lat is not None else "")
+        detail = (f"; pairs: {bw_text(bw)}, p95 {lat:.0f} us" if bw is not None and lat is not None else "")
         return Finding(CHECK, NODE, Severity.OK,
                        f"fabric probe passed on {len(p.nodes)} node(s) / {p.world} ranks{detail} "
                        f"(judged against: {short})", Action.NONE, evidence)

@@ -76,6 +76,7 @@ class RankSetup:
     # model: the CPU rank standing in for a simulated GPU carries out that GPU's faults)
     enter_device: Callable[[int], None] | None = None
     profile: str = ""  # the SKU profile whose floors judge NCCL on GPUs (named in the findings)
+    seed: int | None = None  # --seed: the pairing and data patterns of an earlier run (rank 0's counts)
 
 
 class _Store:
@@ -132,6 +133,11 @@ class RankRun:
         self._confirm: list[tuple[str, str]] | None = None  # rank 0: link faults still to re-measure
         self._agreed: dict[str, int] = {}  # agreements made so far, per group of ranks
         self.cpu = True  # gloo on CPU (judged without the profile's GPU floors); set with the device
+        self.seed = 0  # the run's seed: rank 0's choice, read by every rank from the store
+        # rank 0: heartbeat silences that ended (a rank cut off for a moment and back): rank ->
+        # [(seconds silent, what it said before, what it said after)]
+        self.silences: dict[int, list[tuple[float, str, str]]] = {}
+        self.rounds_done: list[tuple[int, list[tuple[str, str]]]] = []  # rank 0: round -> pairs
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -139,7 +145,12 @@ class RankRun:
         return max(0.01, self.deadline - time.monotonic())
 
     def progress(self, phase: str) -> None:
-        if phase.split(" ", 1)[0] != self.phase.split(" ", 1)[0]:
+        # logged when the step changes: the collective ("all_gather 8 B warm-up" -> all_gather), or
+        # what comes before a colon ("round 2: pairs with node1" -> round 2)
+        def step(text: str) -> str:
+            return text.split(":", 1)[0] if ":" in text else text.split(" ", 1)[0]
+
+        if step(phase) != step(self.phase):
             log.info("rank %d: %s", self.rank, phase)
         self.phase = phase
 
@@ -195,16 +206,29 @@ class RankRun:
                 if client is None:
                     client = _Store(self.launch, min(5.0, self.remaining()))
                 now = time.monotonic()
+                limit = self._silence_limit()
                 for r in range(self.world):
                     key = f"hb/{r}"
                     if client.has(key):
                         beat = str(client.get(key))
-                        if self._heard.get(r, ("", 0.0))[0] != beat:
+                        before, when = self._heard.get(r, ("", 0.0))
+                        if before != beat:
+                            if before and now - when > limit:
+                                # silent, then back: a link that went down and came up (a flap)
+                                self.silences.setdefault(r, []).append(
+                                    (round(now - when, 2), before.split("|", 1)[-1], beat.split("|", 1)[-1]))
                             self._heard[r] = (beat, now)
             except Exception as exc:
                 log.debug("watch: %s", exc)
                 client = None
             self._stop.wait(self.s.settings.heartbeat_s)
+
+    def _silence_limit(self) -> float:
+        """How long a heartbeat may stay unchanged before the silence is a stall: two periods (a
+        beat and rank 0's look at it are each up to one period apart) plus the stall floor."""
+        s = self.s.settings
+        floor = s.cpu.stall_floor_s if self.cpu else s.stall_floor_s
+        return 2 * s.heartbeat_s + floor
 
     def lost(self) -> dict[int, str]:
         """Ranks not heard from for ``STALE_BEATS`` heartbeats: rank -> what they last said."""
@@ -269,10 +293,15 @@ class RankRun:
         if self.rank == 0:
             store.wait([f"rank/{r}" for r in range(self.world)], self.remaining())
             table = {str(r): store.get(f"rank/{r}") for r in range(self.world)}
+            # a new seed each run unless one is asked for: another pairing every run (README)
+            chosen = self.s.seed if self.s.seed is not None else s.seed
+            self.seed = chosen if chosen is not None else int.from_bytes(os.urandom(4), "big") >> 1
+            store.set("seed", self.seed)
             store.set("table", table)
         else:
             store.wait(["table"], self.remaining())
             table = store.get("table")
+            self.seed = int(store.get("seed"))
         self.ranks = {int(r): RankInfo(int(r), str(v["node"]), int(v["local_rank"]), int(v["pid"]))
                       for r, v in table.items()}
         busy = {v["node"]: v["busy"] for v in table.values() if v.get("busy")}
@@ -289,7 +318,8 @@ class RankRun:
         plan = SweepPlan(ops=tuple(s.collectives),
                          sizes=sizes(s.min_bytes, max_bytes, s.cpu.step_factor if cpu else s.step_factor),
                          iterations=s.cpu.iterations if cpu else s.iterations,
-                         warmup=s.cpu.warmup if cpu else s.warmup, size_budget_s=s.size_budget_s, seed=s.seed)
+                         warmup=s.cpu.warmup if cpu else s.warmup, size_budget_s=s.size_budget_s,
+                         seed=self.seed)
         large_min = min(s.cpu.large_min_bytes if cpu else s.large_min_bytes, plan.sizes[-1])
         if self.rank == 0:
             self.probe = Probe(settings=s, ranks=self.ranks, world=self.world, large_min_bytes=large_min,
@@ -360,7 +390,7 @@ class RankRun:
             iso = self.iso = Isolator(nodes, IsolationSettings(
                 slow_fraction=margins.slow_fraction, latency_factor=margins.latency_factor,
                 latency_floor_us=margins.latency_floor_us, confirm_partners=s.confirm_partners,
-                max_rounds=s.max_rounds), seed=s.seed)
+                max_rounds=s.max_rounds), seed=self.seed)
         pair_plan = SweepPlan(ops=(), sizes=(plan.sizes[0], *[x for x in plan.sizes if x >= large_min]),
                               iterations=plan.iterations, warmup=plan.warmup,
                               size_budget_s=plan.size_budget_s, seed=plan.seed)
@@ -398,6 +428,7 @@ class RankRun:
                     self.probe.pair_results.setdefault(q, []).extend(rs)
                 results = [pair_result(a, b, got, self.ranks) for a, b in pairs]
                 self.probe.pairs.extend(results)
+                self.rounds_done.append((k, [(a, b) for a, b in pairs]))
                 iso.add(results)
 
     def _confirmation_round(self, iso: Isolator) -> list[tuple[str, str]]:
@@ -420,7 +451,21 @@ class RankRun:
     def _summary(self) -> dict[str, Any]:
         return {"nodes": sorted({i.node for i in self.ranks.values()}), "ranks": self.world,
                 "launch": self.launch.to_json(), "started": self.started_wall,
-                "seconds": round(time.monotonic() - self.start, 3)}
+                "seconds": round(time.monotonic() - self.start, 3), "seed": self.seed}
+
+    def _pairs_doc(self, probe: Probe) -> list[dict[str, Any]]:
+        """Which node pairs were measured, round by round, with their figures (the report says
+        what this run covered: a link never paired was not measured)."""
+        out: list[dict[str, Any]] = []
+        results = iter(probe.pairs)
+        for k, pairs in self.rounds_done:
+            for a, b in pairs:
+                pr = next(results, None)
+                out.append({"round": k, "a": a, "b": b,
+                            "busbw_gbps": pr.busbw_gbps if pr else None,
+                            "p95_latency_us": pr.p95_latency_us if pr else None,
+                            "failed": pr.failed if pr else None})
+        return out
 
     def _publish(self, probe: Probe) -> Verdict:
         """Rank 0: judge, post the verdict for the other ranks, write the group report."""
@@ -428,6 +473,7 @@ class RankRun:
         probe.time = time.time()
         if self.iso is not None:
             probe.isolation = self.iso.verdict()
+        probe.silences = {q: list(v) for q, v in self.silences.items()}
         verdict = judge(probe)
         doc = {"outcome": "completed" if verdict.complete else "incomplete",
                "status": verdict.status.value, **self._summary(),
@@ -437,6 +483,8 @@ class RankRun:
                         for q, what in probe.lost.items()},
                "errors": {str(q): e for q, e in probe.errors.items()},
                "stopped": probe.hung,
+               "pairs": self._pairs_doc(probe),
+               "stalls": [st.to_json() for st in verdict.stalls],
                "corrupted_from_ranks": {str(q): {"node": probe.node_of(q), "wrong_elements": n}
                                         for q, n in sorted(verdict.corrupt.items())}}
         with contextlib.suppress(Exception):

@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpumon.fabric.isolate import bw_text
 from gpumon.fabric.judge import Verdict
 from gpumon.report import console_for
 
@@ -51,9 +52,24 @@ def print_report(doc: dict[str, Any], verdict: Verdict | None, where: str,
         console.print(table)
     iso = doc.get("isolation")
     if iso:
-        bw, lat = _num(iso["reference_busbw_gbps"], ".3f"), _num(iso["reference_p95_us"], ".0f")
-        console.print(f"pair rounds: {iso['rounds']}, {iso['pairs_measured']} pairs; reference {bw} GB/s, "
+        ref = iso["reference_busbw_gbps"]
+        bw, lat = bw_text(ref) if ref is not None else "-", _num(iso["reference_p95_us"], ".0f")
+        console.print(f"pair rounds: {iso['rounds']}, {iso['pairs_measured']} pairs; reference {bw}, "
                       f"p95 {lat} us", soft_wrap=True)
+    if doc.get("seed") is not None:
+        console.print(f"seed {doc['seed']} (--seed {doc['seed']} repeats this pairing)", soft_wrap=True)
+    pairs = doc.get("pairs") or []
+    if pairs:
+        by_round: dict[int, list[str]] = {}
+        for pr in pairs:
+            bw = pr.get("busbw_gbps")
+            fig = f" {bw_text(bw)}" if isinstance(bw, (int, float)) else ""
+            by_round.setdefault(int(pr["round"]), []).append(f"{pr['a']}-{pr['b']}{fig}")
+        for k, measured in sorted(by_round.items()):
+            console.print(f"  round {k}: {', '.join(measured)}", soft_wrap=True)
+    for st in doc.get("stalls") or []:
+        console.print(f"[yellow]stall[/] {st['where']}: {st['seconds']} s, nodes {', '.join(st['nodes'])}",
+                      soft_wrap=True)
     for rank, lost in (doc.get("lost") or {}).items():
         console.print(f"[bold red]lost[/] rank {rank} on {lost['node']} (last heard: {lost['last_heard']})",
                       soft_wrap=True)

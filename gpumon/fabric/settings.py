@@ -40,6 +40,15 @@ class FabricCpu:
     latency_floor_us: float = field(default=20000.0, metadata={
         "min": 0.0, "source": "measurement, same runs: healthy 8 B p95 up to 12 ms; above 20 ms is not "
                               "scheduler noise on that VM"})
+    stall_factor: float = field(default=10.0, metadata={
+        "min": 1.0, "source": "as checks.fabric.stall_factor"})
+    stall_floor_s: float = field(default=0.5, metadata={
+        "min": 0.0,
+        "source": "argued, not yet measured as a distribution: a link down for 1-2 s stalls a call by "
+                  "1-3 s (TCP retransmits back off from 200 ms), scheduler noise of test hosts sharing "
+                  "two cores stays in tens of ms (healthy 8 B p95 up to 12 ms, cpu.latency_floor_us); "
+                  "in the tests/fabric runs of 2026-12-02 no healthy call passed it once the first "
+                  "call of an operation (one-time setup, 1.7 s) was left out"})
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,21 @@ class FabricConfig:
         "min": 0.05, "source": "argued: a rank that has not written its heartbeat for 3 periods is lost"})
     op_timeout_s: float = field(default=120.0, metadata={
         "min": 1.0, "source": "the process group's bound on one collective (torch.distributed timeout)"})
-    seed: int = 11
+    stall_factor: float = field(default=10.0, metadata={
+        "min": 1.0,
+        "source": "argued: a call more than 10 x its own size's median (p99, the slowest warm-up call, "
+                  "an agreement) is not run-to-run variance (busbw varies ~5-10 % on a healthy fabric) "
+                  "but a stall: a link that went down and came back, a retransmit timeout"})
+    stall_floor_s: float = field(default=0.2, metadata={
+        "min": 0.0,
+        "source": "Linux TCP_RTO_MIN = 200 ms (include/net/tcp.h): the shortest stall a lost packet "
+                  "costs on a TCP path (gloo, NCCL's socket transport, the rendezvous store); a healthy "
+                  "NCCL call of <= 2 GiB takes < 15 ms at the profiles' floors, so 0.2 s more than the "
+                  "median is no GPU's jitter"})
+    seed: int | None = field(default=None, metadata={
+        "source": "None: rank 0 draws a new seed each run (a periodic probe pairs other nodes each "
+                  "time, so links not paired before get measured); the report prints it, and "
+                  "--seed or this key repeats a run's pairing and data patterns"})
     idle_max_utilization_pct: int = field(default=5, metadata={
         "min": 0, "max": 100,
         "source": "the SDC canary's idle gate: a GPU with a compute process or above this utilization "

@@ -75,6 +75,10 @@ class OpResult:
     wrong_sources: dict[str, int] = field(default_factory=dict)
     peer: int | None = None  # sendrecv: the partner rank
     error: str | None = None
+    # the slowest warm-up call and the slowest agreement (through the store) of this size: a stall
+    # there (a link down for a second) is a finding as much as one in a timed iteration
+    warmup_max_s: float = math.nan
+    agree_max_s: float = math.nan
 
     def to_json(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
@@ -82,7 +86,7 @@ class OpResult:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OpResult:
         out = cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-        for name in ("p50_s", "p95_s", "p99_s"):
+        for name in ("p50_s", "p95_s", "p99_s", "warmup_max_s", "agree_max_s"):
             if getattr(out, name) is None:
                 setattr(out, name, math.nan)
         return out
@@ -96,6 +100,19 @@ class SweepPlan:
     warmup: int
     size_budget_s: float
     seed: int
+
+
+@dataclass
+class _Timing:
+    times: list[float] = field(default_factory=list)
+    wrong: int = 0
+    checked: int = 0
+    sources: dict[int, int] = field(default_factory=dict)
+    warmup_max_s: float = math.nan
+    agree_max_s: float = math.nan
+
+    def agreed(self, seconds: float) -> None:
+        self.agree_max_s = seconds if math.isnan(self.agree_max_s) else max(self.agree_max_s, seconds)
 
 
 def sizes(min_bytes: int, max_bytes: int, factor: int) -> tuple[int, ...]:
@@ -309,16 +326,23 @@ def _trace_sources(r: Rank, op: _Op) -> dict[int, int]:
 
 def _timed(r: Rank, plan: SweepPlan, label: str, refill: Callable[[], None], call: Callable[[], None],
            check: Callable[[], tuple[int, int, dict[int, int]]], agree: Callable[[float], float],
-           ) -> tuple[list[float], int, int, dict[int, int]]:
-    """Warm-up, then timed iterations (every result checked); returns times and wrong counts."""
+           first: bool = False) -> _Timing:
+    """Warm-up, then timed iterations (every result checked). Each warm-up call and the agreement
+    are timed too: a stall in them (a link down for a second) must leave a trace. ``first``: the
+    first size of an operation, whose first call carries one-time setup (connections, lazy
+    initialisation: 1.7 s seen under the fault harness) and is not timed as a stall."""
+    out = _Timing()
     r.progress(f"{label} warm-up")
-    for _ in range(plan.warmup):
+    for k in range(plan.warmup):
         refill()
+        r.sync()
+        t0 = time.perf_counter()
         call()
-    r.sync()
-    times: list[float] = []
-    wrong = checked = 0
-    sources: dict[int, int] = {}
+        r.sync()
+        took = time.perf_counter() - t0
+        if not (first and k == 0):
+            out.warmup_max_s = took if math.isnan(out.warmup_max_s) else max(out.warmup_max_s, took)
+    times = out.times
     n = plan.iterations
     i = 0
     while i < n:
@@ -329,24 +353,26 @@ def _timed(r: Rank, plan: SweepPlan, label: str, refill: Callable[[], None], cal
         r.sync()
         times.append(time.perf_counter() - t0)
         w, c, per = check()
-        wrong, checked = wrong + w, checked + c
+        out.wrong, out.checked = out.wrong + w, out.checked + c
         for k, v in per.items():
-            sources[k] = sources.get(k, 0) + v
+            out.sources[k] = out.sources.get(k, 0) + v
         i += 1
         if i == MIN_TIMED and n > MIN_TIMED:
             # every rank must make the same calls: agree on the slowest rank's time per iteration
+            t0 = time.perf_counter()
             per_iter = agree(sum(times) / len(times))
+            out.agreed(time.perf_counter() - t0)
             n = max(MIN_TIMED, min(n, int(plan.size_budget_s / per_iter) if per_iter > 0 else n))
             r.progress(f"{label} timed ({n} iterations)")
-    return times, wrong, checked, sources
+    return out
 
 
-def _result(op: str, nbytes: int, times: list[float], wrong: int, checked: int,
-            sources: dict[int, int], peer: int | None = None) -> OpResult:
+def _result(op: str, nbytes: int, t: _Timing, peer: int | None = None) -> OpResult:
+    times = t.times
     return OpResult(op=op, nbytes=nbytes, iterations=len(times), p50_s=percentile(times, 0.5),
-                    p95_s=percentile(times, 0.95), p99_s=percentile(times, 0.99), wrong=wrong,
-                    checked=checked, wrong_sources={str(k): v for k, v in sorted(sources.items())},
-                    peer=peer)
+                    p95_s=percentile(times, 0.95), p99_s=percentile(times, 0.99), wrong=t.wrong,
+                    checked=t.checked, wrong_sources={str(k): v for k, v in sorted(t.sources.items())},
+                    peer=peer, warmup_max_s=t.warmup_max_s, agree_max_s=t.agree_max_s)
 
 
 def collective_sweep(r: Rank, plan: SweepPlan, done: list[OpResult]) -> None:
@@ -356,13 +382,17 @@ def collective_sweep(r: Rank, plan: SweepPlan, done: list[OpResult]) -> None:
         for nbytes in plan.sizes:
             op = OPS[name](r, nbytes, plan.seed)
             label = f"{name} {op.nbytes} B"
-            times, wrong, checked, sources = _timed(r, plan, label, op.refill, op.call, op.check,
-                                                    r.agree_max)
+            t = _timed(r, plan, label, op.refill, op.call, op.check, r.agree_max,
+                       first=nbytes == plan.sizes[0])
             # a wrong sum on any rank: trace it (every rank must take part, so agree first)
-            if name in ("all_reduce", "reduce_scatter") and r.agree_max(float(wrong)) > 0:
-                r.progress(f"{label} tracing a wrong sum")
-                sources = _trace_sources(r, op)
-            done.append(_result(name, op.nbytes, times, wrong, checked, sources))
+            if name in ("all_reduce", "reduce_scatter"):
+                t0 = time.perf_counter()
+                any_wrong = r.agree_max(float(t.wrong)) > 0
+                t.agreed(time.perf_counter() - t0)
+                if any_wrong:
+                    r.progress(f"{label} tracing a wrong sum")
+                    t.sources = _trace_sources(r, op)
+            done.append(_result(name, op.nbytes, t))
             del op
             if r.cuda:
                 r.torch.cuda.empty_cache()
@@ -392,9 +422,9 @@ def pair_exchange(r: Rank, peer: int, plan: SweepPlan, done: list[OpResult]) -> 
             wrong = int((recv != want).sum())
             return wrong, recv.numel(), ({peer: wrong} if wrong else {})
 
-        times, wrong, checked, sources = _timed(r, plan, f"sendrecv {n * 4} B with rank {peer}", refill,
-                                                call, check, agree)
-        done.append(_result("sendrecv", n * 4, times, wrong, checked, sources, peer=peer))
+        t = _timed(r, plan, f"sendrecv {n * 4} B with rank {peer}", refill, call, check, agree,
+                   first=nbytes == plan.sizes[0])
+        done.append(_result("sendrecv", n * 4, t, peer=peer))
 
 
 def _exchange(dist: Any, send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:

@@ -29,10 +29,11 @@ The caller's thread records which call it is waiting on, so the runner can say
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -133,6 +134,8 @@ class BoundedCaller:
         self._done = threading.Condition(self._lock)  # notified whenever a job ends or a lane hangs
         self._lanes: dict[str, _Lane] = {}
         self._waiting: dict[int, _Job] = {}
+        # helper thread -> the thread it calls for (``on_behalf_of``: a check reading its GPUs at once)
+        self._delegates: dict[int, int] = {}
 
     # -- calls -----------------------------------------------------------
 
@@ -156,9 +159,23 @@ class BoundedCaller:
             return self._refusal(lane, label, component)
 
     def current_call(self, thread_ident: int) -> str | None:
-        """The hardware call the given thread is waiting on, if any."""
+        """The hardware call the given thread is waiting on, if any (or one of the threads that
+        call on its behalf is: the longest-running of them)."""
         job = self._waiting.get(thread_ident)
+        if job is None:
+            helpers = [j for t, j in list(self._waiting.items()) if self._delegates.get(t) == thread_ident]
+            job = min(helpers, key=lambda j: j.step[1], default=None)
         return job.step[0] if job is not None else None
+
+    @contextlib.contextmanager
+    def on_behalf_of(self, parent: int) -> Iterator[None]:
+        """The calls this thread makes inside are named as ``parent``'s in ``current_call``."""
+        me = threading.get_ident()
+        self._delegates[me] = parent
+        try:
+            yield
+        finally:
+            self._delegates.pop(me, None)
 
     def _run(self, lane_name: str, label: str, fn: Callable[[Step], Any], timeout: float,
              component: str) -> Any:

@@ -174,6 +174,7 @@ class TestNet:
         self._procs: list[subprocess.Popen[Any]] = []
         self._namespaces: list[str] = []
         self._hosts_dirs: list[Path] = []
+        self._paths: dict[int, dict[int, str]] = {}  # host -> other host -> rate (shape_path)
         seq = next(_seq)
         self.prefix = f"{PREFIX_FAMILY}{os.getpid()}n{seq}"
         # a separate subnet per instance of this process; instances are isolated from each other
@@ -325,6 +326,37 @@ class TestNet:
         h = self.hosts[i]
         return (_must(["tc", "-n", h.netns, "qdisc", "show", "dev", h.ifname])
                 + _must(["tc", "-n", self.switch_ns, "qdisc", "show", "dev", h.switch_port]))
+
+    def shape_path(self, i: int, j: int, rate: str) -> None:
+        """Limit only the path between hosts ``i`` and ``j`` (both directions): htb on each one's eth0
+        with a class for the other's address (a slow switch path; other traffic of both is untouched)."""
+        self._paths.setdefault(i, {})[j] = rate
+        self._paths.setdefault(j, {})[i] = rate
+        self._apply_paths(i)
+        self._apply_paths(j)
+
+    def unshape_path(self, i: int, j: int) -> None:
+        self._paths.get(i, {}).pop(j, None)
+        self._paths.get(j, {}).pop(i, None)
+        self._apply_paths(i)
+        self._apply_paths(j)
+
+    def _apply_paths(self, i: int) -> None:
+        h = self.hosts[i]
+        _sh(["tc", "-n", h.netns, "qdisc", "del", "dev", h.ifname, "root"])
+        paths = self._paths.get(i, {})
+        if not paths:
+            return
+        tc = ["tc", "-n", h.netns]
+        _must([*tc, "qdisc", "add", "dev", h.ifname, "root", "handle", "1:", "htb", "default", "1"])
+        _must([*tc, "class", "add", "dev", h.ifname, "parent", "1:", "classid", "1:1", "htb",
+               "rate", "10gbit"])
+        for j, rate in sorted(paths.items()):
+            cls = f"1:{100 + j}"
+            _must([*tc, "class", "add", "dev", h.ifname, "parent", "1:", "classid", cls, "htb", "rate", rate,
+                   "ceil", rate])
+            _must([*tc, "filter", "add", "dev", h.ifname, "parent", "1:", "protocol", "ip", "prio", "1",
+                   "u32", "match", "ip", "dst", f"{self.hosts[j].ip}/32", "flowid", cls])
 
     def link_down(self, i: int) -> None:
         """Cut host ``i`` off: its switch-side veth end goes down (its eth0 loses carrier)."""

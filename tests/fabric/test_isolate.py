@@ -108,15 +108,18 @@ def test_one_slow_node_is_named(n: int, seed: int) -> None:
     assert_round_shape(n, rounds)
     partition_ok(v, nodes)
     if n >= 4:
-        assert len(rounds) <= 3
+        # found, then measured once more with a fresh partner (n = 5: one node sits out in round 1)
+        assert len(rounds) <= 4
     assert v.pairs_measured == sum(len(r) for r in rounds)
 
 
-def test_four_nodes_one_slow_two_rounds() -> None:
+def test_four_nodes_one_slow_three_rounds() -> None:
+    """Slow with two good partners after round 2, failed after a third, fresh one (issue 23 #2)."""
     nodes = names(4)
     v, rounds = run(Isolator(nodes, seed=3), Fabric(nodes, speed={"node002": 0.5}))
     assert list(v.node_faults) == ["node002"]
-    assert len(rounds) == 2 and v.pairs_measured == 4
+    assert len(rounds) == 3 and v.pairs_measured == 5
+    assert len(v.node_faults["node002"].good_partners) == 3
     evidence = v.node_faults["node002"]
     assert {p.partner for p in evidence.pairs} == set(evidence.slow_partners)
     assert all(p.busbw_gbps is not None and p.busbw_gbps < 30 for p in evidence.pairs)
@@ -146,8 +149,8 @@ def test_two_bad_nodes_paired_together_in_round_one(n: int) -> None:
     v, rounds = run(iso, fabric)
     assert set(v.node_faults) == {a, b}
     assert v.link_faults == [] and v.unresolved == []
-    # each has one good partner after round 2: a third round confirms
-    assert len(rounds) == 2 and all(len(v.node_faults[x].good_partners) >= 2 for x in (a, b))
+    # each has one good partner after round 2, two after a third; a fourth, fresh one confirms
+    assert len(rounds) <= 3 + (n > 4) and all(len(v.node_faults[x].good_partners) >= 2 for x in (a, b))
 
 
 def test_latency_only_node() -> None:
@@ -474,3 +477,36 @@ def test_one_wrong_high_number_makes_no_false_positive() -> None:
     v, _ = run(iso, fabric)
     assert v.node_faults == {} and v.link_faults == [] and v.good == nodes
     assert v.reference_busbw_gbps == pytest.approx(NOMINAL_GBPS, rel=0.06)
+
+
+def test_a_slow_path_and_one_noisy_pair_do_not_fail_a_healthy_node() -> None:
+    """Issue 23 #2: path a-b is slow, and a's round-2 pair read slow once (CPU contention): a is bad
+    with two good partners and fast with none. Before it is failed it meets a fresh partner, is fast
+    with it, and the two slow pairs are paths measured once more (the noisy one then fast)."""
+    nodes = names(4)
+    iso = Isolator(nodes, seed=5)
+    first = iso.next_round()
+    (a, b), (c, d) = first
+    measured = 0
+    partner = ""
+
+    def result(x: str, y: str) -> PairResult:
+        nonlocal measured
+        measured += 1
+        slow = {x, y} == {a, b} or ({x, y} == {a, partner} and measured <= 4)  # the noisy one, once
+        return PairResult(x, y, 5.0 if slow else 48.0, 5.0)
+
+    iso.add([result(a, b), result(c, d)])
+    second = iso.next_round()
+    partner = next(y if x == a else x for x, y in second if a in (x, y))
+    iso.add([result(x, y) for x, y in second])
+    v = iso.verdict()
+    assert a not in v.node_faults and a in v.unresolved, v  # not failed on one noisy pair
+    for _ in range(4):
+        pairs = iso.next_round()
+        if not pairs:
+            break
+        iso.add([result(x, y) for x, y in pairs])
+    v = iso.verdict()
+    assert v.node_faults == {}, v.node_faults
+    assert {(lf.a, lf.b) for lf in v.link_faults} >= {tuple(sorted((a, b)))}, v.link_faults
