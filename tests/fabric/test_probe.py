@@ -87,13 +87,13 @@ def test_torchrun_across_two_hosts_passes_and_records_every_node(testnet: Any, t
     _no_leftovers(net)
 
 
-def test_a_slow_host_and_only_it_is_named_five_runs_of_five(testnet: Any, tmp_path: Path) -> None:
-    """tbf at 200 Mbit/s on host 2 of 4: every run names node2 a node fault (check_cables), and no other
-    node. The collectives are limited to all_reduce here: the pair rounds are what names a node, and
-    five full sweeps would cost the suite a minute more."""
+def test_a_slow_host_and_only_it_is_named_two_runs_of_two(testnet: Any, tmp_path: Path) -> None:
+    """tbf at 200 Mbit/s on host 2 of 4: each run names node2 a node fault (check_cables), and no other
+    node. The collectives are limited to all_reduce here: the pair rounds are what names a node. Two
+    runs (two pairing seeds) in the suite; repeatability over many runs is bench/fabric_isolation.py's."""
     net = testnet(4)
     net.shape(2, rate="200mbit")
-    for attempt in range(5):
+    for attempt in range(2):
         base = tmp_path / f"run{attempt}"
         run = start_static(net, base, _port(), collectives=["all_reduce"])
         run.wait(120)

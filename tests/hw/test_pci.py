@@ -401,7 +401,7 @@ _BIT_LINES = st.builds(
     _WS, _WS, st.sampled_from(["RxErr", "Timeout (First)", "", "BadTLP  (First)  "]), _BIT_PIECES)
 
 
-@settings(max_examples=5000, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(st.one_of(_BIT_PIECES, _BIT_LINES))
 def test_aer_bit_lines_are_found_as_the_regex_search_found_them(text: str) -> None:
     """parse_aer_message finds an error-bit line from each "[" instead of trying the bus-id
