@@ -1,0 +1,160 @@
+"""The container image is built from deploy/container/Containerfile and run: the real recipe, the real
+builder (buildah, chroot isolation: what builds on a machine without a container runtime's rlimits).
+
+The registry's python image cannot be pulled here, so the test makes a Debian base of its own with
+mmdebstrap (python3, python3-venv, apt: what the Containerfile needs of its base) and passes it as
+``BASE``; every RUN step of the recipe runs as written. It costs about 3 minutes on 2 cores (base 45 s,
+the daemon target 1.5-2 min), once per session; the compute target (torch, several GB) is not built
+here — see the README's "Container images".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import need_tool
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTAINERFILE = ROOT / "deploy" / "container" / "Containerfile"
+# what the Containerfile needs of a base image (python3 >= 3.10 with venv, apt for the build stage)
+BASE_PACKAGES = "python3,python3-venv,ca-certificates"
+CA = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    buildah = need_tool("buildah", "buildah")
+    mmdebstrap = need_tool("mmdebstrap", "mmdebstrap")
+    work = tmp_path_factory.mktemp("image")
+    tag = secrets.token_hex(4)
+    base, built = f"localhost/gpumon-test-base:{tag}", f"localhost/gpumon-test:{tag}"
+    tar = work / "base.tar"
+    _run([mmdebstrap, "--variant=apt", f"--include={BASE_PACKAGES}", "--components=main",
+          "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
+          "--dpkgopt=path-exclude=/usr/share/locale/*", "bookworm", str(tar)], timeout=600)
+    ctr = _run([buildah, "from", "scratch"], timeout=60).stdout.strip()
+    try:
+        _run([buildah, "add", ctr, str(tar), "/"], timeout=300)
+        _run([buildah, "commit", "-q", ctr, base], timeout=300)
+    finally:
+        subprocess.run([buildah, "rm", ctr], capture_output=True, timeout=60, check=False)
+    tar.unlink()
+    cmd = [buildah, "bud", "--isolation", "chroot", "-q", "-f", str(CONTAINERFILE), "--target", "daemon",
+           "--build-arg", f"BASE={base}", "--build-arg", "REVISION=test", "-t", built]
+    if CA.is_file():  # this machine's proxy re-signs TLS: the build's pip trusts what the host trusts
+        cmd += ["--secret", f"id=ca-certificates,src={CA}"]
+    try:
+        _run([*cmd, str(ROOT)], timeout=900)
+        yield built
+    finally:
+        subprocess.run([buildah, "rmi", "-f", built, base], capture_output=True, timeout=120, check=False)
+
+
+@pytest.fixture
+def container(image: str) -> Iterator[str]:
+    ctr = _run(["buildah", "from", "-q", image], timeout=60).stdout.strip()
+    yield ctr
+    subprocess.run(["buildah", "rm", ctr], capture_output=True, timeout=60, check=False)
+
+
+def test_image_labels_and_user(image: str) -> None:
+    info = json.loads(_run(["buildah", "inspect", "--type", "image", image], timeout=60).stdout)
+    config = info["OCIv1"]["config"]
+    labels = config["Labels"]
+    assert labels["org.opencontainers.image.title"] == "gpumon"
+    assert labels["org.opencontainers.image.version"] == "0.1.0"
+    assert labels["org.opencontainers.image.revision"] == "test"
+    assert config["Cmd"][:2] == ["gpumon", "daemon"]
+    assert "9426/tcp" in config.get("ExposedPorts", {})
+
+
+def test_check_simulated_node_passes_in_the_image(container: str) -> None:
+    proc = subprocess.run(["buildah", "run", "--isolation", "chroot", container, "--",
+                           "gpumon", "check", "--simulate", "healthy-8xh100", "--json"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["status"] == "ok"
+    # the injection library was built into the image: no compiler there, yet the node is simulated
+    which = subprocess.run(["buildah", "run", "--isolation", "chroot", container, "--", "sh", "-c",
+                            "command -v cc gcc || echo none"], capture_output=True, text=True, timeout=60)
+    assert which.stdout.strip() == "none"
+    # the package inventory (pip inspect) the image carries for scanners
+    inv = subprocess.run(["buildah", "run", "--isolation", "chroot", container, "--", "cat",
+                          "/opt/gpumon/share/doc/gpumon-node/packages.json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    names = {p["metadata"]["name"].lower().replace("_", "-") for p in json.loads(inv.stdout)["installed"]}
+    assert {"gpumon-node", "nvidia-ml-py", "prometheus-client"} <= names
+
+
+def test_daemon_in_the_image_serves_metrics(container: str, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # chroot isolation shares this machine's network: the daemon's port is reachable from here
+    log = (tmp_path / "daemon.log").open("w")
+    proc = subprocess.Popen(["buildah", "run", "--isolation", "chroot", container, "--",
+                             "gpumon", "daemon", "--simulate", "healthy-8xh100", "--sim-dir", "/tmp/sim",
+                             "--listen", f"127.0.0.1:{port}", "--duration", "60"],
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        body, deadline = "", time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    body = r.read().decode()
+                if "gpumon_health_state" in body:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert "gpumon_health_state" in body, body[-2000:]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_manifests_name_the_images_the_recipe_builds() -> None:
+    """The DaemonSet runs the daemon target, the probe Job the compute target, under the tags the
+    README's build commands give them."""
+    import yaml
+
+    readme = (ROOT / "README.md").read_text()
+    tags = {}
+    for target in ("daemon", "compute"):
+        line = next(ln for ln in readme.splitlines()
+                    if ln.startswith("buildah bud") and f"--target {target}" in ln.replace("  ", " "))
+        tags[target] = line.split(" -t ")[1].split()[0]
+    images = {}
+    for name in ("daemonset.yaml", "fabric-probe.yaml"):
+        for doc in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / name).read_text()):
+            spec = (doc or {}).get("spec", {}).get("template", {}).get("spec", {})
+            for c in spec.get("containers", []):
+                images[name] = c["image"]
+    assert images == {"daemonset.yaml": tags["daemon"], "fabric-probe.yaml": tags["compute"]}
+    text = CONTAINERFILE.read_text()
+    assert "AS daemon" in text and "AS compute" in text
