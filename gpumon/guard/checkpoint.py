@@ -108,9 +108,10 @@ def _judge(guard: Guard, name: str, prints: list[str], alarm: GuardAlarm | None,
            sharded: bool) -> at.Attestation:
     world, rank = guard.world, guard.rank
     step = guard.steps
-    base: dict[str, Any] = {"checkpoint": name, "step": step, "world": world, "time": time.time(), "job": job_id(),
-            "parameters": sum(1 for p in guard.model.module.parameters() if p.requires_grad),
-            "shard": {"rank": rank, "of": world} if sharded else None}
+    base: dict[str, Any] = {
+        "checkpoint": name, "step": step, "world": world, "time": time.time(), "job": job_id(),
+        "parameters": sum(1 for p in guard.model.module.parameters() if p.requires_grad),
+        "shard": {"rank": rank, "of": world} if sharded else None}
     if reason is not None:
         return at.Attestation(verdict="unchecked", agree=[], fingerprint=prints[rank], groups=[],
                               saved_by={"rank": rank if sharded else 0},

@@ -133,7 +133,9 @@ def _text(result: at.Scan, code: int) -> None:
         print(f"resume from: {where}  (step {resume.step}, verified: all {att.world} replicas agreed, "
               f"fingerprint {att.fingerprint})", file=out)
         if code == EXIT_WARN:
-            print("  (not the newest checkpoint, or something above is suspect or unreadable)", file=out)
+            print("  (" + ("the newest checkpoint, but" if resume is result.entries[-1] else
+                           "not the newest checkpoint:")
+                  + " a step or a file above is suspect or unreadable)", file=out)
     elif not result.entries:
         print(f"no checkpoint to resume from: no attested checkpoint under {result.directory} "
               f"(attestations are files named *{at.SUFFIX})", file=out)
