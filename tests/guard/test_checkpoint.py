@@ -92,7 +92,8 @@ def test_one_ranks_flipped_weight_bit_makes_the_attestation_name_that_rank(
     assert (out / "flip1" / "step_9.pt").is_file() and att.saved_by["rank"] == 0
     for r in ranks:
         assert r["flip1"]["alarms"] == [{"step": 9, "ranks": [1], "exit_code": 16}]
-        assert r["flip1"]["saves"][2] == {"raised": True, "exists": r is ranks[0]}
+        assert r["flip1"]["saves"][2]["raised"] is True
+    assert ranks[0]["flip1"]["saves"][2]["exists"] is True  # raised after the save (other ranks race it)
     # the rank 0 fingerprint in the attestation is the majority's, not rank 1's
     assert att.fingerprint == ranks[0]["flip1"]["fingerprint"] != ranks[1]["flip1"]["fingerprint"]
     # the two earlier saves were verified
