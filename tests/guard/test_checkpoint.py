@@ -42,7 +42,7 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str
                "SLURM_JOB_ID": "4242"}
         env.pop("SLURMD_NODENAME", None)
         procs.append(subprocess.Popen([sys.executable, str(RANKS), str(rank), str(world), str(port),
-                                       str(out), "healthy,flip1,flip0"], env=env,
+                                       str(out), "healthy,flip1,flip0,off"], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         logs = [p.communicate(timeout=120)[0] for p in procs]
@@ -110,6 +110,18 @@ def test_when_rank_0_is_the_suspect_the_majority_saves(three: tuple[Path, list[d
     # on_alarm="skip": no raise, every rank returned the same attestation
     assert {r["flip0"]["saves"][0]["verdict"] for r in ranks} == {"disagreement"}
     assert all(r["flip0"]["alarms"] == [] for r in ranks)
+
+
+def test_a_save_with_the_guard_off_is_attested_unchecked_and_never_named_to_resume_from(
+        three: tuple[Path, list[dict[str, Any]]], capsys: pytest.CaptureFixture[str]) -> None:
+    out, _ = three
+    att = at.read(out / "off" / f"step_2.pt{at.SUFFIX}")
+    assert att.verdict == "unchecked" and not att.verified and att.agree == []
+    assert att.message == ("step 2: NOT verified: the weight check did not run (guard off: the weight "
+                           "check: RuntimeError: made up by the test)")
+    assert (out / "off" / "step_2.pt").is_file()
+    assert checkpoints(out / "off") == 2
+    assert "no checkpoint to resume from: none of them is verified and usable" in capsys.readouterr().out
 
 
 def test_the_command_names_the_last_checkpoint_verified_before_the_flip(
