@@ -6,8 +6,11 @@ simulated node), times it against the 5-minute budget of issue 5, and prints
 every reading the checks published (TFLOP/s per dtype, memory and copy
 bandwidth, all-reduce busbw per size, RDMA Gb/s, ...) with the check, the
 component and the verdict, plus the machine (NVML inventory via gpumon).
+Then, when torch sees CUDA GPUs, the in-job guard's overhead benchmark
+(bench/guard_overhead.py) on them: DDP over NCCL, one rank per GPU (up to 4),
+each check's cost per step (issue 19, point 9); ``--no-guard`` skips it.
 
-    .venv/bin/python bench/gpu_validate.py [--simulate healthy-8xh100] [-- extra gpumon args]
+    .venv/bin/python bench/gpu_validate.py [--simulate healthy-8xh100] [--no-guard] [-- extra gpumon args]
 """
 
 from __future__ import annotations
@@ -29,8 +32,33 @@ BUDGET_S = 300.0  # issue 5: the default suite finishes in <= 5 minutes on an 8x
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--simulate", metavar="SCENARIO")
+    ap.add_argument("--no-guard", action="store_true", help="skip the guard overhead benchmark")
     ap.add_argument("extra", nargs="*", help="more gpumon arguments (after --)")
     args = ap.parse_args()
+    code = bootstrap(args)
+    if not args.no_guard and not args.simulate:
+        code = max(code, guard_overhead())
+    return code
+
+
+def guard_overhead() -> int:
+    """The guard's overhead benchmark on this node's GPUs (NCCL), or why it did not run."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           capture_output=True, text=True, timeout=300)
+    count = int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
+    print("\nin-job guard overhead (bench/guard_overhead.py):")
+    if count == 0:
+        why = probe.stderr.strip().splitlines()[-1:] if probe.returncode else ["torch sees no CUDA GPU"]
+        print(f"  not run: {why[0] if why else 'torch sees no CUDA GPU'}")
+        return 0
+    cmd = [sys.executable, str(Path(__file__).with_name("guard_overhead.py")), "--device", "cuda",
+           "--world", str(min(count, 4))]
+    print(f"  command: {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd, timeout=3600)
+    return proc.returncode
+
+
+def bootstrap(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "gpumon", "run-bootstrap", "--json", "-v", *args.extra]
     if args.simulate:
         cmd[3:3] = ["--simulate", args.simulate]

@@ -23,6 +23,7 @@ from gpumon.check import Check
 from gpumon.config import Config, load_config
 from gpumon.errors import ConfigError, GpumonError, StartupError
 from gpumon.fabric import cli as fabric_cli
+from gpumon.guard import cli as guard_cli
 from gpumon.machine import Machine
 from gpumon.model import CheckRun, Phase, Status
 from gpumon.registry import load_checks
@@ -106,6 +107,7 @@ def build_parser() -> UsageParser:
     canary_cli.add_parser(sub, [common])
     fabric_cli.add_parser(sub, [common])
     why_cli.add_parser(sub, [common])
+    guard_cli.add_parser(sub, [common])
 
     p = sub.add_parser("status", parents=[common], help="health state: why, since when, history")
     p.add_argument("--state-dir", type=Path, metavar="DIR", help="default: state_dir of the config")
@@ -220,6 +222,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s gpumon %(levelname)s %(message)s")
+    if args.command == "guard":  # reads the guard's files: no config, node or NVML involved
+        return guard_cli.main(args)
     try:
         if args.command == "why":
             # reads other nodes' history: no machine, no checks, no node config needed here

@@ -26,9 +26,12 @@ from gpumon.guard.verdict import (
 )
 
 if TYPE_CHECKING:
+    from gpumon.guard.checkpoint import save_checkpoint, weights_fingerprint
     from gpumon.guard.core import Guard, GuardAlarm, GuardError, WeightReport
 
 _LAZY = ("Guard", "GuardAlarm", "GuardError", "WeightReport")
+# verified checkpoints (gpumon.guard.checkpoint, imports torch too)
+_LAZY_CHECKPOINT = ("save_checkpoint", "weights_fingerprint")
 
 
 def __getattr__(name: str) -> Any:
@@ -36,8 +39,13 @@ def __getattr__(name: str) -> Any:
         from gpumon.guard import core
 
         return getattr(core, name)
+    if name in _LAZY_CHECKPOINT:
+        from gpumon.guard import checkpoint
+
+        return getattr(checkpoint, name)
     raise AttributeError(f"module 'gpumon.guard' has no attribute {name!r}")
 
 
 __all__ = ["DEFAULT_DIR", "DIR_ENV", "EXIT_FAILED_VALIDATION", "EXIT_RESUME_ELSEWHERE", "Guard",
-           "GuardAlarm", "GuardError", "Identity", "Verdict", "VerdictError", "WeightReport"]
+           "GuardAlarm", "GuardError", "Identity", "Verdict", "VerdictError", "WeightReport",
+           "save_checkpoint", "weights_fingerprint"]

@@ -1,0 +1,259 @@
+"""What the in-job guard (gpumon.guard) costs per training step, per check, on a small transformer
+trained with real DDP.
+
+    .venv/bin/python bench/guard_overhead.py [--world 2] [--rounds 5] [--steps 100] [--device cpu|cuda]
+
+``--world`` ranks are local processes (gloo on CPU, NCCL with ``--device cuda``, one GPU each),
+each training the same 2-layer ``nn.TransformerEncoder`` language model (d_model 128, 4 heads,
+sequence 64, micro-batch 8 per rank) on deterministic token batches. Configurations, each its own
+DDP model, measured in interleaved rounds of ``--steps`` steps (so that load on a shared machine hits
+them alike), the median round per configuration:
+
+- ``none``: plain DDP, no guard;
+- ``check 1``: ``Guard(weight_check_every=0)``: the non-finite gradient check every step (comm hook
+  + one flag all-reduce on the guard's gloo group);
+- ``check 3``: the weight fingerprint check (``guard.check_weights()``), timed by itself and
+  amortised over N = ``--weight-every`` (100) steps;
+- ``audit`` (check 2, M = ``--audit-every``, 500): only when this build's ``Guard`` accepts
+  ``audit_every``; otherwise said so;
+- ``all``: ``Guard(weight_check_every=N[, audit_every=M])``, measured the same way.
+
+Overheads are printed as % of the ``none`` step time, with the machine and the load it ran under.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import describe
+
+from gpumon.guard import Guard
+
+VOCAB, SEQ, BATCH, D_MODEL, HEADS, LAYERS, FF = 256, 64, 8, 128, 4, 2, 256
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        self.pos = nn.Parameter(torch.zeros(SEQ, D_MODEL))
+        layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        self.head = nn.Linear(D_MODEL, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(SEQ, device=tokens.device)
+        return self.head(self.encoder(self.embed(tokens) + self.pos, mask=mask, is_causal=True))
+
+
+def batch(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch of step ``step``: any rank can rebuild any other's (the audit)."""
+    g = torch.Generator().manual_seed(100_003 * step + rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def audit_kwargs(rebuild: Callable[[int, int], Any]) -> dict[str, Any] | str:
+    """How to switch the audit (check 2) on in this build, or why it cannot be. The audit is built
+    elsewhere; when its ``Guard`` takes ``audit_every=``, a keyword naming a batch (rebuild any
+    rank's micro-batch of a step) gets ``rebuild``."""
+    params = inspect.signature(Guard.__init__).parameters
+    if "audit_every" not in params:
+        return "audit: not available in this build (Guard takes no audit_every)"
+    kwargs: dict[str, Any] = {}
+    for name in params:
+        if "batch" in name and name != "audit_every":
+            kwargs[name] = rebuild
+            break
+    return kwargs
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    cuda = args.device == "cuda"
+    torch.set_num_threads(args.threads)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def rebuild(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch(r, step, device)
+
+    def make(kind: str) -> tuple[DDP, torch.optim.Optimizer, Guard | None]:
+        torch.manual_seed(0)
+        model = DDP(TinyLM().to(device), device_ids=[rank] if cuda else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if kind == "none":
+            return model, opt, None
+        extra: dict[str, Any] = {}
+        if kind == "all" and audit_on and isinstance(audit, dict):
+            extra = {"audit_every": args.audit_every, **audit}
+        every = args.weight_every if kind == "all" else 0
+        return model, opt, Guard(model, opt, weight_check_every=every, timeout_s=300, spool_dir=out,
+                                 **extra)
+
+    audit = audit_kwargs(rebuild)
+    audit_on = isinstance(audit, dict)
+    kinds = ["none", "check1", "all"]
+    setups: dict[str, tuple[DDP, torch.optim.Optimizer, Guard | None]] = {}
+    notes: list[str] = [audit] if isinstance(audit, str) else []
+    for kind in kinds:
+        try:
+            setups[kind] = make(kind)
+        except (TypeError, ValueError) as exc:  # an audit this bench does not know how to set up
+            notes.append(f"audit: could not be set up in this build ({exc}); 'all' runs without it")
+            audit_on = False
+            setups[kind] = make(kind)
+    loss_fn = nn.CrossEntropyLoss()
+    steps_done = dict.fromkeys(kinds, 0)
+
+    def train(kind: str, n: int) -> tuple[float, float]:
+        """(wall seconds, this process's CPU seconds, its threads included) per step."""
+        model, opt, guard = setups[kind]
+        dist.barrier()
+        sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            step = steps_done[kind]
+            x, y = batch(rank, step, device)
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            if guard is None:
+                opt.step()
+            else:
+                guard.step()
+            steps_done[kind] += 1
+        sync()
+        return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+    for kind in kinds:  # warm-up: allocator, autograd graph, gloo connections
+        train(kind, args.warmup)
+    rounds: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(args.rounds):
+        for kind in kinds:
+            wall_s, cpu_s = train(kind, args.steps)
+            rounds[kind].append(wall_s)
+            cpu[kind].append(cpu_s)
+    # check 3 by itself: the on-demand weight check, as often as it takes to time it
+    _, _, g1 = setups["check1"]
+    assert g1 is not None
+    g1.check_weights()
+    checks = []
+    for _ in range(args.weight_calls):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        g1.check_weights()
+        sync()
+        checks.append(time.perf_counter() - t0)
+    disabled = {k: s[2].disabled for k, s in setups.items() if s[2] is not None and s[2].disabled}
+    if rank == 0:
+        params = sum(p.numel() for p in setups["none"][0].parameters())
+        Path(out, "result.json").write_text(json.dumps({
+            "rounds": rounds, "cpu": cpu, "weight_check_s": checks, "notes": notes, "params": params,
+            "disabled": disabled, "audit": audit_on}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2, help="ranks (local processes), default 2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=100, help="steps per round per configuration")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--weight-every", type=int, default=100, metavar="N")
+    ap.add_argument("--audit-every", type=int, default=500, metavar="M")
+    ap.add_argument("--weight-calls", type=int, default=20, help="timed weight checks")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--device", choices=("cpu", "cuda"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < args.world:
+        print(f"--device cuda: {torch.cuda.device_count()} GPU(s) for --world {args.world}")
+        return 3
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="guard-bench-") as out:
+        t0 = time.monotonic()
+        mp.spawn(worker, args=(args.world, _free_port(), args, out), nprocs=args.world, join=True)
+        wall = time.monotonic() - t0
+        res = json.loads(Path(out, "result.json").read_text())
+    load1 = os.getloadavg()
+    what = (f"{torch.cuda.get_device_name(0)}, NCCL" if args.device == "cuda" else
+            f"CPU, gloo, {args.threads} torch thread(s) per rank")
+    print(f"machine: {describe()}")
+    print(f"torch {torch.__version__}; {args.world} ranks, {what}; TransformerEncoder {LAYERS} layers, "
+          f"d_model {D_MODEL}, {HEADS} heads, ff {FF}, seq {SEQ}, micro-batch {BATCH}/rank, "
+          f"{res['params']:,} parameters, AdamW")
+    print(f"{args.rounds} interleaved rounds x {args.steps} steps per configuration after {args.warmup} "
+          f"warm-up; load average {load0[0]:.1f} at start, {load1[0]:.1f} at end; wall {wall:.0f} s")
+    for note in res["notes"]:
+        print(note)
+    if res["disabled"]:
+        print(f"WARNING: the guard switched itself off: {res['disabled']}: figures below do not count")
+    med = {k: statistics.median(v) for k, v in res["rounds"].items()}
+    cpu = {k: statistics.median(v) for k, v in res["cpu"].items()}
+    spread = {k: (min(v), max(v)) for k, v in res["rounds"].items()}
+    base = med["none"]
+    per_check = statistics.median(res["weight_check_s"])
+    c1 = (med["check1"] - base) / base * 100
+    c3 = per_check / args.weight_every / base * 100
+    def cpu_text(kind: str) -> str:
+        return f"{cpu[kind] * 1e3:>9.2f} ms {(cpu[kind] - cpu['none']) / cpu['none'] * 100:>+7.2f} %"
+
+    print(f"\n{'configuration':<44}{'step (median)':>14}{'rounds min..max':>22}{'overhead':>11}"
+          f"{'rank 0 CPU/step':>20}")
+    print(f"{'none (plain DDP)':<44}{base * 1e3:>11.2f} ms{spread['none'][0] * 1e3:>11.2f}.."
+          f"{spread['none'][1] * 1e3:<8.2f} ms{'':>8}{cpu['none'] * 1e3:>12.2f} ms")
+    print(f"{'check 1 (non-finite gradients, every step)':<44}{med['check1'] * 1e3:>11.2f} ms"
+          f"{spread['check1'][0] * 1e3:>11.2f}..{spread['check1'][1] * 1e3:<8.2f} ms{c1:>+10.2f} %"
+          f"{cpu_text('check1'):>21}")
+    print(f"{f'check 3 (weights, every {args.weight_every} steps)':<44}"
+          f"{per_check * 1e3:>11.2f} ms per check{'':>8}{c3:>+10.3f} % amortised")
+    audit_on = res["audit"]
+    label = (f"all (1 + 3 every {args.weight_every}" + (f" + audit every {args.audit_every})" if audit_on
+                                                        else ")"))
+    c_all = (med["all"] - base) / base * 100
+    print(f"{label:<44}{med['all'] * 1e3:>11.2f} ms{spread['all'][0] * 1e3:>11.2f}.."
+          f"{spread['all'][1] * 1e3:<8.2f} ms{c_all:>+10.2f} %{cpu_text('all'):>21}")
+    if not audit_on:
+        print(f"audit (check 2, every {args.audit_every} steps): not measured (not in this build)")
+    print("\noverhead = (median step time - none's) / none's; check 3 = one check's time / N / none's "
+          "step; rank 0 CPU/step = that process's CPU time (all its threads) per step, which other "
+          "load on the machine disturbs less than wall time. On a shared machine the rounds' spread is "
+          "the noise floor: a difference inside it is not a measurement.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
