@@ -8,7 +8,10 @@ Importing this package imports no torch: ``Guard``, ``GuardAlarm`` and ``GuardEr
     guard = Guard(ddp_model, optimizer, weight_check_every=100)
     ...
     loss.backward()
-    guard.step()            # optimizer.step() unless an alarm stopped it (GuardAlarm)
+    guard.step(loss)        # optimizer.step() unless an alarm stopped it (GuardAlarm)
+
+With the audit (check 2): ``gpumon.guard.deterministic()`` first, then ``Guard(..., audit_every=500,
+batch_for=..., loss_fn=...)`` (see ``gpumon.guard.audit``).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from gpumon.guard.verdict import (
 )
 
 if TYPE_CHECKING:
+    from gpumon.guard.audit import AuditError, deterministic, step_seed
     from gpumon.guard.core import Guard, GuardAlarm, GuardError, WeightReport
 
 _LAZY = ("Guard", "GuardAlarm", "GuardError", "WeightReport")
+_LAZY_AUDIT = ("AuditError", "deterministic", "step_seed")
 
 
 def __getattr__(name: str) -> Any:
@@ -36,8 +41,13 @@ def __getattr__(name: str) -> Any:
         from gpumon.guard import core
 
         return getattr(core, name)
+    if name in _LAZY_AUDIT:
+        from gpumon.guard import audit
+
+        return getattr(audit, name)
     raise AttributeError(f"module 'gpumon.guard' has no attribute {name!r}")
 
 
-__all__ = ["DEFAULT_DIR", "DIR_ENV", "EXIT_FAILED_VALIDATION", "EXIT_RESUME_ELSEWHERE", "Guard",
-           "GuardAlarm", "GuardError", "Identity", "Verdict", "VerdictError", "WeightReport"]
+__all__ = ["DEFAULT_DIR", "DIR_ENV", "EXIT_FAILED_VALIDATION", "EXIT_RESUME_ELSEWHERE", "AuditError", "Guard",
+           "GuardAlarm", "GuardError", "Identity", "Verdict", "VerdictError", "WeightReport", "deterministic",
+           "step_seed"]
