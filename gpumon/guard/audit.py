@@ -71,6 +71,15 @@ _STATUS, _HAS_LOSS, _NONFINITE, _SIG, _IN, _LOSS, _LOSS_VALUE, _GRADS = 0, 1, 2,
 OK, RAISED, OUT_OF_MEMORY = 0, 1, 2
 
 
+class SettleFailed(RuntimeError):
+    """The round that settles a disagreement failed (a peer gone, a timeout): ``blames`` name both
+    GPUs of each disputed micro-batch, ``unknown`` (the guard skips the update and switches off)."""
+
+    def __init__(self, blames: list[Blame], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.blames = blames
+
+
 class AuditError(ValueError):
     """The audit cannot be run as set up (not deterministic, a rebuilt micro-batch of another shape
     or other contents, a ``batch_for``/``loss_fn`` that raised): raised on every rank at once."""
@@ -461,7 +470,20 @@ class Auditor:
         log.error("gpumon.guard: audit at step %d: %s", step, "; ".join(
             f"rank {r}'s computation of rank {t}'s micro-batch differs from rank {t}'s own"
             for r, t in disputes))
-        return self._settle(step, disputes, first, owns)
+        try:
+            return self._settle(step, disputes, first, owns)
+        except AuditError:
+            raise
+        except Exception as exc:
+            blames = [Blame(g, "audit", rerun.UNKNOWN,
+                            f"step {step}: rank {r}'s computation of rank {t}'s micro-batch differs from "
+                            f"rank {t}'s own ({self.identities[g].describe()}); the round that would settle "
+                            f"it failed ({type(exc).__name__}: {exc}): which GPU is wrong is unknown; the "
+                            "update is skipped on every rank",
+                            {"micro_batch_of": t, "audited_by": r,
+                             "settle_error": f"{type(exc).__name__}: {exc}"}, t)
+                      for r, t in disputes for g in (t, r)]
+            raise SettleFailed(blames, exc) from exc
 
     def _check_inputs(self, step: int, pre: list[torch.Tensor], own_sig: str, aud_sig: str) -> None:
         status = [int(p[i, 0]) for p in pre for i in (0, 1)]
@@ -492,6 +514,8 @@ class Auditor:
         avoid = {node_of(self.identities[r]), node_of(self.identities[t])}
         order = [(t + 1 + i) % self.world for i in range(self.world)]
         third = [j for j in order if node_of(self.identities[j]) not in avoid]
+        if self.note:  # every rank on one node: another GPU of it is the best referee there is
+            third = [j for j in order if j not in (r, t)]
         calm = [j for j in third if j not in busy]
         chosen = calm or third
         return chosen[0] if chosen else None

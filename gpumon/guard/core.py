@@ -26,6 +26,7 @@ from gpumon.guard.audit import (
     Backward,
     BatchFor,
     LossFn,
+    SettleFailed,
     determinism_problems,
     grad_fingerprint,
     profile,
@@ -324,7 +325,11 @@ class Guard:
         assert self._auditor is not None
         step = self.steps
         own = self._auditor.own(loss, local)
-        blames = self._auditor.audit(step, own, batch)
+        try:
+            blames = self._auditor.audit(step, own, batch)
+        except SettleFailed as failed:
+            self._internal("settling the audit's disagreement", failed, raise_strict=False)
+            blames = failed.blames
         self.audits += 1
         if not blames:
             return None
@@ -377,7 +382,19 @@ class Guard:
         step = self.steps
         if bad_local:
             where = self._bad_params(flags, local=True) if self.rank in bad_local else []
-            reran = self._auditor.rerun_nonfinite(step, bad_local) if self._auditor is not None else {}
+            reran: dict[int, tuple[str, str, dict[str, Any]]] = {}
+            if self._auditor is not None:
+                try:
+                    reran = self._auditor.rerun_nonfinite(step, bad_local)
+                except Exception as exc:
+                    # the gradients are known to be NaN/Inf: the update is skipped all the same,
+                    # only the disambiguation is lost (a peer gone mid-rerun turns the guard off)
+                    if not isinstance(exc, AuditError):
+                        self._internal("the rerun of check 1", exc, raise_strict=False)
+                    log.error("gpumon.guard: step %d: the rerun of the non-finite gradients failed: %s", step,
+                              exc)
+                    reran = {r: ("unknown", "", {"rerun_error": f"{type(exc).__name__}: {exc}"})
+                             for r in bad_local}
             verdicts = []
             for r in bad_local:
                 fault, why, evidence = reran.get(r, ("unknown", "", {}))

@@ -146,10 +146,16 @@ def audit_fault(rank: int, out: Path, bad: int, at: int, persistent: bool, name:
 
 
 def nan_fault(rank: int, out: Path, bad: int, at: int, kind: str) -> dict[str, Any]:
+    calls: list[int] = []
+
     def bf(r: int, step: int) -> Batch:
         b = batch_for(r, step)
         if kind == "application" and (r, step) == (bad, at):
             b["x"][0, 0] = float("inf")  # the data itself: NaN on any GPU
+        if kind == "rerun-fails" and (r, step) == (bad, at):
+            calls.append(step)
+            if len(calls) > (1 if rank == bad else 0):  # the loop's own call works, a rebuild does not
+                raise OSError("the data set's shard is gone")
         return b
 
     model, opt = build()
@@ -159,7 +165,7 @@ def nan_fault(rank: int, out: Path, bad: int, at: int, kind: str) -> dict[str, A
     def maybe() -> FaultInjector | None:
         if kind == "application" or rank != bad or guard.steps != at:
             return None
-        return FaultInjector(spec) if (kind == "persistent" or Faults.live) else None
+        return FaultInjector(spec) if (kind == "persistent" or Faults.live) else None  # rerun-fails: live
 
     Faults.forward = staticmethod(maybe)  # type: ignore[assignment]
     try:
@@ -222,14 +228,16 @@ def shape(rank: int, out: Path) -> dict[str, Any]:
 
 
 def dies(rank: int, world: int, out: Path, at: int, result: dict[str, Any]) -> None:
-    """The last rank exits inside the audit of step ``at`` (in its batch_for); the others must come
-    back within the guard's timeout, switch it off, report it and finish the step. Last of a launch:
-    the default group has lost a rank, so every rank writes its results and exits here."""
+    """Rank 1's own backward at audit step ``at`` is wrong (one low bit, once), and rank 2 exits
+    while it settles that disagreement (called on to compute rank 1's micro-batch). The others must
+    come back within the guard's timeout, skip the update (the gradients are disputed), name both
+    GPUs of the dispute ``unknown``, switch the guard off and report it. Last of a launch: the
+    default group has lost a rank, so every rank writes its results and exits here."""
     dying = world - 1
-    t0 = [0.0]
+    spec = FaultSpec.parse(f"worker=1,{LOW_BIT}")
 
     def bf(r: int, step: int) -> Batch:
-        if rank == dying and step == at:
+        if rank == dying and step == at and r == 1:
             result["dies"] = {"died_at": step}
             (out / f"rank{rank}.json").write_text(json.dumps(result))
             os._exit(0)
@@ -237,25 +245,34 @@ def dies(rank: int, world: int, out: Path, at: int, result: dict[str, Any]) -> N
 
     model, opt = build()
     guard = Guard(model, opt, weight_check_every=0, spool_dir=out / f"spool-die-r{rank}", timeout_s=3,
-                  batch_for=bf, loss_fn=loss_fn, audit_every=at)
+                  batch_for=bf, loss_fn=loss_fn, backward=backward, audit_every=at)
+    Faults.backward = staticmethod(  # type: ignore[assignment]
+        lambda: FaultInjector(spec) if (rank, guard.steps, Faults.live) == (1, at, True) else None)
     before = weights(model)
+    t0 = 0.0
+    alarm = None
     for step in range(at + 1):
         opt.zero_grad()
         batch = batch_for(rank, step)
         guard.seed_step()
+        Faults.live = True
         loss = loss_fn(model, batch)
-        loss.backward()  # type: ignore[no-untyped-call]
+        backward(loss)
+        Faults.live = False
         if step == at:
-            t0[0] = time.monotonic()
-        guard.step(loss, batch if step != at else None)
-    result["dies"] = {"disabled": guard.disabled, "steps": guard.steps, "seconds": time.monotonic() - t0[0],
-                      "changed": weights(model) != before, "audits": guard.audits}
+            before, t0 = weights(model), time.monotonic()
+        try:
+            guard.step(loss, batch)
+        except GuardAlarm as a:
+            alarm = alarm_json(a)
+    result["dies"] = {"disabled": guard.disabled, "steps": guard.steps, "seconds": time.monotonic() - t0,
+                      "unchanged": weights(model) == before, "audits": guard.audits, "alarm": alarm}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     os._exit(0)  # no teardown collective can finish without the dead rank
 
 
 SCENARIOS = ("audit-healthy", "transient", "persistent", "nan-transient", "nan-persistent", "nan-application",
-             "unseeded", "refuse", "shape", "dies")
+             "nan-rerun-fails", "unseeded", "refuse", "shape", "dies")
 
 
 def run(name: str, rank: int, world: int, out: Path, result: dict[str, Any]) -> None:

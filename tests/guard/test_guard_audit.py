@@ -128,6 +128,19 @@ def test_check_1_reruns_say_transient_persistent_or_application(three: Launch) -
         assert got.fault == fault and Path(got.evidence["bundle"]).is_dir()
 
 
+def test_a_rerun_that_cannot_rebuild_the_micro_batch_still_skips_the_update(three: Launch) -> None:
+    """batch_for raises when check 1's rerun rebuilds rank 2's micro-batch: the NaN step is still
+    skipped on every rank, the fault stays unknown and says why; the guard stays on."""
+    _, ranks = three
+    for res in ranks:
+        r = res["nan-rerun-fails"]
+        alarm = one_alarm(r, 3)
+        (v,) = alarm["verdicts"]
+        assert alarm["unchanged"] is True and (v["fault"], v["subject"]["rank"]) == ("unknown", 2)
+        assert "the data set's shard is gone" in v["evidence"]["rerun_error"]
+        assert r["disabled"] is None and r["steps"] == 5
+
+
 def test_a_non_deterministic_setup_is_refused_on_every_rank(three: Launch) -> None:
     _, ranks = three
     for res in ranks:
@@ -146,15 +159,20 @@ def test_a_rebuilt_micro_batch_of_another_shape_is_a_clear_error_naming_both(thr
 
 
 def test_a_rank_that_dies_during_an_audit_costs_the_others_at_most_the_timeout(three: Launch) -> None:
-    """Rank 2 exits inside the audit of step 2 (timeout_s 3): ranks 0 and 1 come back, log it,
-    switch the guard off and apply the step; no hang."""
+    """Rank 1's step 2 is wrong and rank 2 exits while it settles the disagreement (timeout_s 3):
+    ranks 0 and 1 come back, skip the disputed update, name both GPUs of the dispute ``unknown``,
+    log it and switch the guard off; no hang."""
     _, ranks = three
     assert ranks[2]["dies"] == {"died_at": 2}
     for res in ranks[:2]:
         d = res["dies"]
-        assert d["disabled"].startswith("the audit: RuntimeError")
-        assert d["steps"] == 3 and d["audits"] == 1 and d["changed"] is True
+        assert d["disabled"].startswith("settling the audit's disagreement: SettleFailed: RuntimeError")
+        assert d["steps"] == 3 and d["audits"] == 2 and d["unchanged"] is True
         assert d["seconds"] < 3 + 5
+        alarm = d["alarm"]
+        assert alarm["skipped"] is True and alarm["ranks"] == [0, 1]
+        assert {v["fault"] for v in alarm["verdicts"]} == {"unknown"}
+        assert "the round that would settle it failed" in alarm["verdicts"][0]["message"]
 
 
 def test_with_two_nodes_a_rerun_that_changes_to_the_other_result_is_transient(two: Launch) -> None:
