@@ -227,6 +227,21 @@ def shape(rank: int, out: Path) -> dict[str, Any]:
     return {"error": None}
 
 
+def contents(rank: int, out: Path) -> dict[str, Any]:
+    """Rank 0 rebuilds rank 1's micro-batch with the right shape and other numbers (a sampler that
+    shuffles with the calling rank's seed)."""
+    def bf(r: int, step: int) -> Batch:
+        return batch_for(r, step + 50) if (rank, r) == (0, 1) else batch_for(r, step)
+
+    model, opt = build()
+    guard = guard_for(model, opt, out, "contents", rank, bf=bf, audit_every=3)
+    try:
+        train(guard, model, opt, rank, 2, bf=bf)
+    except AuditError as exc:
+        return {"error": str(exc), "steps": guard.steps}
+    return {"error": None}
+
+
 def dies(rank: int, world: int, out: Path, at: int, result: dict[str, Any]) -> None:
     """Rank 1's own backward at audit step ``at`` is wrong (one low bit, once), and rank 2 exits
     while it settles that disagreement (called on to compute rank 1's micro-batch). The others must
@@ -272,7 +287,7 @@ def dies(rank: int, world: int, out: Path, at: int, result: dict[str, Any]) -> N
 
 
 SCENARIOS = ("audit-healthy", "transient", "persistent", "nan-transient", "nan-persistent", "nan-application",
-             "nan-rerun-fails", "unseeded", "refuse", "shape", "dies")
+             "nan-rerun-fails", "unseeded", "refuse", "shape", "contents", "dies")
 
 
 def run(name: str, rank: int, world: int, out: Path, result: dict[str, Any]) -> None:
@@ -292,6 +307,8 @@ def run(name: str, rank: int, world: int, out: Path, result: dict[str, Any]) -> 
         result[name] = unseeded(rank, out)
     elif name == "shape":
         result[name] = shape(rank, out)
+    elif name == "contents":
+        result[name] = contents(rank, out)
     elif name == "dies":
         dies(rank, world, out, 2, result)
     else:

@@ -158,6 +158,14 @@ def test_a_rebuilt_micro_batch_of_another_shape_is_a_clear_error_naming_both(thr
                 "rank 2 trained on {x: float32[8, 16], y: float32[8, 4]}") in res["shape"]["error"]
 
 
+def test_a_rebuilt_micro_batch_with_other_contents_is_a_clear_error(three: Launch) -> None:
+    _, ranks = three
+    for res in ranks:
+        assert res["contents"]["steps"] == 0
+        assert "has the audited rank's shape but other contents" in res["contents"]["error"]
+        assert "rank 0's batch_for(1, 0) differs from what rank 1 trained on" in res["contents"]["error"]
+
+
 def test_a_rank_that_dies_during_an_audit_costs_the_others_at_most_the_timeout(three: Launch) -> None:
     """Rank 1's step 2 is wrong and rank 2 exits while it settles the disagreement (timeout_s 3):
     ranks 0 and 1 come back, skip the disputed update, name both GPUs of the dispute ``unknown``,
