@@ -4,7 +4,10 @@ A job's ranks write one JSON file per verdict into the spool (``/var/lib/gpumon/
 the job's ``$GPUMON_GUARD_DIR``). Each valid verdict becomes a finding on ``gpu/<index>``, the GPU of
 this node's inventory with the verdict's NVML UUID; a verdict from a CPU rank, or with a UUID this
 node does not have, goes on ``node`` and says why. ``fault``: persistent -> fail/inspect_hardware
-(closed only by an operator's set-healthy, like any RMA-path fault); transient and unknown -> warn.
+(closed only by an operator's set-healthy, like any RMA-path fault); transient and unknown -> warn;
+application (the rerun on another node's GPU reproduced the result: the data or the program, not the
+hardware) -> an ok finding on ``node`` that says so: held against no GPU, and never on a GPU's
+component (an ok there would close that GPU's other guard faults).
 
 Judged once, lost never, across daemon restarts too:
 
@@ -133,6 +136,12 @@ class GuardCheck(Check):
 
     def _finding(self, v: vf.Verdict, path: Path, by_uuid: dict[str | None, int]) -> Finding:
         s = v.subject
+        if v.fault == "application":
+            job = f"job {v.job}, " if v.job else ""
+            return self.ok(NODE, f"in-job SDC check {v.check} ({job}application: not a hardware fault, no "
+                                 f"GPU held responsible) from rank {s.rank} on {s.host}: {v.message}",
+                           verdict_file=str(path), verdict_check=v.check, fault=v.fault, step=v.step,
+                           job=v.job, rank=s.rank, gpu_uuid=s.gpu_uuid, verdict_evidence=v.evidence)
         key = normalize_uuid(s.gpu_uuid)
         index = by_uuid.get(key) if key else None
         if index is not None:
@@ -163,5 +172,5 @@ def _candidate(path: Path) -> bool:
 
 def _holds(v: vf.Verdict, now: float, hold_s: float) -> bool:
     """A judged verdict is still reported: a warning within its hold (a persistent one lives on in
-    the health state by itself)."""
-    return v.fault != "persistent" and now - v.time < hold_s
+    the health state by itself; an application one was never a fault)."""
+    return v.fault in ("transient", "unknown") and now - v.time < hold_s

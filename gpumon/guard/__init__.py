@@ -8,7 +8,10 @@ Importing this package imports no torch: ``Guard``, ``GuardAlarm`` and ``GuardEr
     guard = Guard(ddp_model, optimizer, weight_check_every=100)
     ...
     loss.backward()
-    guard.step()            # optimizer.step() unless an alarm stopped it (GuardAlarm)
+    guard.step(loss)        # optimizer.step() unless an alarm stopped it (GuardAlarm)
+
+With the audit (check 2): ``gpumon.guard.deterministic()`` first, then ``Guard(..., audit_every=500,
+batch_for=..., loss_fn=...)`` (see ``gpumon.guard.audit``).
 """
 
 from __future__ import annotations
@@ -26,26 +29,26 @@ from gpumon.guard.verdict import (
 )
 
 if TYPE_CHECKING:
+    from gpumon.guard.audit import AuditError, deterministic, step_seed
     from gpumon.guard.checkpoint import save_checkpoint, weights_fingerprint
     from gpumon.guard.core import Guard, GuardAlarm, GuardError, WeightReport
 
-_LAZY = ("Guard", "GuardAlarm", "GuardError", "WeightReport")
-# verified checkpoints (gpumon.guard.checkpoint, imports torch too)
-_LAZY_CHECKPOINT = ("save_checkpoint", "weights_fingerprint")
+# each name -> the module that holds it (every one imports torch, so none is loaded before use)
+_LAZY = {
+    **dict.fromkeys(("Guard", "GuardAlarm", "GuardError", "WeightReport"), "core"),
+    **dict.fromkeys(("AuditError", "deterministic", "step_seed"), "audit"),
+    **dict.fromkeys(("save_checkpoint", "weights_fingerprint"), "checkpoint"),
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from gpumon.guard import core
+        import importlib
 
-        return getattr(core, name)
-    if name in _LAZY_CHECKPOINT:
-        from gpumon.guard import checkpoint
-
-        return getattr(checkpoint, name)
+        return getattr(importlib.import_module(f"gpumon.guard.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'gpumon.guard' has no attribute {name!r}")
 
 
-__all__ = ["DEFAULT_DIR", "DIR_ENV", "EXIT_FAILED_VALIDATION", "EXIT_RESUME_ELSEWHERE", "Guard",
-           "GuardAlarm", "GuardError", "Identity", "Verdict", "VerdictError", "WeightReport",
-           "save_checkpoint", "weights_fingerprint"]
+__all__ = ["DEFAULT_DIR", "DIR_ENV", "EXIT_FAILED_VALIDATION", "EXIT_RESUME_ELSEWHERE", "AuditError", "Guard",
+           "GuardAlarm", "GuardError", "Identity", "Verdict", "VerdictError", "WeightReport", "deterministic",
+           "save_checkpoint", "step_seed", "weights_fingerprint"]

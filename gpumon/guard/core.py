@@ -5,11 +5,12 @@ No ``from __future__ import annotations`` here: DDP checks a comm hook's annotat
 """
 
 import datetime
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,19 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from gpumon.guard.audit import (
+    HOW_TO_FIX,
+    AuditError,
+    Auditor,
+    Backward,
+    BatchFor,
+    LossFn,
+    SettleFailed,
+    determinism_problems,
+    grad_fingerprint,
+    profile,
+    step_seed,
+)
 from gpumon.guard.identity import identify
 from gpumon.guard.verdict import (
     EXIT_FAILED_VALIDATION,
@@ -26,6 +40,7 @@ from gpumon.guard.verdict import (
     Verdict,
     job_id,
     new_id,
+    spool_dir,
     write,
 )
 from gpumon.sdc.fingerprint import Fingerprint, fingerprint_tensor
@@ -92,6 +107,22 @@ class Guard:
     ``callback`` is called with the alarm either way. Every collective of the guard has
     ``timeout_s``; an internal error (a timeout included) is logged, the guard switches itself off
     and training goes on, unless ``strict`` (then ``GuardError``).
+
+    - the ring re-execution audit (``gpumon.guard.audit``), every ``audit_every`` steps (0: off):
+      each rank recomputes another node's rank's micro-batch on the model's module and compares the
+      loss and every gradient's fingerprint bit for bit; needs ``batch_for(rank, step)`` (rebuilds
+      any rank's micro-batch), ``loss_fn(model, batch)`` (the loop's forward and loss), optionally
+      ``backward(loss)``, and a deterministic run (``gpumon.guard.deterministic()``: refused with
+      ``AuditError`` here otherwise). Pass the step's loss (and micro-batch) to ``step(loss, batch)``
+      so that the loss is compared too. If the forward draws random numbers, call ``seed_step()``
+      right before it, every step.
+    - reruns: with ``batch_for`` and ``loss_fn`` given (``audit_every`` may be 0), a rank named by
+      check 1 or by the audit computes its micro-batch again, and a rank of another node computes
+      it too: the verdict's fault is then ``transient``, ``persistent`` or ``application``.
+    - the named rank keeps the failing step (``gpumon.guard.keep``) under ``bundle_dir`` (default:
+      ``<spool>/bundles``): a replay bundle for ``gpumon canary replay`` where ``model_factory``
+      (module-level, rebuilds the model from JSON ``model_kwargs``), a module-level ``loss_fn`` and
+      a dict-of-tensors micro-batch allow it, else the state to replay by hand.
     """
 
     def __init__(self, model: torch.nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer,
@@ -99,11 +130,21 @@ class Guard:
                  callback: Callable[[GuardAlarm], None] | None = None, strict: bool = False,
                  timeout_s: float = 120.0, spool_dir: str | Path | None = None,
                  comm_hook: CommHook | None = None, comm_state: Any = None,
-                 write_verdicts: bool = True) -> None:
+                 write_verdicts: bool = True, audit_every: int = 0, batch_for: BatchFor | None = None,
+                 loss_fn: LossFn | None = None, backward: Backward | None = None, seed: int = 0,
+                 model_factory: Callable[..., torch.nn.Module] | None = None,
+                 model_kwargs: dict[str, Any] | None = None, bundle_dir: str | Path | None = None) -> None:
         if on_alarm not in ("raise", "skip"):
             raise ValueError(f"on_alarm: {on_alarm!r} is not one of raise, skip")
         if weight_check_every < 0:
             raise ValueError("weight_check_every: must be >= 0 (0: only on demand)")
+        if audit_every < 0:
+            raise ValueError("audit_every: must be >= 0 (0: no audit)")
+        if audit_every and (batch_for is None or loss_fn is None):
+            raise ValueError("audit_every: the audit needs batch_for(rank, step) (rebuilds any rank's "
+                             "micro-batch) and loss_fn(model, batch) (the forward and the loss)")
+        if audit_every and dist.get_world_size() < 2:
+            raise ValueError("audit_every: the audit needs at least 2 ranks (a rank cannot audit itself)")
         self.model = model
         self.optimizer = optimizer
         self.weight_check_every = weight_check_every
@@ -119,6 +160,15 @@ class Guard:
         self.skipped_steps: list[int] = []
         self.disabled: str | None = None  # why the guard switched itself off
         self.verdict_files: list[Path] = []
+        self.bundles: list[Path] = []  # failing steps this rank kept
+        self.audits = 0  # audits run (every rank takes part in each)
+        self.audit_every = audit_every
+        self.seed = seed
+        self.model_factory = model_factory
+        self.model_kwargs = model_kwargs
+        self.bundle_dir = bundle_dir
+        self._loss_fn = loss_fn
+        self._local: dict[int, torch.Tensor] = {}  # param id -> local gradient's fingerprint
         self._flags: list[_BucketFlags] = []
         self._lock = threading.Lock()
         self._inner: CommHook = comm_hook if comm_hook is not None else default_hooks.allreduce_hook
@@ -139,7 +189,44 @@ class Guard:
             self.identities = [g if isinstance(g, Identity) else self.identity for g in gathered]
         except Exception as exc:
             self._internal("gathering the ranks' identities", exc)
+        self._auditor: Auditor | None = None
+        if batch_for is not None and loss_fn is not None and self.world >= 2 and self.disabled is None:
+            self._auditor = Auditor(module, self._named, self._device, self.identities, self.rank,
+                                    self._group, every=audit_every, batch_for=batch_for, loss_fn=loss_fn,
+                                    backward=backward, seed=seed)
+            self._auditor.step_now = lambda: self.steps
+            if audit_every:
+                self._refuse_unless_deterministic()
+            module.register_forward_pre_hook(self._auditor.pre_forward)
         model.register_comm_hook(None, self._hook)
+
+    def _refuse_unless_deterministic(self) -> None:
+        """The audit compares bits across GPUs: every rank must be deterministic and alike. Refused
+        on every rank at once (the ranks' answers are gathered first)."""
+        mine = {"problems": determinism_problems(self._device), "profile": profile(self._device)}
+        said: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(said, mine, group=self._group)
+        except Exception as exc:
+            self._internal("gathering the ranks' determinism settings", exc)
+            return
+        bad = [f"rank {r}: {'; '.join(s['problems'])}" for r, s in enumerate(said) if s and s["problems"]]
+        if bad:
+            raise AuditError(f"gpumon.guard: audit_every={self.audit_every}: the audit compares results bit "
+                             f"for bit and this run is not deterministic ({'; '.join(bad)}): {HOW_TO_FIX}")
+        profiles = {json_key(s["profile"]): r for r, s in enumerate(said) if s}
+        if len(profiles) > 1:
+            rows = "; ".join(f"rank {r}: {s['profile']}" for r, s in enumerate(said) if s)
+            raise AuditError("gpumon.guard: audit: the ranks differ in what decides their bits (torch, GPU "
+                             f"model, CUDA, cuDNN, TF32, CPU threads): {rows}; the audit needs them equal")
+
+    def seed_step(self) -> int:
+        """Seed torch's generators for this rank's coming step (call it right before the forward if
+        the forward draws random numbers, e.g. dropout): the audit and the reruns replay a rank's
+        step with the same seed. Returns the seed."""
+        seed = step_seed(self.seed, self.rank, self.steps)
+        torch.manual_seed(seed)
+        return seed
 
     # -- the comm hook -------------------------------------------------------------------------
 
@@ -151,6 +238,13 @@ class Guard:
                 # one 0-d flag per bucket, on the device: no host sync inside the backward
                 flags = _BucketFlags(bucket.index(), torch.logical_not(torch.isfinite(buf).all()),
                                      params=list(bucket.parameters()))
+                if self._auditor is not None and self._auditor.due(self.steps):
+                    # the audited rank's own result: its LOCAL gradients, before the reduce changes
+                    # them (fingerprints on the device, in stream order before the inner hook's div_)
+                    got = {id(p): grad_fingerprint(g) for p, g in zip(bucket.parameters(), bucket.gradients(),
+                                                                       strict=True)}
+                    with self._lock:
+                        self._local.update({k: v for k, v in got.items() if v is not None})
             except Exception as exc:
                 self._internal("the pre-reduce check", exc, raise_strict=False)
         fut = self._inner(self._inner_state, bucket)
@@ -172,11 +266,12 @@ class Guard:
 
     # -- before / after optimizer.step() ------------------------------------------------------------
 
-    def step(self) -> bool:
+    def step(self, loss: torch.Tensor | None = None, batch: Any = None) -> bool:
         """``before_step``, ``optimizer.step()`` unless an alarm stopped it, ``after_step``.
-        True when the update was applied."""
+        True when the update was applied. ``loss``, ``batch``: this step's loss and micro-batch, for
+        the audit (see ``before_step``)."""
         try:
-            ok = self.before_step()
+            ok = self.before_step(loss, batch)
         except GuardAlarm:
             self.after_step()
             raise
@@ -185,19 +280,29 @@ class Guard:
         self.after_step()
         return ok
 
-    def before_step(self) -> bool:
+    def before_step(self, loss: torch.Tensor | None = None, batch: Any = None) -> bool:
         """Judge this step's gradients on every rank at once. False (or ``GuardAlarm``): do not call
-        ``optimizer.step()`` — the same answer on every rank, so the weights stay equal."""
+        ``optimizer.step()`` — the same answer on every rank, so the weights stay equal.
+
+        On an audit step (``audit_due()``) the audit runs here: ``loss`` is this rank's loss of the
+        step (compared bit for bit; None: only the gradients are), ``batch`` the micro-batch it
+        trained on (None: rebuilt with ``batch_for``). ``AuditError`` (on every rank): the audit
+        cannot judge (a rebuilt micro-batch of another shape, ...)."""
         with self._lock:
             flags, self._flags = self._flags, []
+            local, self._local = self._local, {}
         if self.disabled is not None:
             if self.strict:
                 raise GuardError(f"gpumon.guard is off: {self.disabled}")
             return True
         try:
-            alarm = self._judge_gradients(flags)
+            alarm = self._judge_gradients(flags, batch)
+            if alarm is None and self.audit_due():
+                alarm = self._audit(loss, batch, local)
+        except AuditError:
+            raise
         except Exception as exc:
-            self._internal("the gradient check", exc)
+            self._internal("the audit" if self.audit_due() else "the gradient check", exc)
             return True
         if alarm is None:
             return True
@@ -211,7 +316,57 @@ class Guard:
         if self.weight_check_every and self.steps % self.weight_check_every == 0:
             self.check_weights()
 
-    def _judge_gradients(self, flags: list[_BucketFlags]) -> GuardAlarm | None:
+    def audit_due(self) -> bool:
+        """The step being taken (``steps``) is an audit step: 0, M, 2M, ... (``audit_every`` M)."""
+        return self._auditor is not None and self._auditor.due(self.steps)
+
+    def _audit(self, loss: torch.Tensor | None, batch: Any,
+               local: dict[int, torch.Tensor]) -> GuardAlarm | None:
+        assert self._auditor is not None
+        step = self.steps
+        own = self._auditor.own(loss, local)
+        try:
+            blames = self._auditor.audit(step, own, batch)
+        except SettleFailed as failed:
+            self._internal("settling the audit's disagreement", failed, raise_strict=False)
+            blames = failed.blames
+        self.audits += 1
+        if not blames:
+            return None
+        verdicts = [self._verdict(b.rank, b.check, step, b.message, fault=b.fault, **b.evidence)
+                    for b in blames]
+        verdicts = [self._keep(v, b.owner, step, batch if b.owner == self.rank else None)
+                    for v, b in zip(verdicts, blames, strict=True)]
+        return self._alarm(verdicts, skipped=True)
+
+    def _keep(self, v: Verdict, owner: int, step: int, batch: Any) -> Verdict:
+        """The named rank keeps the failing step (the micro-batch of ``owner``) and says where."""
+        if v.subject.rank != self.rank or not self.write_verdicts or self._loss_fn is None:
+            return v
+        from gpumon.guard.keep import keep_step
+
+        if batch is None and self._auditor is not None:
+            try:
+                batch = self._auditor.batch_for(owner, step)
+            except Exception as exc:
+                return replace(v, evidence={**v.evidence, "bundle": None,
+                                            "bundle_error": f"batch_for({owner}, {step}): {exc}"})
+        if batch is None:
+            return v
+        root = Path(self.bundle_dir) if self.bundle_dir else spool_dir(self.spool_dir) / "bundles"
+        seed = step_seed(self.seed, owner, step)
+        facts = {"verdict": v.id, "check": v.check, "fault": v.fault, "step": step, "micro_batch_of": owner,
+                 "subject": v.subject.describe()}
+        kept = keep_step(root / v.id, module=self.model.module, optimizer=self.optimizer, batch=batch,
+                         loss_fn=self._loss_fn, seed=seed, model_factory=self.model_factory,
+                         model_kwargs=self.model_kwargs, name=f"guard-{v.check}-step{step}-rank{owner}",
+                         facts=facts)
+        if kept.get("bundle"):
+            self.bundles.append(Path(kept["bundle"]))
+        return replace(v, evidence={**v.evidence, **kept, "bundle_micro_batch_of": owner,
+                                    "bundle_seed": seed})
+
+    def _judge_gradients(self, flags: list[_BucketFlags], batch: Any = None) -> GuardAlarm | None:
         local = [f.local_bad for f in flags if f.local_bad is not None]
         reduced = [f.reduced_bad for f in flags if f.reduced_bad is not None]
         mine = torch.zeros(2, dtype=torch.bool, device=self._device)
@@ -227,12 +382,31 @@ class Guard:
         step = self.steps
         if bad_local:
             where = self._bad_params(flags, local=True) if self.rank in bad_local else []
-            return self._alarm([self._verdict(
-                r, "nonfinite_grad", step,
-                f"step {step}: rank {r}'s local gradients have NaN/Inf before the all-reduce "
-                f"({self.identities[r].describe()}); the update is skipped on every rank",
-                ranks_nonfinite_local=bad_local, ranks_nonfinite_reduced=bad_reduced,
-                **({"parameters": where} if r == self.rank else {})) for r in bad_local], skipped=True)
+            reran: dict[int, tuple[str, str, dict[str, Any]]] = {}
+            if self._auditor is not None:
+                try:
+                    reran = self._auditor.rerun_nonfinite(step, bad_local)
+                except Exception as exc:
+                    # the gradients are known to be NaN/Inf: the update is skipped all the same,
+                    # only the disambiguation is lost (a peer gone mid-rerun turns the guard off)
+                    if not isinstance(exc, AuditError):
+                        self._internal("the rerun of check 1", exc, raise_strict=False)
+                    log.error("gpumon.guard: step %d: the rerun of the non-finite gradients failed: %s", step,
+                              exc)
+                    reran = {r: ("unknown", "", {"rerun_error": f"{type(exc).__name__}: {exc}"})
+                             for r in bad_local}
+            verdicts = []
+            for r in bad_local:
+                fault, why, evidence = reran.get(r, ("unknown", "", {}))
+                said = f"; {fault}: {why}" if why else ""
+                v = self._verdict(
+                    r, "nonfinite_grad", step,
+                    f"step {step}: rank {r}'s local gradients have NaN/Inf before the all-reduce "
+                    f"({self.identities[r].describe()}){said}; the update is skipped on every rank",
+                    fault=fault, ranks_nonfinite_local=bad_local, ranks_nonfinite_reduced=bad_reduced,
+                    **evidence, **({"parameters": where} if r == self.rank else {}))
+                verdicts.append(self._keep(v, r, step, batch if r == self.rank else None))
+            return self._alarm(verdicts, skipped=True)
         if bad_reduced:
             every = len(bad_reduced) == self.world
             verdicts = []
@@ -327,10 +501,11 @@ class Guard:
 
     # -- verdicts ----------------------------------------------------------------------------------
 
-    def _verdict(self, rank: int, check: str, step: int, message: str, **evidence: Any) -> Verdict:
+    def _verdict(self, rank: int, check: str, step: int, message: str, *, fault: str = "unknown",
+                 **evidence: Any) -> Verdict:
         subject = self.identities[rank]
         when = time.time()
-        return Verdict(check=check, fault="unknown", step=step, message=message, subject=subject,
+        return Verdict(check=check, fault=fault, step=step, message=message, subject=subject,
                        evidence=evidence, job=job_id(), time=when, id=new_id(subject, when))
 
     def _alarm(self, verdicts: list[Verdict], *, skipped: bool, write_files: bool = True) -> GuardAlarm:
@@ -363,6 +538,10 @@ class Guard:
                       "this run, training goes on", where, type(exc).__name__, exc)
         if self.strict and raise_strict:
             raise GuardError(f"gpumon.guard: internal error in {where}: {exc}") from exc
+
+
+def json_key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def _fp(row: torch.Tensor) -> str:

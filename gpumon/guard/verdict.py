@@ -9,14 +9,17 @@ both sides and imports nothing heavy (no torch).
 Format ``gpumon-guard-verdict``, ``version`` 1::
 
     {"format": "gpumon-guard-verdict", "version": 1, "id": "...", "time": 1800000000.0,
-     "check": "nonfinite_grad" | "nonfinite_reduce" | "weights",
-     "fault": "persistent" | "transient" | "unknown",
+     "check": "nonfinite_grad" | "nonfinite_reduce" | "weights" | "audit",
+     "fault": "persistent" | "transient" | "unknown" | "application",
      "step": 57, "message": "...", "job": "slurm:1234" | null,
      "subject": {identity of the rank named, see Identity},
      "evidence": {...}}
 
-``fault`` is what the daemon acts on: ``persistent`` (the fault reproduced on this GPU) is fail /
-inspect_hardware; ``transient`` and ``unknown`` (not disambiguated) are warn.
+``fault`` is what the daemon acts on: ``persistent`` (the fault reproduced on this GPU, and GPUs of
+other nodes computed otherwise) is fail / inspect_hardware; ``transient`` (a rerun on the same GPU
+computed otherwise) and ``unknown`` (not disambiguated) are warn; ``application`` (the result
+reproduced on a GPU of another node: the data or the program, not the hardware) is held against no
+GPU.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ FORMAT = "gpumon-guard-verdict"
 VERSION = 1
 DEFAULT_DIR = "/var/lib/gpumon/guard"
 DIR_ENV = "GPUMON_GUARD_DIR"
-CHECKS = ("nonfinite_grad", "nonfinite_reduce", "weights")
-FAULTS = ("persistent", "transient", "unknown")
+CHECKS = ("nonfinite_grad", "nonfinite_reduce", "weights", "audit")
+FAULTS = ("persistent", "transient", "unknown", "application")
 # a verdict is a few KiB; anything far larger is not one (and must not cost the daemon memory)
 MAX_BYTES = 1 << 20
 

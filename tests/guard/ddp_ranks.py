@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import audit_ranks  # this folder's sibling (the script's folder is on sys.path)
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpumon.guard import Guard, GuardAlarm
+from gpumon.guard import Guard, GuardAlarm, deterministic
 from gpumon.sdc.inject import FaultInjector, FaultSpec
 
 
@@ -154,10 +155,14 @@ def main() -> None:
     scenarios = sys.argv[5].split(",")
     logging.basicConfig(level=logging.ERROR, format=f"rank {rank}: %(message)s")
     torch.set_num_threads(1)
+    # the audit's scenarios (audit_ranks.py) need a deterministic process; the others do not mind
+    deterministic(threads=1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     result: dict[str, Any] = {}
     for name in scenarios:
-        if name == "healthy":
+        if name in audit_ranks.SCENARIOS:  # in this launch: torch and DDP's first start cost once
+            audit_ranks.run(name, rank, world, out, result)
+        elif name == "healthy":
             result[name] = healthy(rank, world, out, int(os.environ.get("GUARD_HEALTHY_STEPS", "200")))
         elif name == "nan":
             result[name] = nan_forward(rank, world, out, at=5, bad=world - 1)

@@ -2,65 +2,17 @@
 
 Faults come from outside the guard's code, through the SDC fault harness (gpumon.sdc.inject) that
 ``ddp_ranks.py`` wraps around one rank's forward or optimizer step. Every rank runs the same
-scenarios in one process group (one launch: torch's import dominates the cost).
+scenarios in one process group (one launch, ``conftest.py``: torch's import and DDP's first start
+dominate the cost; the audit's scenarios, test_guard_audit.py, run in the same launch).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from gpumon.guard import verdict as vf
-
-RANKS = Path(__file__).with_name("ddp_ranks.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launch(out: Path, world: int, scenarios: str, timeout: float = 120) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "NODE_NAME": f"node-{rank}", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
-        env.pop("SLURMD_NODENAME", None)
-        procs.append(subprocess.Popen([sys.executable, str(RANKS), str(rank), str(world), str(port),
-                                       str(out), scenarios], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, text in zip(procs, logs, strict=True):
-        assert p.returncode == 0, text
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
-@pytest.fixture(scope="module")
-def three(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("guard3")
-    return out, launch(out, 3, "healthy,nan,flip,wedged")
-
-
-@pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("guard2")
-    return out, launch(out, 2, "flip")
 
 
 def test_a_healthy_run_of_200_steps_raises_no_alarm(three: tuple[Path, list[dict[str, Any]]]) -> None:

@@ -193,3 +193,27 @@ def test_the_guard_findings_reach_metrics_like_any_checks(nvml_state: Path, tmp_
                    make_registry(SnapshotHolder(snap))).decode()) for s in fam.samples}
     assert samples[("gpumon_finding_severity", (("check", "guard"), ("component", "gpu/5")))] == 4
     assert samples[("gpumon_check_outcome", (("check", "guard"), ("outcome", "completed")))] == 1
+
+
+def test_an_application_verdict_fails_no_gpu_and_leaves_its_other_faults(nvml_state: Path,
+                                                                         tmp_path: Path) -> None:
+    """The rerun reproduced the result on another node's GPU: the data or the program. An ok on
+    ``node`` that says so; the same GPU's persistent fault from another verdict stays."""
+    spool, db = tmp_path / "spool", tmp_path / "state"
+    health = Health.open(db, boot_id="boot-1")
+    state: dict[str, Any] = {}
+    put(spool, "persistent", check="audit")
+    health.record_findings("guard", run(nvml_state, tmp_path, spool, state), complete=True)
+    app = put(spool, "application", check="nonfinite_grad", when=time.time() + 1)
+    for _ in range(3):  # reported, judged, then no longer held: never a fault
+        found = run(nvml_state, tmp_path, spool, state)
+        health.record_findings("guard", found, complete=True)
+        mine = [f for f in found if f.evidence.get("verdict_file", "").endswith(app.name)]
+        assert all((f.component, f.severity) == (NODE, Severity.OK) for f in mine)
+        if mine:
+            assert "application: not a hardware fault, no GPU held responsible" in mine[0].message
+    assert not app.exists() and (spool / "judged" / app.name).exists()
+    view = health.view().components
+    assert (view["gpu/5"].level, view["gpu/5"].action) == (Level.UNHEALTHY, Action.INSPECT_HARDWARE)
+    assert NODE not in view or view[NODE].level is Level.HEALTHY
+    health.close()
