@@ -14,9 +14,12 @@ them alike), the median round per configuration:
   + one flag all-reduce on the guard's gloo group);
 - ``check 3``: the weight fingerprint check (``guard.check_weights()``), timed by itself and
   amortised over N = ``--weight-every`` (100) steps;
-- ``audit`` (check 2, M = ``--audit-every``, 500): only when this build's ``Guard`` accepts
-  ``audit_every``; otherwise said so;
-- ``all``: ``Guard(weight_check_every=N[, audit_every=M])``, measured the same way.
+- ``check 2``: the ring re-execution audit, measured as a guard auditing every step
+  (``audit_every=1``) against check 1 alone, amortised over M = ``--audit-every`` (500);
+- ``all``: ``Guard(weight_check_every=N, audit_every=M)``, measured the same way.
+
+Every configuration runs under ``gpumon.guard.deterministic()`` (the audit refuses a run that is
+not deterministic), so the baseline pays what the audit's precondition costs too.
 
 Overheads are printed as % of the ``none`` step time, with the machine and the load it ran under.
 """
@@ -24,7 +27,6 @@ Overheads are printed as % of the ``none`` step time, with the machine and the l
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import socket
@@ -32,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import describe
 
-from gpumon.guard import Guard
+from gpumon.guard import Guard, deterministic
 
 VOCAB, SEQ, BATCH, D_MODEL, HEADS, LAYERS, FF = 256, 64, 8, 128, 4, 2, 256
 
@@ -71,19 +72,10 @@ def batch(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, tor
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def audit_kwargs(rebuild: Callable[[int, int], Any]) -> dict[str, Any] | str:
-    """How to switch the audit (check 2) on in this build, or why it cannot be. The audit is built
-    elsewhere; when its ``Guard`` takes ``audit_every=``, a keyword naming a batch (rebuild any
-    rank's micro-batch of a step) gets ``rebuild``."""
-    params = inspect.signature(Guard.__init__).parameters
-    if "audit_every" not in params:
-        return "audit: not available in this build (Guard takes no audit_every)"
-    kwargs: dict[str, Any] = {}
-    for name in params:
-        if "batch" in name and name != "audit_every":
-            kwargs[name] = rebuild
-            break
-    return kwargs
+def lm_loss(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The loop's own forward and loss: what the audit (check 2) replays on another rank."""
+    x, y = b
+    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -109,25 +101,18 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         if kind == "none":
             return model, opt, None
         extra: dict[str, Any] = {}
-        if kind == "all" and audit_on and isinstance(audit, dict):
-            extra = {"audit_every": args.audit_every, **audit}
+        if kind in ("audit1", "all"):
+            extra = {"audit_every": 1 if kind == "audit1" else args.audit_every, "batch_for": rebuild,
+                     "loss_fn": lm_loss}
         every = args.weight_every if kind == "all" else 0
         return model, opt, Guard(model, opt, weight_check_every=every, timeout_s=300, spool_dir=out,
                                  **extra)
 
-    audit = audit_kwargs(rebuild)
-    audit_on = isinstance(audit, dict)
-    kinds = ["none", "check1", "all"]
-    setups: dict[str, tuple[DDP, torch.optim.Optimizer, Guard | None]] = {}
-    notes: list[str] = [audit] if isinstance(audit, str) else []
-    for kind in kinds:
-        try:
-            setups[kind] = make(kind)
-        except (TypeError, ValueError) as exc:  # an audit this bench does not know how to set up
-            notes.append(f"audit: could not be set up in this build ({exc}); 'all' runs without it")
-            audit_on = False
-            setups[kind] = make(kind)
-    loss_fn = nn.CrossEntropyLoss()
+    # the audit refuses a run that is not deterministic: every configuration runs so, alike
+    deterministic()
+    kinds = ["none", "check1", "audit1", "all"]
+    setups = {kind: make(kind) for kind in kinds}
+    notes: list[str] = []
     steps_done = dict.fromkeys(kinds, 0)
 
     def train(kind: str, n: int) -> tuple[float, float]:
@@ -140,11 +125,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             step = steps_done[kind]
             x, y = batch(rank, step, device)
             opt.zero_grad(set_to_none=True)
-            loss_fn(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            loss = lm_loss(model, (x, y))
+            loss.backward()
             if guard is None:
                 opt.step()
             else:
-                guard.step()
+                guard.step(loss, (x, y))
             steps_done[kind] += 1
         sync()
         return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
@@ -175,7 +161,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         params = sum(p.numel() for p in setups["none"][0].parameters())
         Path(out, "result.json").write_text(json.dumps({
             "rounds": rounds, "cpu": cpu, "weight_check_s": checks, "notes": notes, "params": params,
-            "disabled": disabled, "audit": audit_on}))
+            "disabled": disabled}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -240,16 +226,17 @@ def main() -> int:
           f"{cpu_text('check1'):>21}")
     print(f"{f'check 3 (weights, every {args.weight_every} steps)':<44}"
           f"{per_check * 1e3:>11.2f} ms per check{'':>8}{c3:>+10.3f} % amortised")
-    audit_on = res["audit"]
-    label = (f"all (1 + 3 every {args.weight_every}" + (f" + audit every {args.audit_every})" if audit_on
-                                                        else ")"))
+    c2 = (med["audit1"] - med["check1"]) / args.audit_every / base * 100
+    print(f"{f'check 2 (audit, every {args.audit_every} steps)':<44}"
+          f"{(med['audit1'] - med['check1']) * 1e3:>11.2f} ms per audit{'':>8}{c2:>+10.3f} % amortised")
+    label = f"all (1 + 3 every {args.weight_every} + audit every {args.audit_every})"
     c_all = (med["all"] - base) / base * 100
     print(f"{label:<44}{med['all'] * 1e3:>11.2f} ms{spread['all'][0] * 1e3:>11.2f}.."
           f"{spread['all'][1] * 1e3:<8.2f} ms{c_all:>+10.2f} %{cpu_text('all'):>21}")
-    if not audit_on:
-        print(f"audit (check 2, every {args.audit_every} steps): not measured (not in this build)")
+    print(f"{'amortised sum (check 1 + check 2 + check 3)':<44}{'':>14}{'':>22}{c1 + c2 + c3:>+10.2f} %")
     print("\noverhead = (median step time - none's) / none's; check 3 = one check's time / N / none's "
-          "step; rank 0 CPU/step = that process's CPU time (all its threads) per step, which other "
+          "step; check 2 = (a step audited every step - a check-1 step) / M / none's step; "
+          "rank 0 CPU/step = that process's CPU time (all its threads) per step, which other "
           "load on the machine disturbs less than wall time. On a shared machine the rounds' spread is "
           "the noise floor: a difference inside it is not a measurement.")
     return 0

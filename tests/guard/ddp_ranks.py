@@ -134,11 +134,16 @@ def weight_flip(rank: int, world: int, out: Path, at: int, bad: int) -> dict[str
     return result
 
 
-def wedged_peer(rank: int, world: int, out: Path, at: int, late: int, timeout_s: float) -> dict[str, Any]:
-    """Rank ``late`` reaches the guard's collective long after the others (a wedged step)."""
+def wedged_peer(rank: int, world: int, out: Path, at: int, late: int, timeout_s: float,
+                *, user_hook: bool) -> dict[str, Any]:
+    """Rank ``late`` reaches the guard's collective long after the others (a wedged step).
+    ``user_hook``: the loop gave its own comm hook, so check 1 exchanges its flags on the guard's
+    group every step; otherwise the flags ride the gradients and the guard's collective that waits
+    is the weight check, due right after step ``at``."""
     model, opt = build()
-    guard = Guard(model, opt, weight_check_every=0, spool_dir=out / f"spool-t-r{rank}",
-                  timeout_s=timeout_s)
+    guard = Guard(model, opt, weight_check_every=0 if user_hook else at + 1,
+                  spool_dir=out / f"spool-t-r{rank}", timeout_s=timeout_s,
+                  comm_hook=default_hooks.allreduce_hook if user_hook else None)
     t0 = time.monotonic()
     for step in range(at + 3):
         opt.zero_grad()
@@ -169,7 +174,9 @@ def main() -> None:
         elif name == "flip":
             result[name] = weight_flip(rank, world, out, at=4, bad=1)
         elif name == "wedged":
-            result[name] = wedged_peer(rank, world, out, at=2, late=world - 1, timeout_s=1.5)
+            result[name] = wedged_peer(rank, world, out, at=2, late=world - 1, timeout_s=1.5, user_hook=True)
+        elif name == "wedged-weights":
+            result[name] = wedged_peer(rank, world, out, at=2, late=world - 1, timeout_s=1.5, user_hook=False)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

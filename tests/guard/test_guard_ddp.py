@@ -92,8 +92,17 @@ def test_a_wedged_peer_costs_the_guards_timeout_not_a_hang(three: tuple[Path, li
     Every rank logs it, switches the guard off and trains on: all steps done, replicas equal."""
     _, ranks = three
     for res in ranks:
-        w = res["wedged"]
+        w = res["wedged"]  # the loop's own comm hook: check 1's flags on the guard's group
         assert w["steps"] == 5
         assert w["disabled"] and w["disabled"].startswith("the gradient check: RuntimeError")
         assert w["seconds"] < 20
     assert ranks[0]["wedged"]["final"] == ranks[1]["wedged"]["final"] == ranks[2]["wedged"]["final"]
+    # the guard's own all-reduce: check 1's flags ride the gradients (no collective to time out);
+    # the weight check due after the late step is where the others wait, and give up
+    for res in ranks:
+        w = res["wedged-weights"]
+        assert w["steps"] == 5
+        assert w["disabled"] and w["disabled"].startswith("the weight check: RuntimeError"), w["disabled"]
+        assert w["seconds"] < 20
+    finals = [r["wedged-weights"]["final"] for r in ranks]
+    assert finals[0] == finals[1] == finals[2]
