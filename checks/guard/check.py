@@ -36,8 +36,9 @@ from typing import Any
 
 from gpumon.check import Check, CheckContext
 from gpumon.guard import verdict as vf
+from gpumon.hw.nvml import CLOCK_EVENT_REASONS
 from gpumon.hw.placement import normalize_uuid
-from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu
+from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
 
 JUDGED = "judged"
 # One token per daemon process: a file reported by an earlier run of THIS process is in health.db.
@@ -53,6 +54,11 @@ class GuardConfig:
         "min": 0,
         "source": "argued: a transient or unknown SDC verdict stays visible (health, /metrics) for a "
                   "day, long enough for an operator or the next canary to look, then resolves"})
+    pace_max_age_s: float = field(default=900.0, metadata={
+        "min": 1,
+        "source": "argued: a job's ranks rewrite their node's pace file every window (100 steps by "
+                  "default: seconds to minutes); older than 15 min, the job has ended or stalled and its "
+                  "scores are not exported"})
     max_files: int = field(default=1000, metadata={
         "min": 1,
         "source": "argued: a job writes one file per named rank per alarm; more than this at once is "
@@ -110,6 +116,10 @@ class GuardCheck(Check):
             if _holds(verdict, now, params.warn_hold_s):
                 out.append(self._finding(verdict, path, by_uuid))
         ctx.state["reported"] = still
+        for f in out:
+            if f.evidence.get("verdict_check") == "straggler" and f.component != NODE:
+                assert isinstance(f.evidence, dict)
+                f.evidence["node_signals"] = _signals(ctx, int(f.component.split("/")[1]))
         if dropped:
             out.append(self.finding(NODE, Severity.WARN,
                                     f"{dropped} more guard verdict files than the {params.max_files} read "
@@ -117,6 +127,18 @@ class GuardCheck(Check):
                                     spool=str(spool), waiting=dropped, fault_key="spool-backlog"))
         if not out:
             out.append(self.ok(NODE, f"no guard verdicts to report (spool {spool})", spool=str(spool)))
+        pace = _pace(spool / vf.PACE_DIR, by_uuid, now, params.pace_max_age_s)
+        if pace:
+            slowest = min(pace, key=lambda kv: kv[1])
+            readings = [reading("guard_pace_score", score, gpu=index) for index, score in sorted(pace)]
+            readings.append(reading("guard_pace_slowest_score", slowest[1]))
+            said = f"in-job pace of {len(pace)} GPU(s): slowest GPU {slowest[0]} at {slowest[1]:.2f}"
+            node_finding = next((f for f in out if f.component == NODE), None)
+            if node_finding is None:
+                out.append(self.ok(NODE, said, readings=readings, spool=str(spool)))
+            else:
+                assert isinstance(node_finding.evidence, dict)
+                node_finding.evidence["readings"] = [*node_finding.evidence.get("readings", []), *readings]
         return out
 
     def _judge(self, path: Path, judged_dir: Path) -> bool:
@@ -158,12 +180,69 @@ class GuardCheck(Check):
             severity, action = Severity.WARN, Action.NONE
         job = f"job {v.job}, " if v.job else ""
         message = f"in-job SDC check {v.check} ({job}{v.fault}) on {where}: {v.message}"
+        if v.check == "straggler":
+            message = (f"in-job straggler ({job.rstrip(', ') or 'a job'}) on {where}: {v.message}; "
+                       "compare this GPU's throttle, thermal, pcie and nvlink findings (node_signals in "
+                       "the evidence: read when the verdict was judged)")
         evidence: dict[str, Any] = {
             "fault_key": v.id, "verdict_file": str(path), "verdict_check": v.check, "fault": v.fault,
             "step": v.step, "job": v.job, "time": v.time, "rank": s.rank, "world_size": s.world_size,
             "host": s.host, "node_name": s.node_name, "local_rank": s.local_rank, "device": s.device,
             "gpu_uuid": s.gpu_uuid, "gpu_pci_bus_id": s.gpu_pci_bus_id, "verdict_evidence": v.evidence}
         return self.finding(component, severity, message, action, **evidence)
+
+
+def _signals(ctx: CheckContext, index: int) -> dict[str, Any]:
+    """What this node's hardware says of a GPU a job called slow: throttle reasons, temperature,
+    PCIe link against its maximum, NVLink links up. Each reading bounded; one that fails says why."""
+    nvml = ctx.hw.nvml
+
+    def reasons() -> list[str]:
+        mask = nvml.clocks_event_reasons(index)
+        return [n for n, bit in CLOCK_EVENT_REASONS.items() if mask & bit and n != "gpu_idle"]
+
+    def pcie() -> dict[str, Any]:
+        link = nvml.pcie_link(index)
+        return {"generation": link.generation, "max_generation": link.max_generation, "width": link.width,
+                "max_width": link.max_width,
+                "degraded": link.width < link.max_width or link.generation < link.max_generation}
+
+    def nvlink() -> str:
+        n = nvml.nvlink_count(index)
+        return f"{sum(nvml.nvlink_state(index, i) for i in range(n))}/{n}"
+
+    out: dict[str, Any] = {}
+    for key, fn in (("clock_event_reasons", reasons), ("temperature_c", lambda: nvml.temperature_c(index)),
+                    ("pcie_link", pcie), ("nvlink_up", nvlink)):
+        try:
+            out[key] = fn()
+        except Exception as exc:  # a signal that cannot be read is said, never a crash of the check
+            out[key] = f"unreadable: {type(exc).__name__}: {exc}"
+    return out
+
+
+def _pace(directory: Path, by_uuid: dict[str | None, int], now: float,
+          max_age_s: float) -> list[tuple[int, float]]:
+    """(GPU index, pace score) of this node's GPUs from fresh pace files (the newest file per GPU)."""
+    if not directory.is_dir():
+        return []
+    newest: dict[int, tuple[float, float]] = {}
+    try:
+        files = sorted(directory.glob("*.json"))[:200]
+    except OSError:
+        return []
+    for path in files:
+        try:
+            when, _, rows = vf.read_pace(path)
+        except (vf.VerdictError, OSError):
+            continue
+        if now - when > max_age_s:
+            continue
+        for row in rows:
+            index = by_uuid.get(normalize_uuid(row.gpu_uuid)) if row.gpu_uuid else None
+            if index is not None and (index not in newest or newest[index][0] < when):
+                newest[index] = (when, row.pace)
+    return [(i, score) for i, (_, score) in newest.items()]
 
 
 def _candidate(path: Path) -> bool:

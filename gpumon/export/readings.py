@@ -112,6 +112,22 @@ READINGS: Mapping[str, ReadingDoc] = MappingProxyType({
         "check's NVML samples (any sample without the signature, or a gap over max_sample_gap_s, "
         "starts it again from 0).",
         ("collective_hang",)),
+    "guard_pace_score": ReadingDoc(
+        "gauge",
+        "In-job pace of this node's GPU (label gpu: its index) in the latest window of a guarded "
+        "training job (gpumon.guard): the job's median compute per step over all ranks divided by "
+        "this GPU's rank's own (forward to its last gradient bucket, plus optimizer.step(); waiting "
+        "for other ranks excluded). 1 is the group's pace, 0.5 half speed; below 0.75 (NVIDIA "
+        "Resiliency Extension's straggler threshold) in 3 of 5 windows the job names it a straggler. "
+        "Unit: ratio. Source: the job's pace file in the guard spool, exported while under "
+        "pace_max_age_s (15 min) old.",
+        ("guard",)),
+    "guard_pace_slowest_score": ReadingDoc(
+        "gauge",
+        "The lowest guard_pace_score of this node's GPUs: how far the slowest GPU of this node holds "
+        "back its guarded training job (1: at the group's pace). Unit: ratio. Source: as "
+        "guard_pace_score.",
+        ("guard",)),
     "xid_events_total": ReadingDoc(
         "counter",
         "NVIDIA Xid error events on this component since boot, per root Xid code (label code; an Xid 45 "

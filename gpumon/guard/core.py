@@ -33,15 +33,18 @@ from gpumon.guard.audit import (
     step_seed,
 )
 from gpumon.guard.identity import identify
+from gpumon.guard.pace import SLOW_BELOW, PaceMeter, table_of, work_of
 from gpumon.guard.verdict import (
     EXIT_FAILED_VALIDATION,
     EXIT_RESUME_ELSEWHERE,
     Identity,
+    PaceRow,
     Verdict,
     job_id,
     new_id,
     spool_dir,
     write,
+    write_pace,
 )
 from gpumon.sdc.fingerprint import Fingerprint, fingerprint_tensor
 
@@ -138,7 +141,9 @@ class Guard:
                  write_verdicts: bool = True, audit_every: int = 0, batch_for: BatchFor | None = None,
                  loss_fn: LossFn | None = None, backward: Backward | None = None, seed: int = 0,
                  model_factory: Callable[..., torch.nn.Module] | None = None,
-                 model_kwargs: dict[str, Any] | None = None, bundle_dir: str | Path | None = None) -> None:
+                 model_kwargs: dict[str, Any] | None = None, bundle_dir: str | Path | None = None,
+                 pace_window: int = 100, pace_of_last: int = 5, pace_need: int = 3,
+                 on_straggler: Callable[[list[Verdict]], None] | None = None) -> None:
         if on_alarm not in ("raise", "skip"):
             raise ValueError(f"on_alarm: {on_alarm!r} is not one of raise, skip")
         if weight_check_every < 0:
@@ -217,6 +222,14 @@ class Guard:
             if audit_every:
                 self._refuse_unless_deterministic()
             module.register_forward_pre_hook(self._auditor.pre_forward)
+        # stragglers: every rank times its own compute; every pace_window steps they are scored
+        self.on_straggler = on_straggler
+        self.pace: PaceMeter | None = None
+        if pace_window:
+            self.pace = PaceMeter(rank=self.rank, world=self.world, group=self._group, device=self._device,
+                                  window=pace_window, of_last=pace_of_last, need=pace_need)
+            module.register_forward_pre_hook(self.pace.forward_pre)
+        self._step_work: float | None = None
         model.register_comm_hook(None, self._hook)
 
     def _refuse_unless_deterministic(self) -> None:
@@ -251,6 +264,8 @@ class Guard:
 
     def _hook(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         flags: _BucketFlags | None = None
+        if self.pace is not None and bucket.is_last():
+            self.pace.backward_done()  # this rank's backward is done; waiting for the others is not
         if self.disabled is None:
             try:
                 buf = bucket.buffer()
@@ -311,21 +326,26 @@ class Guard:
 
     # -- before / after optimizer.step() ------------------------------------------------------------
 
-    def step(self, loss: torch.Tensor | None = None, batch: Any = None) -> bool:
+    def step(self, loss: torch.Tensor | None = None, batch: Any = None, *, work: float | None = None) -> bool:
         """``before_step``, ``optimizer.step()`` unless an alarm stopped it, ``after_step``.
         True when the update was applied. ``loss``, ``batch``: this step's loss and micro-batch, for
-        the audit (see ``before_step``)."""
+        the audit (see ``before_step``); ``work``: how much work this rank's step was, for the
+        straggler scores (default: the element count of the micro-batch's first tensor)."""
         try:
-            ok = self.before_step(loss, batch)
+            ok = self.before_step(loss, batch, work=work)
         except GuardAlarm:
             self.after_step()
             raise
         if ok:
-            self.optimizer.step()
+            if self.pace is not None:
+                self.pace.optimizer(self.optimizer.step)
+            else:
+                self.optimizer.step()
         self.after_step()
         return ok
 
-    def before_step(self, loss: torch.Tensor | None = None, batch: Any = None) -> bool:
+    def before_step(self, loss: torch.Tensor | None = None, batch: Any = None, *,
+                    work: float | None = None) -> bool:
         """Judge this step's gradients on every rank at once. False (or ``GuardAlarm``): do not call
         ``optimizer.step()`` — the same answer on every rank, so the weights stay equal.
 
@@ -338,6 +358,9 @@ class Guard:
             local, self._local = self._local, {}
         carried, self._carried = self._carried, None
         self._pending_local = []
+        if self.pace is not None:
+            self.pace.active = False  # the audit's and reruns' forwards are not the step's
+            self._step_work = work if work is not None else (work_of(batch) if batch is not None else None)
         if self.disabled is not None:
             if self.strict:
                 raise GuardError(f"gpumon.guard is off: {self.disabled}")
@@ -358,10 +381,77 @@ class Guard:
         return False
 
     def after_step(self) -> None:
-        """Count the step; the weight check when it is due."""
+        """Count the step; the weight check and the straggler scores when they are due."""
         self.steps += 1
+        if self.pace is not None:
+            self.pace.end_step(self._step_work)
+            self._step_work = None
+            self.pace.active = True
         if self.weight_check_every and self.steps % self.weight_check_every == 0:
             self.check_weights()
+        if self.pace is not None and self.disabled is None and self.pace.due(self.steps):
+            self._judge_pace()
+
+    def _judge_pace(self) -> None:
+        assert self.pace is not None
+        try:
+            window = self.pace.judge(self.steps - 1)
+        except Exception as exc:
+            self._internal("the straggler scores", exc, raise_strict=False)
+            return
+        if window is None:
+            return
+        step = window.step
+        by_rank = {s.rank: s for s in window.scores}
+        # the ranks of this node (the scheduler's node name where there is one: containers on one
+        # host each have their own, and each node's daemon reads its own spool)
+        node = self.identity.node_name or self.identity.host
+        mine = [r for r, i in enumerate(self.identities) if (i.node_name or i.host) == node]
+        if mine and min(mine) == self.rank and self.write_verdicts:
+            rows = [PaceRow(r, self.identities[r].gpu_uuid, by_rank[r].pace, by_rank[r].pace_per_work,
+                            by_rank[r].slow) for r in mine]
+            try:
+                write_pace(self.spool_dir, job=job_id(), host=node, step=step, rows=rows,
+                           when=time.time())
+            except OSError as exc:
+                log.warning("gpumon.guard: could not write this node's pace scores: %s", exc)
+        for r in window.load:
+            s = by_rank[r]
+            if r == self.rank:
+                log.info("gpumon.guard: steps up to %d: rank %d is slower (pace %.2f) only because it gets "
+                         "more work (%.0f vs the group's median; pace per unit of work %.2f): load, not its "
+                         "GPU", step, r, s.pace, s.work, s.pace_per_work)
+        if not window.named:
+            return
+        median_ms = sorted(s.compute_s for s in window.scores)[len(window.scores) // 2] * 1e3
+        verdicts = []
+        for r in window.named:
+            s = by_rank[r]
+            slow_windows = sum(self.pace.history(r))
+            verdicts.append(self._verdict(
+                r, "straggler", step,
+                f"steps up to {step}: rank {r} ({self.identities[r].describe()}) is a straggler: its own "
+                f"compute per step {s.compute_s * 1e3:.1f} ms against the group's median {median_ms:.1f} ms "
+                f"(pace {s.pace:.2f}, {s.pace_per_work:.2f} per unit of work, slow below {SLOW_BELOW}) in "
+                f"{slow_windows} of the last {len(self.pace.history(r))} windows of {self.pace.window} "
+                "steps; not explained by its share of the work; the job runs at its pace",
+                pace=s.pace, pace_per_work=s.pace_per_work, compute_ms=round(s.compute_s * 1e3, 3),
+                group_median_ms=round(median_ms, 3), slow_windows=slow_windows,
+                windows=len(self.pace.history(r)), window_steps=self.pace.window,
+                scores=table_of(window.scores)))
+        log.warning("gpumon.guard: %s", "; ".join(v.message for v in verdicts))
+        for v in verdicts:
+            if self.write_verdicts and v.subject.rank == self.rank:
+                try:
+                    self.verdict_files.append(write(v, self.spool_dir))
+                except OSError as exc:
+                    log.error("gpumon.guard: could not write the straggler verdict for the node's daemon: "
+                              "%s", exc)
+        if self.on_straggler is not None:
+            try:
+                self.on_straggler(verdicts)
+            except Exception as exc:
+                self._internal("the user's on_straggler callback", exc, raise_strict=False)
 
     def audit_due(self) -> bool:
         """The step being taken (``steps``) is an audit step: 0, M, 2M, ... (``audit_every`` M)."""

@@ -39,7 +39,7 @@ FORMAT = "gpumon-guard-verdict"
 VERSION = 1
 DEFAULT_DIR = "/var/lib/gpumon/guard"
 DIR_ENV = "GPUMON_GUARD_DIR"
-CHECKS = ("nonfinite_grad", "nonfinite_reduce", "weights", "audit")
+CHECKS = ("nonfinite_grad", "nonfinite_reduce", "weights", "straggler", "audit")
 FAULTS = ("persistent", "transient", "unknown", "application")
 # a verdict is a few KiB; anything far larger is not one (and must not cost the daemon memory)
 MAX_BYTES = 1 << 20
@@ -213,3 +213,63 @@ def job_id() -> str | None:
 
 def host_name() -> str:
     return socket.gethostname()
+
+
+# -- pace: each node's GPUs' in-job pace scores (gpumon.guard.pace), for the node's metrics ------------
+#
+# One file per job and host, ``<spool>/pace/<job>-<host>.json``, rewritten (atomically) every window
+# by the lowest rank of that host: the latest pace of each of the host's ranks. Not verdicts: the
+# node's ``guard`` check exports them as readings while they are fresh (a straggler is named by a
+# verdict file, above).
+
+PACE_FORMAT = "gpumon-guard-pace"
+PACE_DIR = "pace"
+
+
+@dataclass(frozen=True)
+class PaceRow:
+    rank: int
+    gpu_uuid: str | None
+    pace: float
+    pace_per_work: float
+    slow: bool
+
+
+def write_pace(directory: str | Path | None, *, job: str | None, host: str, step: int,
+               rows: list[PaceRow], when: float) -> Path:
+    from gpumon.atomic import write_atomic
+
+    name = _UNSAFE.sub("_", f"{job or 'nojob'}-{host}")[:120]
+    path = spool_dir(directory) / PACE_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": PACE_FORMAT, "version": 1, "time": when, "job": job, "host": host, "step": step,
+           "ranks": [asdict(r) for r in rows]}
+    write_atomic(path, json.dumps(doc, sort_keys=True) + "\n", mode=0o644)
+    return path
+
+
+def read_pace(path: Path) -> tuple[float, str | None, list[PaceRow]]:
+    """(time, job, rows) of one pace file; raises VerdictError or OSError."""
+    with path.open("rb") as fh:
+        raw = fh.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise VerdictError("larger than a pace file can be")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise VerdictError(f"not JSON: {exc}") from None
+    if not isinstance(data, Mapping) or data.get("format") != PACE_FORMAT or data.get("version") != 1:
+        raise VerdictError("not a gpumon-guard-pace file of version 1")
+    when, job, ranks = data.get("time"), data.get("job"), data.get("ranks")
+    if not isinstance(when, (int, float)) or not isinstance(ranks, list):
+        raise VerdictError("time and ranks are required")
+    rows = []
+    for r in ranks:
+        if not isinstance(r, Mapping):
+            raise VerdictError("ranks: not objects")
+        try:
+            rows.append(PaceRow(int(r["rank"]), r.get("gpu_uuid"), float(r["pace"]),
+                                float(r["pace_per_work"]), bool(r["slow"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise VerdictError(f"ranks: {exc}") from None
+    return float(when), job if isinstance(job, str) else None, rows

@@ -16,8 +16,8 @@ import pytest
 
 RANKS = Path(__file__).with_name("ddp_ranks.py")
 # "dies" last: a rank exits in it, and the default group cannot be used after
-THREE = ("healthy,nan,flip,wedged,wedged-weights,audit-healthy,transient,persistent,nan-transient,nan-persistent,"
-         "nan-application,nan-rerun-fails,unseeded,refuse,shape,contents,dies")
+THREE = ("healthy,nan,flip,wedged,wedged-weights,audit-healthy,transient,persistent,nan-transient,"
+         "nan-persistent,nan-application,nan-rerun-fails,unseeded,refuse,shape,contents,dies")
 TWO = "flip,transient"
 
 
@@ -61,3 +61,9 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str
 def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("guard2")
     return out, launch(out, 2, TWO)
+
+
+@pytest.fixture(scope="session")
+def launch_ranks() -> Any:
+    """``launch`` for a test module with a rank script of its own (``script=``)."""
+    return launch

@@ -217,3 +217,53 @@ def test_an_application_verdict_fails_no_gpu_and_leaves_its_other_faults(nvml_st
     assert (view["gpu/5"].level, view["gpu/5"].action) == (Level.UNHEALTHY, Action.INSPECT_HARDWARE)
     assert NODE not in view or view[NODE].level is Level.HEALTHY
     health.close()
+
+
+def test_a_straggler_verdict_is_a_warning_on_its_gpu_with_the_nodes_own_signals(
+        nvml_state: Path, tmp_path: Path) -> None:
+    """The job says GPU 5 is slow; the node says why it may be: HW slowdown on, PCIe trained x8."""
+    import dataclasses
+
+    from gpumon.hw.nvml import CLOCK_EVENT_REASONS
+
+    node = NvmlNodeState.hgx(8)
+    node.gpus[5] = dataclasses.replace(node.gpus[5], clocks_event_reasons=CLOCK_EVENT_REASONS["hw_slowdown"],
+                                       pcie_width_current=8)
+    spool = tmp_path / "spool"
+    put(spool, check="straggler")
+    findings = run_check(GuardCheck, node, nvml_state, tmp_path / "host",
+                         params=GuardConfig(spool_dir=str(spool)), state={})
+    (f,) = [f for f in findings if f.component == "gpu/5"]
+    assert (f.severity, f.action) == (Severity.WARN, Action.NONE)
+    assert f.message.startswith("in-job straggler (job slurm:991) on GPU 5")
+    signals = f.evidence["node_signals"]
+    assert signals["clock_event_reasons"] == ["hw_slowdown"]
+    assert signals["pcie_link"]["width"] == 8 and signals["pcie_link"]["degraded"] is True
+    assert signals["nvlink_up"].endswith(f"/{signals['nvlink_up'].split('/')[1]}")
+    # a healthy GPU's signals say nothing is wrong
+    put(spool, check="straggler", who=subject(uuid=NODE_STATE.gpus[2].uuid))
+    findings = run(nvml_state, tmp_path, spool, {})
+    (g,) = [f for f in findings if f.component == "gpu/2"]
+    assert g.evidence["node_signals"]["clock_event_reasons"] == []
+    assert g.evidence["node_signals"]["pcie_link"]["degraded"] is False
+
+
+def test_fresh_pace_files_are_exported_per_gpu_and_the_slowest(nvml_state: Path, tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    now = time.time()
+    g = NODE_STATE.gpus
+    vf.write_pace(spool, job="slurm:991", host="a07", step=99, when=now, rows=[
+        vf.PaceRow(0, g[0].uuid, 1.01, 1.0, False), vf.PaceRow(1, g[3].uuid, 0.42, 0.41, True)])
+    # an old job's file: not exported; a foreign GPU: not this node's
+    vf.write_pace(spool, job="slurm:5", host="a07", step=9, when=now - 3600,
+                  rows=[vf.PaceRow(0, g[6].uuid, 0.1, 0.1, True)])
+    vf.write_pace(spool, job="slurm:6", host="b01", step=9, when=now,
+                  rows=[vf.PaceRow(0, "GPU-00000000-0000-0000-0000-000000000000", 0.2, 0.2, True)])
+    findings = run(nvml_state, tmp_path, spool, {})
+    (n,) = [f for f in findings if f.component == NODE]
+    got = {(r[0], r[2].get("gpu")): r[1] for r in n.evidence["readings"]}
+    assert got == {("guard_pace_score", "0"): 1.01, ("guard_pace_score", "3"): 0.42,
+                   ("guard_pace_slowest_score", None): 0.42}
+    # a malformed pace file is skipped, never a crash
+    (spool / vf.PACE_DIR / "bad.json").write_text("{not json")
+    assert any(f.component == NODE for f in run(nvml_state, tmp_path, spool, {}))

@@ -1,0 +1,82 @@
+"""One rank of the guard's straggler tests (gloo, CPU): ``python pace_ranks.py RANK WORLD PORT OUT``.
+
+Scenarios, one after another in one process group, each with a Guard of its own:
+
+- ``healthy``: every rank the same work, 12 windows of 8 steps;
+- ``load``: rank 1 trains on micro-batches 4x the others' (its step is slower because it does more);
+- ``slow``: rank 2 moves itself into the CPU cgroup named by ``$PACE_CGROUP`` (a CFS quota the test
+  set: a real competitor for its CPU, outside the guard) for the scenario, then back out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpumon.guard import Guard, Verdict
+
+WINDOW, OF_LAST, NEED = 8, 3, 2
+BATCH = 48
+
+
+def build() -> tuple[DDP, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    # ~10 ms of compute per step on one CPU thread: each step spans several CFS periods (the test's
+    # is 10 ms), so a quota slows every step rather than a few
+    net = torch.nn.Sequential(torch.nn.Linear(256, 768), torch.nn.Tanh(), torch.nn.Linear(768, 256))
+    model = DDP(net)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def run(rank: int, out: Path, name: str, windows: int, batch_of: dict[int, int]) -> dict[str, Any]:
+    model, opt = build()
+    named: list[list[Verdict]] = []
+    guard = Guard(model, opt, weight_check_every=0, spool_dir=out / f"spool-{name}-r{rank}",
+                  pace_window=WINDOW, pace_of_last=OF_LAST, pace_need=NEED, on_straggler=named.append)
+    n = batch_of.get(rank, BATCH)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(n, 256, generator=g), torch.randn(n, 256, generator=g)
+    history = []
+    for _ in range(WINDOW * windows):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.step(loss, (x, y))
+        if guard.pace is not None and guard.pace.windows and guard.steps % WINDOW == 0:
+            w = guard.pace.windows[-1]
+            history.append({"named": w.named, "load": w.load, "pace": [s.pace for s in w.scores],
+                            "per_work": [s.pace_per_work for s in w.scores]})
+    return {"windows": history, "named": [[v.to_json() for v in vs] for vs in named],
+            "files": [str(p) for p in guard.verdict_files], "disabled": guard.disabled}
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(message)s")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result: dict[str, Any] = {}
+    result["healthy"] = run(rank, out, "healthy", 12, {})
+    result["load"] = run(rank, out, "load", 6, {1: BATCH * 4})
+    cgroup = Path(os.environ["PACE_CGROUP"])
+    if rank == 2:
+        (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    try:
+        result["slow"] = run(rank, out, "slow", 6, {})
+    finally:
+        if rank == 2:
+            (cgroup.parent / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

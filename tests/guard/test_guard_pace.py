@@ -1,0 +1,120 @@
+"""Stragglers inside the job (gpumon.guard.pace): real DDP ranks on gloo, one of them really slowed.
+
+Rank 2's CPU is limited by a CFS quota (a cgroup the test makes; the rank moves itself into it for
+the ``slow`` scenario): a real competitor, outside the guard. Rank 1 in ``load`` gets 4x the work.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumon.guard import verdict as vf
+from gpumon.guard.pace import score
+
+PACE_RANKS = Path(__file__).with_name("pace_ranks.py")
+WINDOW, NEED = 8, 2
+
+
+def _cgroup(name: str) -> Path:
+    """A CPU cgroup with a quota of 20 % of one CPU in 10 ms periods (v1 or v2)."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.cfs_quota_us").exists() or (v1 / "tasks").exists():
+        d = v1 / name
+        d.mkdir(exist_ok=True)
+        (d / "cpu.cfs_period_us").write_text("10000\n")
+        (d / "cpu.cfs_quota_us").write_text("2000\n")
+        return d
+    v2 = Path("/sys/fs/cgroup")
+    if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
+        if "cpu" not in (v2 / "cgroup.subtree_control").read_text().split():
+            (v2 / "cgroup.subtree_control").write_text("+cpu\n")
+        d = v2 / name
+        d.mkdir(exist_ok=True)
+        (d / "cpu.max").write_text("2000 10000\n")
+        return d
+    raise OSError("no CPU cgroup controller mounted")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory,
+          launch_ranks: Any) -> Iterator[tuple[Path, list[dict[str, Any]]]]:
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the straggler test needs root (a CPU cgroup)")
+        pytest.skip("needs root: a CPU cgroup slows one rank")
+    try:
+        group = _cgroup(f"gpumon-pace-{os.getpid()}")
+    except OSError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"no CPU cgroup: {exc}")
+        pytest.skip(f"no CPU cgroup: {exc}")
+    out = tmp_path_factory.mktemp("pace")
+    old = os.environ.get("PACE_CGROUP")
+    os.environ["PACE_CGROUP"] = str(group)
+    try:
+        yield out, launch_ranks(out, 3, "", timeout=300, script=PACE_RANKS)
+    finally:
+        if old is None:
+            os.environ.pop("PACE_CGROUP", None)
+        else:
+            os.environ["PACE_CGROUP"] = old
+        os.rmdir(group)
+
+
+def test_a_rank_slowed_by_a_cpu_quota_is_named_within_need_windows_on_its_node(
+        ranks: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, res = ranks
+    for r in res:
+        slow = r["slow"]
+        assert slow["disabled"] is None
+        first = next(i for i, w in enumerate(slow["windows"]) if w["named"])
+        assert first <= NEED - 1 + 1, slow["windows"]  # named by its second slow window (one spare)
+        assert slow["windows"][first]["named"] == [2]
+        assert all(w["named"] in ([], [2]) for w in slow["windows"])
+        (verdicts,) = slow["named"]  # named once, not every window
+        (v,) = verdicts
+        assert v["check"] == "straggler" and v["subject"]["rank"] == 2
+        assert v["subject"]["node_name"] == "node-2"
+        assert v["evidence"]["pace"] < 0.75 and v["evidence"]["pace_per_work"] < 0.75
+        assert "is a straggler" in v["message"] and "not explained by its share of the work" in v["message"]
+    # the named rank hands it to its node's daemon; the others write nothing
+    assert res[0]["slow"]["files"] == res[1]["slow"]["files"] == []
+    (path,) = res[2]["slow"]["files"]
+    got = vf.read(Path(path))
+    assert got.check == "straggler" and got.fault == "unknown"
+    # each node's lowest rank keeps its node's pace file fresh for the node's metrics
+    pace_file = next((out / "spool-slow-r2" / vf.PACE_DIR).glob("*.json"))
+    _, _, rows = vf.read_pace(pace_file)
+    assert [row.rank for row in rows] == [2] and rows[0].slow
+
+
+def test_a_rank_given_more_work_is_load_not_a_slow_gpu(ranks: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, res = ranks
+    for r in res:
+        load = r["load"]
+        assert load["named"] == [] and all(w["named"] == [] for w in load["windows"]), load["windows"]
+        # rank 1 is slower per step, but not per unit of work
+        assert all(w["per_work"][1] >= 0.75 for w in load["windows"]), load["windows"]
+    assert res[1]["load"]["files"] == []
+
+
+def test_healthy_ranks_are_never_named(ranks: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, res = ranks
+    for r in res:
+        h = r["healthy"]
+        assert len(h["windows"]) == 12
+        assert h["named"] == [] and h["files"] == [], h["windows"]
+
+
+def test_scores_separate_a_slow_gpu_from_more_work() -> None:
+    # (median compute s, work): rank 3 2.5x as slow for the same work; rank 4 slower with 3x the work
+    s = score([(0.010, 100), (0.010, 100), (0.011, 100), (0.025, 100), (0.030, 300)])
+    assert [x.slow for x in s] == [False, False, False, True, False]
+    assert [x.load for x in s] == [False, False, False, False, True]
+    assert s[3].pace < 0.75 and s[3].pace_per_work < 0.75
+    assert s[4].pace < 0.75 <= s[4].pace_per_work
