@@ -54,6 +54,9 @@ class ExporterSettings:
     # nodes we know of. Override when it is not.
     listen: str = "0.0.0.0:9426"
     web_config_file: str | None = None
+    # NVIDIA Resiliency Extension's node health check (nvhcd.proto) on this Unix socket; None: not
+    # served (ft_launcher --ft-node-health-check-endpoint names the same path; /var/run/nvhcd.sock)
+    nvhcd_socket: str | None = None
 
     def __post_init__(self) -> None:
         split_listen(self.listen)

@@ -117,6 +117,7 @@ class Daemon:
         self.snapshots: SnapshotHolder | None = None
         self.report: ReportWriter | None = None
         self._server: Any = None
+        self._nvhcd: Any = None  # gpumon.export.nvhcd.NvhcdServer when exporter.nvhcd_socket is set
         # set by startup
         self._checks: list[Check] = []
         self._due: dict[str, float] = {}
@@ -155,6 +156,7 @@ class Daemon:
             self.remediation.start()
         self.snapshots = SnapshotHolder(self._snapshot())
         self._start_exporter()
+        self._start_nvhcd()
         self.report = ReportWriter(agent.state_dir, agent.node, agent.profile.name, self._latest_runs,
                                    self.health, self.remediation)
         self.report.start()
@@ -183,6 +185,19 @@ class Daemon:
             raise StartupError(f"cannot serve metrics on {settings.listen}: {exc.strerror or exc}") from None
         log.info("metrics on http%s://%s:%d/metrics", "s" if web and web.tls_server_config else "",
                  host, self._server.server_port)
+
+    def _start_nvhcd(self) -> None:
+        path = self.agent.config.exporter.nvhcd_socket
+        if not path:
+            return
+        from gpumon.export.nvhcd import NvhcdServer, NvhcdUnavailable
+
+        try:
+            self._nvhcd = NvhcdServer(path, lambda: self.health.view() if self.health is not None else None,
+                                      self.agent.node)
+        except (NvhcdUnavailable, OSError) as exc:
+            raise StartupError(f"exporter.nvhcd_socket {path}: {exc}") from None
+        log.info("NVRx node health check (nvhcd.HealthCheckService) on unix:%s", path)
 
     def _history_api(self, holder: SnapshotHolder) -> HistoryApi:
         """The query API (gpumon.export.api): health.db read-only per request, the current state
@@ -307,6 +322,8 @@ class Daemon:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+        if self._nvhcd is not None:
+            self._nvhcd.stop()
         if self.report is not None:
             self.report.close()
         if self.remediation is not None:
