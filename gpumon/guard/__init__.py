@@ -11,7 +11,8 @@ Importing this package imports no torch: ``Guard``, ``GuardAlarm`` and ``GuardEr
     guard.step(loss)        # optimizer.step() unless an alarm stopped it (GuardAlarm)
 
 With the audit (check 2): ``gpumon.guard.deterministic()`` first, then ``Guard(..., audit_every=500,
-batch_for=..., loss_fn=...)`` (see ``gpumon.guard.audit``).
+batch_for=..., loss_fn=...)`` (see ``gpumon.guard.audit``). FSDP / HSDP: ``ShardedGuard``
+(``gpumon.guard.sharded``: which checks apply there).
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ if TYPE_CHECKING:
     from gpumon.guard.audit import AuditError, deterministic, step_seed
     from gpumon.guard.checkpoint import save_checkpoint, weights_fingerprint
     from gpumon.guard.core import Guard, GuardAlarm, GuardError, WeightReport
+    from gpumon.guard.sharded import ShardedGuard, ShardedWeightReport
 
 # each name -> the module that holds it (every one imports torch, so none is loaded before use)
 _LAZY = {
     **dict.fromkeys(("Guard", "GuardAlarm", "GuardError", "WeightReport"), "core"),
     **dict.fromkeys(("AuditError", "deterministic", "step_seed"), "audit"),
     **dict.fromkeys(("save_checkpoint", "weights_fingerprint"), "checkpoint"),
+    **dict.fromkeys(("ShardedGuard", "ShardedWeightReport"), "sharded"),
 }
 
 
@@ -50,5 +53,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["DEFAULT_DIR", "DIR_ENV", "EXIT_FAILED_VALIDATION", "EXIT_RESUME_ELSEWHERE", "AuditError", "Guard",
-           "GuardAlarm", "GuardError", "Identity", "Verdict", "VerdictError", "WeightReport", "deterministic",
-           "save_checkpoint", "step_seed", "weights_fingerprint"]
+           "GuardAlarm", "GuardError", "Identity", "ShardedGuard", "ShardedWeightReport", "Verdict",
+           "VerdictError", "WeightReport", "deterministic", "save_checkpoint", "step_seed",
+           "weights_fingerprint"]
