@@ -44,6 +44,10 @@ class KernelLogFold(Protocol):
         """What was folded since the last take (None: nothing), and start afresh."""
         ...
 
+    # Optional: ``add_many(records, time_of) -> keys``, ``add`` for each of one read's records,
+    # which the pump then calls instead (``time_of(record)`` is ``when``): a fold that skips most
+    # lines need not have each dated first.
+
 
 P = TypeVar("P")
 G = TypeVar("G")
@@ -182,6 +186,10 @@ class Check:
     kernel_log_records: ClassVar[bool] = True
     kernel_log_match: ClassVar[tuple[str, ...]] = ()
     # - a fold of the records (kernel_log_fold), handed over in KernelLog.folded.
+    # kernel_log_repeats: the check counts XidEvent.repeats (and dates the last of them by
+    # XidEvent.last_record), so the pump may hand it the same Xid line logged many times within
+    # a second as one event (a storm of one line costs the check one event, not thousands).
+    kernel_log_repeats: ClassVar[bool] = False
     # Outside the daemon (gpumon check, a saved log) a check gets every event and record.
 
     def kernel_log_fold(self) -> KernelLogFold | None:

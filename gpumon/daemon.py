@@ -12,6 +12,7 @@ when the node's state changes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -251,7 +252,8 @@ class Daemon:
             runs[store.check] = CheckRun(store.check, [store], time.time(), 0.0, "completed")
         return Snapshot(node=self.agent.node, profile=self.agent.profile.name, version=__version__,
                         runs=runs, health=health, accepted=accepted,
-                        remediation=self.remediation.snapshot() if self.remediation else None)
+                        remediation=self.remediation.snapshot() if self.remediation else None,
+                        kernel_log=self._pump.stats() if self._pump is not None else None)
 
     # -- main loop -------------------------------------------------------------------
 
@@ -268,10 +270,22 @@ class Daemon:
         sd_notify("READY=1\nSTATUS=running checks")
         start = time.monotonic()
         last_watchdog = last_sync = -math.inf
+        # What the daemon made to start (modules, configuration, the checks) lives until it stops:
+        # kept out of the cyclic collector, whose full passes otherwise walk all of it again and
+        # again while a kernel-log storm makes tens of thousands of short-lived records a second
+        # (a storm's records are in no cycle: they go by reference counting). Again once every
+        # check has run (its state, its caches).
+        gc.collect()
+        gc.freeze()
+        refrozen = False
         while not self.stop.is_set():
             now = time.monotonic()
             if duration is not None and now - start >= duration:
                 break
+            if not refrozen and len(self.latest) >= len(self._checks):
+                refrozen = True
+                gc.collect()  # nothing frozen can be collected: cycles that are garbage go first
+                gc.freeze()
             if now - last_sync >= FOREIGN_S:
                 last_sync = now
                 self._foreign_events()

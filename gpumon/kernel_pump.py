@@ -15,11 +15,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gpumon.check import Check, KernelLog
 from gpumon.errors import HwCondition
 from gpumon.hw.kernellog import KernelLogSource
+from gpumon.hw.nvrm import XidEvent
 
 log = logging.getLogger("gpumon.daemon")
 # kept beside the checks' own state (a check may clear its state on a new boot)
@@ -37,6 +39,15 @@ KERNEL_LOG_NEW_KEY_S = 60.0
 # that the oldest go, counted in the check's lost_records (a check stuck until its timeout in a
 # storm). 20,000 Xid events with their records are ~12 MB.
 KERNEL_LOG_QUEUE_MAX = 20_000
+# For a check that counts repeats (Check.kernel_log_repeats), an Xid line whose text is already
+# queued for it, logged at most this long (kernel time) after the queued one, is counted on it
+# (XidEvent.repeats) instead of queued: a storm of the same few lines is a few events per run.
+KERNEL_LOG_REPEAT_US = 1_000_000
+# Why a line a check reads did not reach it (gpumon_kernel_log_lines_dropped_total{reason}):
+# pushed out of the check's bounded queue before its run (its counts are short by this many), or
+# overwritten in the kernel's ring before gpumon read it (/dev/kmsg EPIPE: what they were is lost).
+DROP_QUEUE_FULL = "queue_full"
+DROP_RING_OVERRUN = "ring_overrun"
 
 
 def _last_stamps(records: Sequence[Any]) -> tuple[int | None, int | None]:
@@ -60,9 +71,16 @@ class _Feed:
         self.want_records = check.kernel_log_records
         self.words = check.kernel_log_match
         self.fold = check.kernel_log_fold()
-        self.events: deque[Any] = deque(maxlen=cap)
+        self.events: deque[Any] = deque()
         self.records: deque[Any] = deque(maxlen=cap)
-        self.dropped = 0
+        self.cap = cap
+        self.dropped = 0  # lines this check reads that were pushed out before its run (cumulative)
+        # repeats (Check.kernel_log_repeats): text -> the queued Xid event that later copies of the
+        # same line are counted on; id(event) -> [lines it stands for, the last of them]
+        self.repeats = check.kernel_log_repeats
+        self.merge: dict[str, Any] = {}
+        self.extra: dict[int, list[Any]] = {}
+        self.merged = 0  # lines counted on an earlier identical one (cumulative; none lost)
         seq = mark.get("seq") if mark else None
         us = mark.get("us") if mark else None
         # the last record handled for this check (queued, folded, or of no interest to it), by
@@ -101,6 +119,59 @@ class _Feed:
         if over > 0 and counts:
             self.dropped += over
         queue.extend(items)
+
+    def push_events(self, items: Sequence[Any], *, counts: bool = True) -> list[Hashable]:
+        """Queue NVRM events; with ``repeats``, an Xid line already queued within
+        KERNEL_LOG_REPEAT_US is counted on the queued one. Beyond ``cap`` the oldest go, counted
+        (with every line counted on them) in ``dropped`` when ``counts``. Returns the events'
+        keys (_event_key), once for all the lines counted on one event."""
+        queue, merge, extra, cap = self.events, self.merge, self.extra, self.cap
+        keys: list[Hashable] = []
+        counted: set[int] = set()  # events that lines of this call were counted on
+        for event in items:
+            if self.repeats and type(event) is XidEvent:
+                rec = event.record
+                us = rec.monotonic_us
+                if us is not None:
+                    head = merge.get(rec.text)
+                    if head is not None and 0 <= us - head.record.monotonic_us <= KERNEL_LOG_REPEAT_US:
+                        more = extra.get(id(head))
+                        if more is None:
+                            extra[id(head)] = [2, rec]
+                        else:
+                            more[0] += 1
+                            more[1] = rec
+                        self.merged += 1
+                        if id(head) not in counted:
+                            counted.add(id(head))
+                            keys.append(_event_key(head))
+                        continue
+                    merge[rec.text] = event
+            if len(queue) >= cap:
+                old = queue.popleft()
+                more = extra.pop(id(old), None)
+                record = getattr(old, "record", None)
+                if record is not None and merge.get(record.text) is old:
+                    del merge[record.text]
+                if counts:
+                    self.dropped += 1 if more is None else more[0]
+            queue.append(event)
+            keys.append(_event_key(event))
+        return keys
+
+    def take_events(self) -> list[Any]:
+        """The queued events (each Xid event that later lines were counted on carries them in
+        ``repeats``/``last_record``), and the queue emptied."""
+        extra = self.extra
+        if extra:
+            events = [e if (more := extra.get(id(e))) is None
+                      else replace(e, repeats=more[0], last_record=more[1]) for e in self.events]
+        else:
+            events = list(self.events)
+        self.events.clear()
+        self.merge.clear()
+        extra.clear()
+        return events
 
     def schedule(self, keys: Sequence[Hashable], now: float) -> bool:
         """Something this check reads arrived: when is it to run? True if that is sooner than
@@ -247,8 +318,7 @@ class KernelLogPump:
         else:
             mine = [e for e in events if isinstance(e, feed.types)] if feed.types else []
         if mine:
-            keys.extend(_event_key(e) for e in mine)
-            feed.push(feed.events, mine, counts=not feed.want_records)
+            keys.extend(feed.push_events(mine, counts=not feed.want_records))
             # a check that reads every record runs for the records it matches (below)
             relevant = feed.types is not None or not feed.want_records
         if feed.want_records and records:
@@ -257,11 +327,18 @@ class KernelLogPump:
             if not words or any(w in r.text for r in records for w in words):
                 relevant = True
         if feed.fold is not None:
-            for rec in records:
-                said = feed.fold.add(rec, dating.time_of(rec, wall))
+            many = getattr(feed.fold, "add_many", None)
+            if many is not None:
+                said = many(records, lambda rec: dating.time_of(rec, wall))
                 if said:
                     keys.extend(said)
                     relevant = True
+            else:
+                for rec in records:
+                    said = feed.fold.add(rec, dating.time_of(rec, wall))
+                    if said:
+                        keys.extend(said)
+                        relevant = True
         if last_seq is not None:
             feed.seq = last_seq
         if last_us is not None:
@@ -283,8 +360,7 @@ class KernelLogPump:
         if feed is None:
             return KernelLog(available=False, source=source, error="not subscribed to the kernel log"), None
         with self.lock:
-            events, records = list(feed.events), list(feed.records)
-            feed.events.clear()
+            events, records = feed.take_events(), list(feed.records)
             feed.records.clear()
             folded = feed.fold.take() if feed.fold is not None else None
             mark = {"boot": self.boot, "seq": feed.seq, "us": feed.us}
@@ -303,6 +379,18 @@ class KernelLogPump:
         return KernelLog(events=events, records=records, available=True, source=source,
                          records_read=total, lost_records=lost, boot_time=self.boot_anchor,
                          folded=folded), mark
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the pump started, for /metrics: records read; per check, lines it
+        reads that did not reach it, by reason (DROP_*), and lines counted on an earlier
+        identical one (KERNEL_LOG_REPEAT_US; none lost)."""
+        reader = self.source
+        ring = reader.lost_records if reader is not None else 0
+        with self.lock:
+            dropped = {(name, reason): n for name, feed in self.feeds.items()
+                       for reason, n in ((DROP_QUEUE_FULL, feed.dropped), (DROP_RING_OVERRUN, ring))}
+            merged = {name: feed.merged for name, feed in self.feeds.items()}
+            return {"read": self.records, "dropped": dropped, "merged": merged}
 
     def has_pending(self, name: str) -> bool:
         """Something this check reads has arrived since its last run, and it is time to run it."""

@@ -17,24 +17,30 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpumon.check import Check, CheckContext
 from gpumon.checkstate import CheckStateStore
+from gpumon.export.prometheus import FAMILIES, Snapshot, SnapshotHolder, make_registry
 from gpumon.hw import Hardware
+from gpumon.hw.inventory import Inventory, PciDevice
 from gpumon.hw.kernellog import KernelLogSource
+from gpumon.hw.nvml import GpuInfo
 from gpumon.hw.nvrm import GpuIdentity, SXidEvent, XidEvent
 from gpumon.kernel_pump import KERNEL_LOG_GAP_S, WATERMARK_STATE, KernelLogPump
-from gpumon.model import Finding
+from gpumon.model import Finding, Severity
+from gpumon.profiles import GENERIC
 from gpumon_checks.nvswitch import NvswitchCheck
 from gpumon_checks.pcie import AerDelta, PcieCheck
-from gpumon_checks.xid import XidCheck
+from gpumon_checks.xid import XidCheck, XidConfig
 
 BOOT_S = 1_700_000_000.0
 PORT = "0000:17:00.0"
 
 
-def xid(seq: int, code: int = 13, bus: str = "0000:19:00") -> str:
-    return f"4,{seq},{seq * 1000},-;NVRM: Xid (PCI:{bus}): {code}, pid=1234, name=python, Graphics Exception"
+def xid(seq: int, code: int = 13, bus: str = "0000:19:00", pid: int = 1234) -> str:
+    return f"4,{seq},{seq * 1000},-;NVRM: Xid (PCI:{bus}): {code}, pid={pid}, name=python, Graphics Exception"
 
 
 def sxid(seq: int) -> str:
@@ -141,7 +147,7 @@ def test_each_check_is_handed_only_what_it_reads(host: _Host, pump: Callable[...
 def test_a_queue_is_bounded_and_what_it_drops_is_reported_lost(host: _Host,
                                                                   pump: Callable[..., KernelLogPump]) -> None:
     p = pump(XidCheck(), NvswitchCheck(), queue_max=100)
-    host.append(*(xid(i) for i in range(1, 301)))
+    host.append(*(xid(i, pid=i) for i in range(1, 301)))  # 300 different lines: none a repeat
     _read(p, 300)
     log, _ = p.take("xid")
     assert [e.record.seq for e in log.events] == list(range(201, 301))  # the newest are kept
@@ -195,7 +201,7 @@ def test_corrected_aer_reports_never_run_pcie_an_uncorrectable_one_at_once(
 
 def test_take_leaves_the_stored_watermark_alone_and_a_restart_skips_only_what_was_stored(
         host: _Host, pump: Callable[..., KernelLogPump]) -> None:
-    host.append(xid(1), xid(2), xid(3))
+    host.append(xid(1, pid=1), xid(2, pid=2), xid(3, pid=3))  # different lines: not counted as repeats
     p = pump()
     _read(p, 3)
     log, mark = p.take("xid")
@@ -221,7 +227,7 @@ def test_take_leaves_the_stored_watermark_alone_and_a_restart_skips_only_what_wa
 
 def test_a_log_rewritten_with_the_old_lines_is_not_handed_over_twice(
         host: _Host, pump: Callable[..., KernelLogPump]) -> None:
-    host.append(xid(1), xid(2))
+    host.append(xid(1, pid=1), xid(2, pid=2))
     p = pump()
     _read(p, 2)
     assert len(p.take("xid")[0].events) == 2
@@ -229,9 +235,81 @@ def test_a_log_rewritten_with_the_old_lines_is_not_handed_over_twice(
     assert source is not None and source.opens == 1
     # the file replaced by a copy that holds the old lines too: the new one is read from its start
     new = host.kmsg_path.with_name("kmsg.new")
-    new.write_text("".join(line + "\n" for line in (xid(1), xid(2), xid(3))))
+    new.write_text("".join(line + "\n" for line in (xid(1, pid=1), xid(2, pid=2), xid(3, pid=3))))
     os.replace(new, host.kmsg_path)
     assert _until(lambda: source.opens == 2 and p.records >= 5)
     log, mark = p.take("xid")
     assert [e.record.seq for e in log.events] == [3]
     assert mark is not None and mark["seq"] == 3
+
+
+def _xid_run(tmp_path: Path, log: Any, pcis: list[str], now: float) -> dict[str, Finding]:
+    """The xid check's run on what the pump handed it, on a node whose GPUs sit at ``pcis``."""
+    gpus = [GpuInfo(i, f"GPU-{i}", None, bus, "NVIDIA H100 80GB HBM3", "hopper", 18, i)
+            for i, bus in enumerate(pcis)]
+    inventory = Inventory(gpus=gpus, pci_devices=[PciDevice(b, "0x10de", "0x2330", "0x030200") for b in pcis])
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inventory, profile=GENERIC, params=XidConfig(),
+                       state={}, kernel_log=log, clock=lambda: now)
+    return {f.component: f for f in XidCheck().run(ctx)}
+
+
+def test_a_storm_of_one_line_is_counted_not_queued_and_a_distinct_xid_inside_it_is_judged(
+        tmp_path: Path, host: _Host, pump: Callable[..., KernelLogPump]) -> None:
+    """Issue 23 point 7: 3,000 copies of one Xid 13 line within 0.3 s, an Xid 79 on another GPU in
+    the middle, and a queue bound of 100: the repeats are one event with their count (nothing
+    pushed out), the Xid 79 reaches the check, and the check counts all 3,000."""
+    lines = [f"4,{i},{i * 100},-;NVRM: Xid (PCI:0000:19:00): 13, pid=1234, name=python, Graphics Exception"
+             for i in range(1, 3002) if i != 1500]
+    lines.insert(1499, "4,1500,150000,-;NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
+                       "GPU has fallen off the bus.")
+    p = pump(XidCheck(), NvswitchCheck(), PcieCheck(), queue_max=100)
+    host.append(*lines)
+    _read(p, 3001)
+    log, mark = p.take("xid")
+    assert [(e.code, e.repeats) for e in log.events] == [(13, 3000), (79, 1)]
+    storm = log.events[0]
+    assert (storm.record.seq, storm.last_record.seq) == (1, 3001) and mark is not None and mark["seq"] == 3001
+    assert log.lost_records == 0
+    stats = p.stats()
+    assert stats["merged"]["xid"] == 2999 and stats["dropped"][("xid", "queue_full")] == 0
+    found = _xid_run(tmp_path, log, ["0000:19:00.0", "0000:3b:00.0"], BOOT_S + 10)
+    assert found["gpu/0"].evidence["count"] == 3000 and "(3000 events)" in found["gpu/0"].message
+    assert found["gpu/0"].evidence["first_seen"] == BOOT_S + 0.0001
+    assert found["gpu/0"].evidence["last_seen"] == pytest.approx(BOOT_S + 0.3001)
+    assert (found["gpu/1"].severity, found["gpu/1"].action.value) == (Severity.FAIL, "reboot_node")
+
+
+def test_repeats_are_counted_together_only_within_a_second(host: _Host,
+                                                           pump: Callable[..., KernelLogPump]) -> None:
+    """A line repeated more than a second after the one it would be counted on is an event of its
+    own: the check dates each burst by its own lines (a burst of Xid 13 is a verdict input)."""
+    text = "NVRM: Xid (PCI:0000:19:00): 13, pid=1234, name=python, Graphics Exception"
+    p = pump(XidCheck())
+    host.append(f"4,1,0,-;{text}", f"4,2,900000,-;{text}", f"4,3,1900000,-;{text}", f"4,4,2000000,-;{text}")
+    _read(p, 4)
+    log, _ = p.take("xid")
+    assert [(e.record.seq, e.repeats, e.last_record.seq if e.last_record else None) for e in log.events] == \
+        [(1, 2, 2), (3, 2, 4)]
+
+
+def test_drops_of_lines_a_check_reads_are_counted_and_on_metrics(host: _Host,
+                                                                  pump: Callable[..., KernelLogPump]) -> None:
+    """300 different Xid lines into a queue of 100 before the check runs: the 200 pushed out are
+    counted as queue_full for xid (not for nvswitch, which reads none of them) and exported."""
+    p = pump(XidCheck(), NvswitchCheck(), queue_max=100)
+    host.append(*(xid(i, pid=i) for i in range(1, 301)))
+    _read(p, 300)
+    stats = p.stats()
+    assert stats["dropped"][("xid", "queue_full")] == 200
+    assert stats["dropped"][("nvswitch", "queue_full")] == 0 and stats["read"] == 300
+    holder = SnapshotHolder(Snapshot(node="n", profile="generic", version="0", kernel_log=stats))
+    families = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(make_registry(holder)).decode())}
+    dropped = families["gpumon_kernel_log_lines_dropped"]
+    assert dropped.documentation == FAMILIES["gpumon_kernel_log_lines_dropped"]
+    values = {(s.labels["check"], s.labels["reason"]): s.value for s in dropped.samples
+              if s.name.endswith("_total")}
+    assert values[("xid", "queue_full")] == 200 and values[("nvswitch", "queue_full")] == 0
+    assert values[("xid", "ring_overrun")] == 0
+    read = families["gpumon_kernel_log_lines_read"]
+    assert [s.value for s in read.samples if s.name.endswith("_total")] == [300]

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -435,6 +435,10 @@ class AerDelta:
         sources.update(self.sources)
 
 
+# AerFold's memo of parsed lines, at most (the text comes from the kernel log): emptied when full
+_FOLD_MEMO_MAX = 4096
+
+
 class AerFold:
     """pcie's kernel-log lines folded into an :class:`AerDelta` as they arrive (the daemon's
     kernel-log pump calls :meth:`add` per record, see gpumon.check.KernelLogFold; the check's own
@@ -453,25 +457,51 @@ class AerFold:
     def __init__(self, sources: Mapping[str, str] | None = None) -> None:
         self._delta = AerDelta()
         self._source: dict[str, str] = dict(sources) if isinstance(sources, Mapping) else {}
+        # what each line's text parses to (parse_aer_message, else the summary line): a storm
+        # repeats the same few report lines, and parsing them was most of what a line cost
+        self._memo: dict[str, pcihw.AerLogLine | tuple[str, str, str] | None] = {}
 
     def take(self) -> AerDelta | None:
         delta, self._delta = self._delta, AerDelta()
         return delta if delta else None
+
+    def add_many(self, records: Iterable[Any], time_of: Callable[[Any], float]) -> list[tuple[str, str]]:
+        """:meth:`add` for each record, dated by ``time_of`` only when it is an AER line (the
+        pump's call, once per read of the log: see gpumon.check.KernelLogFold)."""
+        keys: list[tuple[str, str]] = []
+        for record in records:
+            text = getattr(record, "text", "")
+            if isinstance(text, str) and ("[" in text or "AER:" in text or "PCIe Bus Error" in text
+                                          or "error status/mask=" in text):
+                keys.extend(self._add(text, time_of(record)))
+        return keys
 
     def add(self, record: Any, when: float) -> list[tuple[str, str]]:
         text = getattr(record, "text", "")
         if not isinstance(text, str) or not (
                 "[" in text or "AER:" in text or "PCIe Bus Error" in text or "error status/mask=" in text):
             return []  # what parse_aer_message and the summary line need (most lines of a storm)
+        return self._add(text, when)
+
+    def _add(self, text: str, when: float) -> list[tuple[str, str]]:
         keys: list[tuple[str, str]] = []
+        memo = self._memo
         for line in text.splitlines():
-            msg = pcihw.parse_aer_message(line)
-            if msg is not None:
-                if self._line(msg, line, when):
-                    keys.append((msg.bdf, str(msg.severity)))
-            elif "AER:" in line:
-                said = _ingest_summary(self._delta.kmsg, line, when)
-                if said is not None and said[1] != "correctable":
+            try:
+                parsed = memo[line]
+            except KeyError:
+                parsed = _fold_parse(line)
+                if len(memo) >= _FOLD_MEMO_MAX:
+                    memo.clear()
+                memo[line] = parsed
+            if parsed is None:
+                continue
+            if isinstance(parsed, pcihw.AerLogLine):
+                if self._line(parsed, line, when):
+                    keys.append((parsed.bdf, str(parsed.severity)))
+            else:
+                said = _count_summary(self._delta.kmsg, parsed, line, when)
+                if said[1] != "correctable":
                     keys.append(said)
         return keys
 
@@ -690,9 +720,25 @@ def _details(group: dict[str, Any], said: Mapping[str, Any]) -> None:
             names.append(name)
 
 
+def _fold_parse(line: str) -> pcihw.AerLogLine | tuple[str, str, str] | None:
+    """What :meth:`AerFold.add` makes of one line: an AER report's line, a summary line
+    (:func:`_parse_summary`), or None."""
+    msg = pcihw.parse_aer_message(line)
+    if msg is not None:
+        return msg
+    return _parse_summary(line) if "AER:" in line else None
+
+
 def _ingest_summary(kmsg: dict[str, Any], line: str, when: float) -> tuple[str, str] | None:
     """An AER summary or "not recovered" line, counted on the function it names; returns
     (that function, the kind of report), None for another line."""
+    parsed = _parse_summary(line)
+    return None if parsed is None else _count_summary(kmsg, parsed, line, when)
+
+
+def _parse_summary(line: str) -> tuple[str, str, str] | None:
+    """An AER summary or "not recovered" line: (the function it names, the kind of report,
+    "summary" or "not_recovered"); None for another line."""
     m = _AER_SUMMARY_RE.search(line)
     lost = None if m is not None else _AER_LOST_RE.search(line)
     if m is not None:
@@ -711,6 +757,13 @@ def _ingest_summary(kmsg: dict[str, Any], line: str, when: float) -> tuple[str, 
         key = "not_recovered"
     else:
         return None
+    return bdf, kind, key
+
+
+def _count_summary(kmsg: dict[str, Any], parsed: tuple[str, str, str], line: str,
+                   when: float) -> tuple[str, str]:
+    """Count a summary line (:func:`_parse_summary`) on the function it names: (it, the kind)."""
+    bdf, kind, key = parsed
     entry = kmsg.get(bdf)
     if entry is None:
         if len(kmsg) >= _MAX_LOG_DEVICES:

@@ -145,6 +145,7 @@ class XidCheck(Check):
     uses_kernel_log = True
     kernel_log_events = (XidEvent, FallenOffBus, GpuIdentity)
     kernel_log_records = False
+    kernel_log_repeats = True
 
     def __init__(self) -> None:
         self._nvml: _NvmlSource | None = None
@@ -280,18 +281,29 @@ class XidCheck(Check):
             else:
                 continue
             when = log.time_of(event.record, now)
-            key = self._add(groups, ctx.inventory, event, event.pci, code, when, params)
+            # the same line logged `repeats` times within a second (the daemon's pump counts
+            # them instead of handing each over), the last of them at `last`
+            repeats, last = 1, when
+            if isinstance(event, XidEvent) and event.repeats > 1:
+                repeats = event.repeats
+                if event.last_record is not None:
+                    last = max(when, log.time_of(event.last_record, now))
+            key = self._add(groups, ctx.inventory, event, event.pci, code, when, params, repeats, last)
             if key is None:
                 continue
             gpu_index = _gpu_index(ctx.inventory, event.pci)
             if gpu_index is None:
                 continue  # NVML events name a GPU index: nothing to match against
-            if self._matches_pending(state, gpu_index, code, when, params):
-                _mark(groups[key], _NVML)
-            elif watching:
-                ledger = state.kernel_unmatched
-                ledger.append((gpu_index, code, when, key))
-                del ledger[:-_MAX_LEDGER]
+            # each line matches one NVML event; lines past the ledger's size would only push
+            # their own kind out of it
+            ledger = state.kernel_unmatched
+            for i in range(min(repeats, _MAX_LEDGER)):
+                at = when if i == 0 else last
+                if state.nvml_unmatched and self._matches_pending(state, gpu_index, code, at, params):
+                    _mark(groups[key], _NVML)
+                elif watching:
+                    ledger.append((gpu_index, code, at, key))
+            del ledger[:-_MAX_LEDGER]
 
     def _matches_pending(self, state: XidState, gpu_index: int, code: int, when: float,
                          params: XidConfig) -> bool:
@@ -315,7 +327,8 @@ class XidCheck(Check):
         state.nvml_unmatched[:] = [e for e in state.nvml_unmatched if e[3] >= now - _PENDING_KEEP_S]
 
     def _add(self, groups: dict[str, XidGroup], inv: Inventory, event: Any, bus: str | None,
-             code: int, when: float, params: XidConfig) -> str | None:
+             code: int, when: float, params: XidConfig, repeats: int = 1,
+             last: float | None = None) -> str | None:
         gpu_index = _gpu_index(inv, bus)
         via: int | None = None
         if isinstance(event, XidEvent) and code == 45 and event.cause_xid:
@@ -335,6 +348,11 @@ class XidCheck(Check):
         if isinstance(event, FallenOffBus) and g.count:
             return None  # the same fall reported again in the driver's own words: one event
         _count(g, when, params)
+        if repeats > 1:
+            # the repeats came within a second of the first (gpumon.kernel_pump): a burst that
+            # began among them is dated by their last, at most that second late
+            _count(g, when if last is None else last, params)
+            g.count += repeats - 2
         _mark(g, _KERNEL)
         if via is not None and via not in g.via:
             g.via.append(via)

@@ -109,6 +109,21 @@ FAMILIES: Mapping[str, str] = {
     "gpumon_remediation_error":
         "1 when the remediation loop's last step failed (scheduler backend or health store; the "
         "next step retries), else 0. Source: gpumon's remediation loop.",
+    "gpumon_kernel_log_lines_read":
+        "Kernel-log records the daemon's kernel-log reader has read since it started (resets when it "
+        "restarts). Unit: records. Source: <host-root>/dev/kmsg (or kmsg_path), gpumon.kernel_pump.",
+    "gpumon_kernel_log_lines_dropped":
+        "Kernel-log lines a check reads that never reached it, since the daemon started (labels "
+        "check; reason: queue_full = pushed out of the check's bounded queue before its next run, "
+        "so its counts are short by this many; ring_overrun = overwritten in the kernel's ring "
+        "buffer before gpumon read them, what they said is lost). Lines no check reads are not "
+        "kept and not counted here. Unit: lines. Source: gpumon.kernel_pump. Anything above 0 "
+        "means a verdict may have been made on part of the log.",
+    "gpumon_kernel_log_lines_merged":
+        "Kernel-log lines counted on an earlier identical line instead of being handed to the "
+        "check one by one, since the daemon started (label check): the same Xid line logged again "
+        "within a second is one event with a repeat count; none is lost. Unit: lines. Source: "
+        "gpumon.kernel_pump.",
     "gpumon_remediation_errors":
         "Remediation steps that failed since the daemon started (resets when it restarts). Unit: "
         "steps. Source: gpumon's remediation loop.",
@@ -128,6 +143,8 @@ class Snapshot:
     # (check, component) of each finding the health state accepted (set-healthy, a passing
     # retest) that the check still repeats
     accepted: frozenset[tuple[str, str]] = frozenset()
+    # gpumon.kernel_pump.KernelLogPump.stats(), in the daemon
+    kernel_log: Mapping[str, Any] | None = None
 
 
 class GpumonCollector(Collector):
@@ -179,6 +196,7 @@ class GpumonCollector(Collector):
         if fast:
             yield from (last, duration, outcome)
             yield from self._remediation(snap)
+            yield from self._kernel_log(snap)
         if content:
             yield severity
             if snap.accepted:  # none on most nodes: no family at all
@@ -241,6 +259,23 @@ class GpumonCollector(Collector):
                                 value=1.0 if r.get("error") else 0.0)
         yield CounterMetricFamily("gpumon_remediation_errors", FAMILIES["gpumon_remediation_errors"],
                                   value=float(r.get("errors_total") or 0))
+
+    def _kernel_log(self, snap: Snapshot) -> Iterable[Metric]:
+        k = snap.kernel_log
+        if k is None:
+            return
+        yield CounterMetricFamily("gpumon_kernel_log_lines_read", FAMILIES["gpumon_kernel_log_lines_read"],
+                                  value=float(k.get("read") or 0))
+        dropped = CounterMetricFamily("gpumon_kernel_log_lines_dropped",
+                                      FAMILIES["gpumon_kernel_log_lines_dropped"], labels=["check", "reason"])
+        for (check, reason), n in sorted((k.get("dropped") or {}).items()):
+            dropped.add_metric([check, reason], float(n))
+        yield dropped
+        merged = CounterMetricFamily("gpumon_kernel_log_lines_merged",
+                                     FAMILIES["gpumon_kernel_log_lines_merged"], labels=["check"])
+        for check, n in sorted((k.get("merged") or {}).items()):
+            merged.add_metric([check], float(n))
+        yield merged
 
     def _health(self, snap: Snapshot) -> Iterable[Metric]:
         state = _gauge("gpumon_health_state", ["component", "state"])

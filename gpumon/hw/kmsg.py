@@ -338,31 +338,41 @@ def _strip_talos(s: str, f: _Fields) -> str | None:
     return s[t.end() :]
 
 
+# A /dev/kmsg record's message -> its text (dictionary lines cut, \xNN undone, stripped), by the
+# message: a storm repeats the same few messages thousands of times a second, and their records
+# then share one text. Bounded (the text comes from the kernel log): emptied when full.
+_TEXT_MEMO: dict[str, str] = {}
+_TEXT_MEMO_MAX = 4096
+# the kernel facility's priorities, as they are printed: their levels without int()
+_LEVEL_OF = {str(p): p & 7 for p in range(8)}
+
+
 def _kmsg_record(raw: str) -> KernelRecord | None:
-    """A ``/dev/kmsg`` record (``prio,seq,usec,flags[,more];message``) taken apart with find and
-    split: what the daemon reads, line after line, at up to thousands a second. Exactly what
-    ``_KMSG_RE`` accepts (``\\d`` is a Unicode decimal digit, as ``str.isdecimal``); None for
-    anything else (a NUL byte, a wrapper that only starts with a digit: ISO time, talos), which
-    the general path then parses."""
-    semi = raw.find(";")
-    if semi < 0 or "\x00" in raw:
+    """A ``/dev/kmsg`` record (``prio,seq,usec,flags[,more];message``): what the daemon reads, line
+    after line, at up to tens of thousands a second. Exactly what ``_KMSG_RE`` accepts (one match:
+    cheaper than taking the header apart with find, split and isdecimal); None for anything else
+    (a NUL byte, a wrapper that only starts with a digit: ISO time, talos), which the general path
+    then parses."""
+    k = _KMSG_RE.match(raw)
+    if k is None or "\x00" in raw:
         return None
-    parts = raw[:semi].split(",", 3)
-    if len(parts) != 4 or "\n" in parts[3]:
-        return None
-    prio, seq, usec = parts[0], parts[1], parts[2]
-    digits = usec[1:] if usec[:1] == "-" else usec
-    if not (prio.isdecimal() and len(prio) <= 10 and seq.isdecimal() and len(seq) <= 20
-            and digits.isdecimal() and len(digits) <= 20):
-        return None
-    msg = raw[semi + 1 :]
-    nl = msg.find("\n")  # what follows are " KEY=value" dictionary lines
-    if nl >= 0:
-        msg = msg[:nl]
+    msg = raw[k.end() :]
+    text = _TEXT_MEMO.get(msg)
+    if text is None:
+        cut = msg
+        nl = cut.find("\n")  # what follows are " KEY=value" dictionary lines
+        if nl >= 0:
+            cut = cut[:nl]
+        text = _unescape_kmsg(cut).strip()
+        if len(_TEXT_MEMO) >= _TEXT_MEMO_MAX:
+            _TEXT_MEMO.clear()
+        _TEXT_MEMO[msg] = text
+    prio, seq, usec = k.groups()
+    level = _LEVEL_OF.get(prio)
     mono = int(usec)
     # by position (text, raw, seq, monotonic_us, wall_time, priority): cheaper than by keyword
-    return KernelRecord(_unescape_kmsg(msg).strip(), raw, int(seq), mono if mono >= 0 else None, None,
-                        int(prio) & 7)
+    return KernelRecord(text, raw, int(seq), mono if mono >= 0 else None, None,
+                        int(prio) & 7 if level is None else level)
 
 
 def parse_line(line: str, *, now: datetime | None = None) -> KernelRecord:
@@ -437,6 +447,19 @@ class _LineBuffer:
         data = self._tail + chunk if self._tail else chunk
         parts = data.split(b"\n")
         tail = parts.pop()
+        if parts and not self._skipping and len(tail) <= MAX_LINE_BYTES \
+                and max(map(len, parts)) <= MAX_LINE_BYTES:
+            # the usual chunk: whole lines of valid UTF-8, decoded in one call (b"\n" is never
+            # part of another character, so the lines are those of the bytes)
+            try:
+                text = data[: len(data) - len(tail)].decode("utf-8")
+            except UnicodeDecodeError:
+                pass
+            else:
+                self._tail = tail
+                out = text.split("\n")
+                out.pop()  # the empty string after the last newline
+                return out
         lines: list[str] = []
         for i, part in enumerate(parts):
             if i == 0 and self._skipping:
@@ -491,6 +514,22 @@ class _Assembler:
         self._step = None
         boot_time = self._boot_time
         for line in lines:
+            if "0" <= line[:1] <= "9" and line[-1:] != "\r":
+                # a /dev/kmsg record (what the daemon reads, at up to tens of thousands a second):
+                # never a continuation nor dated by the wall clock, so only the boot filter applies
+                kmsg = _kmsg_record(line)
+                if kmsg is not None and not kmsg.text.startswith("-- ") \
+                        and (kmsg.text or kmsg.monotonic_us is not None):
+                    if initial:
+                        cut = self._boot_change(kmsg, len(out))
+                        if cut:
+                            del out[:cut]
+                            step = self._step
+                            self._step = None if step is None else (step[0] - cut, *step[1:])
+                    self._last = kmsg
+                    self._last_dropped = False
+                    out.append(kmsg)
+                    continue
             rec = parse_line(line)
             if rec.continuation:
                 last = self._last

@@ -91,6 +91,12 @@ class XidEvent:
     recovery_from: tuple[int, str] | None = None
     recovery_to: tuple[int, str] | None = None
     register_words: tuple[int, ...] = ()
+    # the same line (same text) logged this many times within a second, counted instead of
+    # handed over one by one (the daemon's pump does it for a check that reads ``repeats``:
+    # gpumon.check.Check.kernel_log_repeats); ``last_record`` is the last of them. 1 and None:
+    # the event is the line ``record`` alone.
+    repeats: int = 1
+    last_record: KernelRecord | None = None
 
 
 @dataclass(slots=True)
@@ -167,6 +173,11 @@ _FOB_BDF = r"((?:[0-9a-fA-F]{1,8}:)?[0-9a-fA-F]{1,2}:[0-9a-fA-F]{1,2}(?:\.[0-7])
 _FOB_HEAD_RE = re.compile(r"The NVIDIA GPU " + _FOB_BDF)
 _FOB_SINGLE_RE = re.compile(r"GPU (?:at )?(?:PCI:)?" + _FOB_BDF + r":? (?:GPU )?has fallen off the bus")
 _FALLEN = "fallen off the bus"
+# What an Xid line's text parses to, by that text: a storm repeats the same few lines thousands of
+# times a second, and the regexes below cost ~2 us a line. Bounded (the text comes from the
+# kernel log): emptied when full.
+_XID_MEMO: dict[str, tuple[tuple[object, ...], bool] | None] = {}
+_XID_MEMO_MAX = 4096
 
 
 def _pid(value: str) -> int | None:
@@ -279,74 +290,25 @@ class NvrmParser:
         self._fob = None
 
     def _xid(self, body: str, record: KernelRecord, out: list[NvrmEvent]) -> None:
-        m = _XID_RE.match(body)
-        if m is None:
+        try:
+            memo = _XID_MEMO[body]
+        except KeyError:
+            memo = _xid_fields(body)
+            if len(_XID_MEMO) >= _XID_MEMO_MAX:
+                _XID_MEMO.clear()
+            _XID_MEMO[body] = memo
+        if memo is None:
             if body.startswith("Xid ("):
                 self.unparsed_nvrm_lines += 1
             return
-        damaged = False
-        pci = canonical_pci(m.group(1))
-        if pci is None:
-            damaged = True  # e.g. a reporter's "PCI:..." redaction; the code is still worth having
-        code = int(m.group(2))
-        rest = body[m.end() :]
-        pid: int | None = None
-        process: str | None = None
-        if rest.startswith("pid="):
-            p = _PID_RE.match(rest)
-            if p is not None:
-                pid = _pid(p.group(1))
-                rest = rest[p.end() :]
-        if rest.startswith("name="):
-            n = _NAME_RE.match(rest)
-            if n is not None:
-                process = _process(n.group(1))
-                rest = rest[n.end() :]
-        message = rest.rstrip()
-
-        unit: str | None = None
-        fatal: bool | None = None
-        link: int | None = None
-        words: tuple[int, ...] = ()
-        cause: int | None = None
-        rec_from: tuple[int, str] | None = None
-        rec_to: tuple[int, str] | None = None
-        registers: tuple[int, ...] = ()
-        if 144 <= code <= 150:
-            d = _NVL5_RE.match(message)
-            if d is None:
-                damaged = True
-            else:
-                unit = d.group(1)
-                fatal = d.group(3) is not None
-                link = int(d.group(4))
-                if d.group(5) is not None:
-                    words = tuple(int(w, 16) for w in _HEX_WORD_RE.findall(d.group(5)))
-        elif code == 45:
-            c = _CAUSE_RE.search(message)
-            if c is not None:
-                cause = int(c.group(1))
-        elif code == 154:
-            r = _RECOVERY_RE.search(message)
-            if r is None:
-                damaged = True
-            else:
-                rec_from = (int(r.group(1), 16), r.group(2))
-                rec_to = (int(r.group(3), 16), r.group(4))
-        elif code == 74:
-            lk = _XID74_LINK_RE.search(message)
-            if lk is not None:
-                link = int(lk.group(1))
-            w = _XID74_WORDS_RE.search(message)
-            if w is not None:
-                registers = tuple(int(x, 16) for x in _HEX_WORD_RE.findall(w.group(1)))
+        f, damaged = memo
         if damaged:
             self.unparsed_nvrm_lines += 1
         # by position, in field order (code, pci, pid, process, message, record, nvlink_unit,
         # nvlink_fatal, nvlink_link, nvlink_words, cause_xid, recovery_from, recovery_to,
         # register_words): 0.44 us against 1.17 us by keyword, once per line of an Xid storm
-        out.append(XidEvent(code, pci, pid, process, message, record, unit, fatal, link, words, cause,
-                            rec_from, rec_to, registers))
+        out.append(XidEvent(f[0], f[1], f[2], f[3], f[4], record, f[5], f[6], f[7], f[8],  # type: ignore[arg-type]
+                            f[9], f[10], f[11], f[12]))  # type: ignore[arg-type]
 
     def _sxid(self, line: str, record: KernelRecord, out: list[NvrmEvent]) -> None:
         at = line.find("nvidia-nvswitch")
@@ -367,6 +329,72 @@ class NvrmParser:
             fatal = sev.group(1) is not None
             link = int(sev.group(2)) if sev.group(2) is not None else None
         out.append(SXidEvent(int(m.group(1)), pci, int(m.group(3)), fatal, link, message, record))
+
+
+def _xid_fields(body: str) -> tuple[tuple[object, ...], bool] | None:
+    """An Xid line's fields but its record (XidEvent's order, ``record`` left out) and whether
+    the line was damaged; None: not an Xid line."""
+    m = _XID_RE.match(body)
+    if m is None:
+        return None
+    damaged = False
+    pci = canonical_pci(m.group(1))
+    if pci is None:
+        damaged = True  # e.g. a reporter's "PCI:..." redaction; the code is still worth having
+    code = int(m.group(2))
+    rest = body[m.end() :]
+    pid: int | None = None
+    process: str | None = None
+    if rest.startswith("pid="):
+        p = _PID_RE.match(rest)
+        if p is not None:
+            pid = _pid(p.group(1))
+            rest = rest[p.end() :]
+    if rest.startswith("name="):
+        n = _NAME_RE.match(rest)
+        if n is not None:
+            process = _process(n.group(1))
+            rest = rest[n.end() :]
+    message = rest.rstrip()
+
+    unit: str | None = None
+    fatal: bool | None = None
+    link: int | None = None
+    words: tuple[int, ...] = ()
+    cause: int | None = None
+    rec_from: tuple[int, str] | None = None
+    rec_to: tuple[int, str] | None = None
+    registers: tuple[int, ...] = ()
+    if 144 <= code <= 150:
+        d = _NVL5_RE.match(message)
+        if d is None:
+            damaged = True
+        else:
+            unit = d.group(1)
+            fatal = d.group(3) is not None
+            link = int(d.group(4))
+            if d.group(5) is not None:
+                words = tuple(int(w, 16) for w in _HEX_WORD_RE.findall(d.group(5)))
+    elif code == 45:
+        c = _CAUSE_RE.search(message)
+        if c is not None:
+            cause = int(c.group(1))
+    elif code == 154:
+        r = _RECOVERY_RE.search(message)
+        if r is None:
+            damaged = True
+        else:
+            rec_from = (int(r.group(1), 16), r.group(2))
+            rec_to = (int(r.group(3), 16), r.group(4))
+    elif code == 74:
+        lk = _XID74_LINK_RE.search(message)
+        if lk is not None:
+            link = int(lk.group(1))
+        w = _XID74_WORDS_RE.search(message)
+        if w is not None:
+            registers = tuple(int(x, 16) for x in _HEX_WORD_RE.findall(w.group(1)))
+    return (code, pci, pid, process, message, unit, fatal, link, words, cause, rec_from, rec_to,
+            registers), damaged
 
 
 def parse_file(path: Path | str) -> list[NvrmEvent]:
