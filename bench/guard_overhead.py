@@ -16,7 +16,9 @@ them alike), the median round per configuration:
   amortised over N = ``--weight-every`` (100) steps;
 - ``check 2``: the ring re-execution audit, measured as a guard auditing every step
   (``audit_every=1``) against check 1 alone, amortised over M = ``--audit-every`` (500);
-- ``all``: ``Guard(weight_check_every=N, audit_every=M)``, measured the same way.
+- ``pace``: check 1 and the straggler scores (``pace_window`` K, 100: the Guard's default),
+  against check 1 alone;
+- ``all``: ``Guard(weight_check_every=N, audit_every=M, pace_window=K)``, measured the same way.
 
 Every configuration runs under ``gpumon.guard.deterministic()`` (the audit refuses a run that is
 not deterministic), so the baseline pays what the audit's precondition costs too.
@@ -105,12 +107,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             extra = {"audit_every": 1 if kind == "audit1" else args.audit_every, "batch_for": rebuild,
                      "loss_fn": lm_loss}
         every = args.weight_every if kind == "all" else 0
+        # the straggler scores (gpumon.guard.pace) are on by default: off in check1 and audit1, so
+        # that "pace" (check 1 + the scores every --pace-window steps) shows what they add
+        pace = args.pace_window if kind in ("pace", "all") else 0
         return model, opt, Guard(model, opt, weight_check_every=every, timeout_s=300, spool_dir=out,
-                                 **extra)
+                                 pace_window=pace, **extra)
 
     # the audit refuses a run that is not deterministic: every configuration runs so, alike
     deterministic()
-    kinds = ["none", "check1", "audit1", "all"]
+    kinds = ["none", "check1", "pace", "audit1", "all"]
     setups = {kind: make(kind) for kind in kinds}
     notes: list[str] = []
     steps_done = dict.fromkeys(kinds, 0)
@@ -180,6 +185,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--weight-every", type=int, default=100, metavar="N")
     ap.add_argument("--audit-every", type=int, default=500, metavar="M")
+    ap.add_argument("--pace-window", type=int, default=100, metavar="K",
+                    help="straggler scores every K steps (Guard's default)")
     ap.add_argument("--weight-calls", type=int, default=20, help="timed weight checks")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--device", choices=("cpu", "cuda"),
@@ -226,14 +233,19 @@ def main() -> int:
           f"{cpu_text('check1'):>21}")
     print(f"{f'check 3 (weights, every {args.weight_every} steps)':<44}"
           f"{per_check * 1e3:>11.2f} ms per check{'':>8}{c3:>+10.3f} % amortised")
+    cp = (med["pace"] - med["check1"]) / base * 100
+    print(f"{f'stragglers (pace, scored every {args.pace_window} steps)':<44}{med['pace'] * 1e3:>11.2f} ms"
+          f"{spread['pace'][0] * 1e3:>11.2f}..{spread['pace'][1] * 1e3:<8.2f} ms{cp:>+10.2f} % over check 1"
+          f"{cpu_text('pace'):>21}")
     c2 = (med["audit1"] - med["check1"]) / args.audit_every / base * 100
     print(f"{f'check 2 (audit, every {args.audit_every} steps)':<44}"
           f"{(med['audit1'] - med['check1']) * 1e3:>11.2f} ms per audit{'':>8}{c2:>+10.3f} % amortised")
-    label = f"all (1 + 3 every {args.weight_every} + audit every {args.audit_every})"
+    label = f"all (1 + pace + 3 every {args.weight_every} + audit every {args.audit_every})"
     c_all = (med["all"] - base) / base * 100
     print(f"{label:<44}{med['all'] * 1e3:>11.2f} ms{spread['all'][0] * 1e3:>11.2f}.."
           f"{spread['all'][1] * 1e3:<8.2f} ms{c_all:>+10.2f} %{cpu_text('all'):>21}")
-    print(f"{'amortised sum (check 1 + check 2 + check 3)':<44}{'':>14}{'':>22}{c1 + c2 + c3:>+10.2f} %")
+    total = c1 + cp + c2 + c3
+    print(f"{'amortised sum (check 1 + pace + check 2 + 3)':<44}{'':>14}{'':>22}{total:>+10.2f} %")
     print("\noverhead = (median step time - none's) / none's; check 3 = one check's time / N / none's "
           "step; check 2 = (a step audited every step - a check-1 step) / M / none's step; "
           "rank 0 CPU/step = that process's CPU time (all its threads) per step, which other "
