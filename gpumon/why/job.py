@@ -12,7 +12,7 @@ Kubernetes (a Job's or PyTorchJob's pods) is not read yet: give ``--nodes``/``--
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -80,20 +80,40 @@ def explicit_job(nodes: str, start: str, end: str | None) -> Job:
     return Job(names, t0, t1)
 
 
-def slurm_job(job_id: str, runner: ToolRunner | None = None, timeout_s: float = SLURM_TIMEOUT_S) -> Job:
+def slurm_job(job_id: str, runner: ToolRunner | None = None, timeout_s: float = SLURM_TIMEOUT_S,
+              nodes: str | None = None) -> Job:
+    """The job from sacct, else scontrol. ``nodes``: the job's allocation as a Slurm hostlist (an
+    EpilogSlurmctld's ``$SLURM_JOB_NODELIST``), which replaces the nodes Slurm lists: while a job
+    is COMPLETING, ``scontrol show job`` lists only the nodes still completing (at an
+    EpilogSlurmctld, often none)."""
     if not _JOB_ID.match(job_id):
         raise JobError(f"--job {job_id!r}: not a Slurm job id (digits, an array task 12_3, a het job 12+1)")
     runner = runner or ToolRunner(timeout_s)
     why_not: list[str] = []
+    job: Job | None = None
     try:
-        return _from_sacct(job_id, runner, timeout_s)
+        job = _from_sacct(job_id, runner, timeout_s)
     except (HwCondition, JobError) as exc:
         why_not.append(f"sacct: {exc}")
-    try:
-        return _from_scontrol(job_id, runner, timeout_s)
-    except (HwCondition, JobError) as exc:
-        why_not.append(f"scontrol: {exc}")
-    raise JobError(f"Slurm job {job_id} not found: " + "; ".join(why_not))
+    if job is None:
+        try:
+            job = _from_scontrol(job_id, runner, timeout_s)
+        except (HwCondition, JobError) as exc:
+            why_not.append(f"scontrol: {exc}")
+    if job is None:
+        raise JobError(f"Slurm job {job_id} not found: " + "; ".join(why_not))
+    if nodes is not None:
+        try:
+            given = expand_nodes(nodes, runner, timeout_s)
+        except HwCondition as exc:
+            raise JobError(f"--job-nodes {nodes!r}: {exc}") from None
+        if not given:
+            raise JobError(f"--job-nodes {nodes!r} names no node")
+        job = replace(job, nodes=given)
+    if not job.nodes:
+        raise JobError(f"Slurm lists no node for job {job_id} ({job.source}, state {job.state}: a "
+                       "completing job lists only the nodes still completing); give --job-nodes HOSTLIST")
+    return job
 
 
 def _run(runner: ToolRunner, argv: list[str], timeout_s: float) -> str:
