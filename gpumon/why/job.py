@@ -41,6 +41,9 @@ class Job:
     state: str | None = None
     exit_code: str | None = None
     source: str = "command line"
+    # Slurm prints whole seconds (the start and end it says are floored): the job ran until up
+    # to this long after ``end``; an event in that second is the job's
+    resolution_s: float = 0.0
 
     @property
     def failed(self) -> bool | None:
@@ -153,7 +156,7 @@ def _from_sacct(job_id: str, runner: ToolRunner, timeout_s: float) -> Job:
     if t0 is None:
         raise JobError(f"job {jid} has not started (state {state})")
     return Job(expand_nodes(nodelist, runner, timeout_s), t0, _slurm_time(end), jid, state, exit_code,
-               "sacct")
+               "sacct", 1.0)
 
 
 def scontrol_fields(text: str) -> dict[str, str]:
@@ -179,4 +182,4 @@ def _from_scontrol(job_id: str, runner: ToolRunner, timeout_s: float) -> Job:
     if fields["JobState"] in ("RUNNING", "PENDING", "SUSPENDED"):
         end = None  # EndTime of a running job is its time limit, not an end
     return Job(expand_nodes(fields.get("NodeList", ""), runner, timeout_s), t0, end,
-               fields.get("JobId", job_id), fields["JobState"], fields.get("ExitCode"), "scontrol")
+               fields.get("JobId", job_id), fields["JobState"], fields.get("ExitCode"), "scontrol", 1.0)

@@ -267,7 +267,7 @@ class Reasoner:
             kind = e.get("kind")
             t, until = _span(e)
             if kind == "boot":
-                if not self.job.start <= t <= self.end:
+                if not self.job.start <= t <= self.end + self.job.resolution_s:
                     continue
                 ident = ev.identity or {}
                 booted = ident.get("boot_time")
@@ -362,7 +362,8 @@ class Reasoner:
                                 action="check_cables"))
         if ev.identity is not None:
             boot = ev.identity.get("boot_time")
-            if isinstance(boot, (int, float)) and self.job.start < boot <= self.end and not any(
+            if isinstance(boot, (int, float)) and self.job.start < boot <= self.end + self.job.resolution_s \
+                    and not any(
                     i.what == "reboot" for i in out):
                 out.append(Item(ev.node, float(boot), "node", "", "reboot", 1,
                                 "the node booted during the job (its current boot time)",
@@ -373,7 +374,7 @@ class Reasoner:
 
     def _in_job(self, item: Item) -> bool:
         until = item.until if item.until is not None else item.time
-        return item.time <= self.end and until >= self.job.start
+        return item.time <= self.end + self.job.resolution_s and until >= self.job.start
 
     def _score(self, item: Item) -> float:
         # when it mattered: an outage when it outlasted the retry window, anything else when raised

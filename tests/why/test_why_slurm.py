@@ -140,7 +140,8 @@ class Cluster:
         """The last fault of ``kind`` ends now (its duration set to now), rendered."""
         def end(faults: list[dict[str, Any]], t: float) -> dict[str, Any]:
             f = next(f for f in reversed(faults) if f["kind"] == kind)
-            f["duration_s"] = round(max(0.1, t - float(f["at_s"])), 2)
+            # rounded down, or the fault would still be on at the time rendered
+            f["duration_s"] = max(0.01, math.floor((t - float(f["at_s"])) * 100) / 100)
             return f
         self._rewrite(node, end)
 
@@ -367,6 +368,10 @@ def test_ib_port_down_past_the_collective_timeout_names_the_node_and_port(cluste
     assert rc != 0, run.text()
     try:
         log = _epilog(c, run.job)
+        # the port's recovery in node1's history (its outage then has an end and a length)
+        c.wait_api("node1", lambda doc: not any(
+            f["component"] == "ib/mlx5_0/1" and "ongoing_outage_s" in f["evidence"] for f in doc["findings"]),
+            "the IB port back up")
         code, doc = _why(c, run.job)
         assert code == 2 and doc["verdict"] == "infrastructure", doc
         _common(doc, run, ended)
@@ -377,7 +382,7 @@ def test_ib_port_down_past_the_collective_timeout_names_the_node_and_port(cluste
         # and more (the job ends once node1 is back)
         assert top["evidence"]["start"] == pytest.approx(cut, abs=2.0)
         assert -60 < top["relative_s"] <= -(COLLECTIVE_TIMEOUT_S - 2), top
-        assert top["evidence"]["down_s"] > doc["nccl"]["retry_window_s"]
+        assert top["evidence"]["down_s"] > doc["nccl"]["retry_window_s"] and top["evidence"]["end"], top
         assert not [s for s in doc["suspects"] if s["node"] != "node1"], doc["suspects"]
         # the epilog: the suspect in the AdminComment, node1 drained with gpumon's reason
         comment = _comment(c, run.job, log)
