@@ -6,7 +6,8 @@ JSON (a contract once documented in the README, "gpumon why"): ``schema``, ``ver
 ``watchdog_source``, ``nccl`` (the IB retry window used), ``suspects`` (ranked, best first),
 ``timeline`` (everything read, suspects and context, oldest first), ``nodes`` (each node's
 reachability and what it answered), ``unreachable`` (names), ``log`` (what the job log said),
-``notes`` (what limits the verdict).
+``notes`` (what limits the verdict), ``culprits`` (the nodes whose tier-1 hardware suspect an
+epilog may drain, with gpumon's drain reason) and ``admin_comment`` (one bounded line for Slurm).
 """
 
 from __future__ import annotations
