@@ -214,7 +214,27 @@ def _outages(events: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[float,
                 old = port.get(key)
                 if old is None or (old[1] is None and old[2] < float(ongoing)):
                     port[key] = (start, None, float(ongoing))
-    return {comp: sorted(v.values()) for comp, v in found.items() if v}
+    return {comp: _merge(sorted(v.values())) for comp, v in found.items() if v}
+
+
+# An open outage's start is estimated from a reading (its time minus ``ongoing_outage_s``, rounded
+# to 0.1 s) and the closed record's is measured: the same outage, seen twice, starts up to a
+# sample interval or so apart
+_SAME_OUTAGE_S = 2.0
+
+
+def _merge(outages: list[tuple[float, float | None, float]]) -> list[tuple[float, float | None, float]]:
+    """One entry per outage: of those starting within _SAME_OUTAGE_S, the closed record (its end
+    and length are measured), else the longest still open."""
+    out: list[tuple[float, float | None, float]] = []
+    for o in outages:
+        if out and o[0] - out[-1][0] <= _SAME_OUTAGE_S:
+            prev = out[-1]
+            if (o[1] is not None, o[2]) > (prev[1] is not None, prev[2]):
+                out[-1] = o
+            continue
+        out.append(o)
+    return out
 
 
 def _fmt_s(s: float) -> str:

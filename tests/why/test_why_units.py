@@ -118,3 +118,13 @@ def test_an_event_in_the_second_slurm_floored_the_end_to_is_the_jobs() -> None:
         job = Job(("n1",), T0, T0 + 600, "42", "FAILED", "1:0", "scontrol", resolution)
         v = Reasoner(job, [_node("n1", [xid])], None, nccl_settings({}, None), now=T0 + 700).judge()
         assert v.verdict == verdict, (resolution, v.suspects)
+
+
+def test_an_outage_seen_open_and_then_closed_is_one_outage() -> None:
+    """The open reading's estimated start and the closed record's differ by a sample: one suspect."""
+    open_ = _finding(T0 + 108.6, "ib", "ib/mlx5_0/1", "fail", "check_cables", "down", ongoing_outage_s=7.9)
+    closed = dict(_finding(T0 + 115, "ib", "ib/mlx5_0/1", "fail", "check_cables", "outage",
+                           recent_outages=[{"start": T0 + 99.9, "end": T0 + 112.8, "down_s": 12.9}]), id=3)
+    doc = _judge(_node("n1", [open_, closed]))
+    outages = [i for i in doc["timeline"] if i["what"] == "ib_outage"]
+    assert len(outages) == 1 and outages[0]["evidence"]["end"] == T0 + 112.8, outages
