@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 from gpumon.errors import ConfigError
 from gpumon.why.collect import DEFAULT_TEMPLATE, Access, collect
-from gpumon.why.job import Job, explicit_job, slurm_job
+from gpumon.why.job import Job, JobError, explicit_job, slurm_job
 from gpumon.why.joblog import JobLog, parse_file
 from gpumon.why.reason import LEAD_S, Reasoner, nccl_settings
 from gpumon.why.report import print_verdict, to_json
@@ -35,6 +36,10 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
                     "3 cannot answer.")
     which = p.add_argument_group("the job (--job, or --nodes with --start)")
     which.add_argument("--job", metavar="ID", help="a Slurm job id (sacct, else scontrol show job)")
+    which.add_argument("--job-nodes", metavar="HOSTLIST",
+                       help="with --job: the job's nodes as a Slurm hostlist (an EpilogSlurmctld's "
+                            "$SLURM_JOB_NODELIST), in place of those Slurm lists (a completing job lists "
+                            "only the nodes still completing)")
     which.add_argument("--nodes", metavar="A,B,..", help="the job's nodes, by name")
     which.add_argument("--start", metavar="TIME", help="the job's start: Unix seconds or ISO 8601 "
                        "(without a zone: this host's local time)")
@@ -62,6 +67,10 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     src.add_argument("--watchdog-timeout", type=float, metavar="SECONDS",
                      help="the job's collective timeout (default: from the log, else PyTorch's 600)")
     p.add_argument("--json", action="store_true", help="print the JSON verdict (schema gpumon.why/v1)")
+    p.add_argument("--metrics-file", type=Path, metavar="FILE",
+                   help="count this post-mortem in a node_exporter textfile-collector file "
+                        "(gpumon_why_verdicts_total{verdict}; e.g. /var/lib/prometheus/node-exporter/"
+                        "gpumon_why.prom)")
 
 
 def _pairs(values: Sequence[str], flag: str) -> dict[str, str]:
@@ -74,11 +83,22 @@ def _pairs(values: Sequence[str], flag: str) -> dict[str, str]:
     return out
 
 
+def _count(path: Path, verdict: str) -> None:
+    from gpumon.why.metrics import count_verdict
+    try:
+        count_verdict(path, verdict)
+    except OSError as exc:
+        # the verdict matters more than its count: said, not fatal
+        print(f"gpumon why: cannot update {path}: {exc.strerror or exc}", file=sys.stderr)
+
+
 def resolve(args: argparse.Namespace) -> Job:
     if args.job and (args.nodes or args.start):
         raise ConfigError("--job or --nodes/--start, not both", key="why")
+    if args.job_nodes and not args.job:
+        raise ConfigError("--job-nodes goes with --job", key="why")
     if args.job:
-        return slurm_job(args.job)
+        return slurm_job(args.job, nodes=args.job_nodes)
     if not (args.nodes and args.start):
         raise ConfigError("which job? --job ID (Slurm), or --nodes A,B and --start TIME [--end TIME]",
                           key="why")
@@ -88,7 +108,12 @@ def resolve(args: argparse.Namespace) -> Job:
 def main(args: argparse.Namespace) -> int:
     if args.timeout <= 0 or args.workers < 1:
         raise ConfigError("--timeout must be > 0 and --workers >= 1", key="why")
-    job = resolve(args)
+    try:
+        job = resolve(args)
+    except JobError:
+        if args.metrics_file is not None:  # a post-mortem that could not even find its job counts too
+            _count(args.metrics_file, "cannot_answer")
+        raise
     log: JobLog | None = None
     if args.log is not None:
         try:
@@ -114,6 +139,8 @@ def main(args: argparse.Namespace) -> int:
     nodes = collect(job.nodes, access, job.start - LEAD_S, end + 60.0, timeout_s=args.timeout,
                     workers=args.workers)
     verdict = Reasoner(job, nodes, log, nccl, now=now, watchdog_s=args.watchdog_timeout).judge()
+    if args.metrics_file is not None:
+        _count(args.metrics_file, verdict.verdict)
     if args.json:
         print(json.dumps(to_json(verdict), indent=2, default=str))
     else:

@@ -12,7 +12,7 @@ Kubernetes (a Job's or PyTorchJob's pods) is not read yet: give ``--nodes``/``--
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -41,6 +41,9 @@ class Job:
     state: str | None = None
     exit_code: str | None = None
     source: str = "command line"
+    # Slurm prints whole seconds (the start and end it says are floored): the job ran until up
+    # to this long after ``end``; an event in that second is the job's
+    resolution_s: float = 0.0
 
     @property
     def failed(self) -> bool | None:
@@ -80,20 +83,40 @@ def explicit_job(nodes: str, start: str, end: str | None) -> Job:
     return Job(names, t0, t1)
 
 
-def slurm_job(job_id: str, runner: ToolRunner | None = None, timeout_s: float = SLURM_TIMEOUT_S) -> Job:
+def slurm_job(job_id: str, runner: ToolRunner | None = None, timeout_s: float = SLURM_TIMEOUT_S,
+              nodes: str | None = None) -> Job:
+    """The job from sacct, else scontrol. ``nodes``: the job's allocation as a Slurm hostlist (an
+    EpilogSlurmctld's ``$SLURM_JOB_NODELIST``), which replaces the nodes Slurm lists: while a job
+    is COMPLETING, ``scontrol show job`` lists only the nodes still completing (at an
+    EpilogSlurmctld, often none)."""
     if not _JOB_ID.match(job_id):
         raise JobError(f"--job {job_id!r}: not a Slurm job id (digits, an array task 12_3, a het job 12+1)")
     runner = runner or ToolRunner(timeout_s)
     why_not: list[str] = []
+    job: Job | None = None
     try:
-        return _from_sacct(job_id, runner, timeout_s)
+        job = _from_sacct(job_id, runner, timeout_s)
     except (HwCondition, JobError) as exc:
         why_not.append(f"sacct: {exc}")
-    try:
-        return _from_scontrol(job_id, runner, timeout_s)
-    except (HwCondition, JobError) as exc:
-        why_not.append(f"scontrol: {exc}")
-    raise JobError(f"Slurm job {job_id} not found: " + "; ".join(why_not))
+    if job is None:
+        try:
+            job = _from_scontrol(job_id, runner, timeout_s)
+        except (HwCondition, JobError) as exc:
+            why_not.append(f"scontrol: {exc}")
+    if job is None:
+        raise JobError(f"Slurm job {job_id} not found: " + "; ".join(why_not))
+    if nodes is not None:
+        try:
+            given = expand_nodes(nodes, runner, timeout_s)
+        except HwCondition as exc:
+            raise JobError(f"--job-nodes {nodes!r}: {exc}") from None
+        if not given:
+            raise JobError(f"--job-nodes {nodes!r} names no node")
+        job = replace(job, nodes=given)
+    if not job.nodes:
+        raise JobError(f"Slurm lists no node for job {job_id} ({job.source}, state {job.state}: a "
+                       "completing job lists only the nodes still completing); give --job-nodes HOSTLIST")
+    return job
 
 
 def _run(runner: ToolRunner, argv: list[str], timeout_s: float) -> str:
@@ -133,7 +156,7 @@ def _from_sacct(job_id: str, runner: ToolRunner, timeout_s: float) -> Job:
     if t0 is None:
         raise JobError(f"job {jid} has not started (state {state})")
     return Job(expand_nodes(nodelist, runner, timeout_s), t0, _slurm_time(end), jid, state, exit_code,
-               "sacct")
+               "sacct", 1.0)
 
 
 def scontrol_fields(text: str) -> dict[str, str]:
@@ -159,4 +182,4 @@ def _from_scontrol(job_id: str, runner: ToolRunner, timeout_s: float) -> Job:
     if fields["JobState"] in ("RUNNING", "PENDING", "SUSPENDED"):
         end = None  # EndTime of a running job is its time limit, not an end
     return Job(expand_nodes(fields.get("NodeList", ""), runner, timeout_s), t0, end,
-               fields.get("JobId", job_id), fields["JobState"], fields.get("ExitCode"), "scontrol")
+               fields.get("JobId", job_id), fields["JobState"], fields.get("ExitCode"), "scontrol", 1.0)

@@ -43,6 +43,9 @@ PYTORCH_WATCHDOG_DEFAULT_S = 600.0  # ProcessGroupNCCL's default timeout (PyTorc
 # an event this long before the job's start is still read (the state the job started on)
 LEAD_S = 3600.0
 _HW_ACTIONS = frozenset({"reset_gpu", "reboot_node", "check_cables", "inspect_hardware"})
+# Tier-1 suspects that are the node's hardware (what an epilog may drain the node for). A reboot is
+# tier 1 but not one of them: an operator's reboot, or a kernel panic of software, look the same.
+HARDWARE_WHATS = frozenset({"gpu_lost", "xid", "ib_outage", "nvlink_down"})
 
 
 def _version(text: str | None) -> tuple[int, int, int] | None:
@@ -118,12 +121,14 @@ class Item:
     until: float | None = None  # the span's end (still open at the last reading: last_seen)
     evidence: dict[str, Any] = field(default_factory=dict)
     score: float = 0.0
+    action: str | None = None  # the remedy the node's check named for it (gpumon's Action words)
 
     def to_json(self, end: float | None) -> dict[str, Any]:
         return {"node": self.node, "time": self.time,
                 "relative_s": None if end is None else round(self.time - end, 1),
                 "until": self.until, "component": self.component, "check": self.check, "what": self.what,
-                "tier": self.tier, "summary": self.summary, "why": self.why, "evidence": self.evidence}
+                "tier": self.tier, "summary": self.summary, "why": self.why, "evidence": self.evidence,
+                "action": self.action}
 
 
 @dataclass
@@ -144,6 +149,19 @@ class Verdict:
     @property
     def unreachable(self) -> list[NodeEvidence]:
         return [n for n in self.nodes if not n.reachable]
+
+    @property
+    def culprits(self) -> list[Item]:
+        """Per node, its best-ranked tier-1 *hardware* suspect: the nodes the evidence says are
+        broken, best first. Empty unless the verdict is ``infrastructure`` (never on an inconclusive
+        verdict, nor for a tier-2 "may explain it")."""
+        if self.verdict != "infrastructure":
+            return []
+        out: dict[str, Item] = {}
+        for s in self.suspects:
+            if s.tier == 1 and s.what in HARDWARE_WHATS and s.action in _HW_ACTIONS:
+                out.setdefault(s.node, s)
+        return list(out.values())
 
     @property
     def exit_code(self) -> int:
@@ -196,7 +214,27 @@ def _outages(events: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[float,
                 old = port.get(key)
                 if old is None or (old[1] is None and old[2] < float(ongoing)):
                     port[key] = (start, None, float(ongoing))
-    return {comp: sorted(v.values()) for comp, v in found.items() if v}
+    return {comp: _merge(sorted(v.values())) for comp, v in found.items() if v}
+
+
+# An open outage's start is estimated from a reading (its time minus ``ongoing_outage_s``, rounded
+# to 0.1 s) and the closed record's is measured: the same outage, seen twice, starts up to a
+# sample interval or so apart
+_SAME_OUTAGE_S = 2.0
+
+
+def _merge(outages: list[tuple[float, float | None, float]]) -> list[tuple[float, float | None, float]]:
+    """One entry per outage: of those starting within _SAME_OUTAGE_S, the closed record (its end
+    and length are measured), else the longest still open."""
+    out: list[tuple[float, float | None, float]] = []
+    for o in outages:
+        if out and o[0] - out[-1][0] <= _SAME_OUTAGE_S:
+            prev = out[-1]
+            if (o[1] is not None, o[2]) > (prev[1] is not None, prev[2]):
+                out[-1] = o
+            continue
+        out.append(o)
+    return out
 
 
 def _fmt_s(s: float) -> str:
@@ -249,10 +287,21 @@ class Reasoner:
             kind = e.get("kind")
             t, until = _span(e)
             if kind == "boot":
-                if self.job.start <= t <= self.end:
-                    out.append(Item(ev.node, t, "node", "", "reboot", 1,
-                                    "the daemon saw a new boot of the node",
-                                    "a node that reboots takes every rank on it down"))
+                if not self.job.start <= t <= self.end + self.job.resolution_s:
+                    continue
+                ident = ev.identity or {}
+                booted = ident.get("boot_time")
+                if (e.get("boot_id") and e.get("boot_id") == ident.get("boot_id")
+                        and isinstance(booted, (int, float)) and booted < self.job.start):
+                    # the daemon (re)started during the job and first saw a boot older than the
+                    # job: no reboot, only a gap in what the node recorded before
+                    out.append(Item(ev.node, t, "node", "", "daemon_start", 3,
+                                    "gpumon's daemon started on the node (no reboot: the node booted "
+                                    "before the job)"))
+                    continue
+                out.append(Item(ev.node, t, "node", "", "reboot", 1,
+                                "the daemon saw a new boot of the node",
+                                "a node that reboots takes every rank on it down"))
                 continue
             if kind != "finding":
                 continue
@@ -272,7 +321,7 @@ class Reasoner:
                     out.append(Item(**base, what="xid", tier=1, summary=message,
                                     why=f"Xid {code}: gpumon's Xid catalog says {action}: the GPU's work "
                                         "(the rank's kernels) is lost or stalled",
-                                    evidence={"code": code, "action": action}))
+                                    evidence={"code": code, "action": action}, action=action))
                 else:
                     out.append(Item(**base, what="xid", tier=3, summary=message,
                                     why=f"Xid {code}: catalog action {action}: usually the application's "
@@ -284,14 +333,16 @@ class Reasoner:
                 lost.add(comp)
                 out.append(Item(**base, what="gpu_lost", tier=1, summary=f"{comp} lost: {message}",
                                 why="a GPU that fell off the bus stops its rank inside the collective; the "
-                                    "others wait for it until the watchdog fires"))
+                                    "others wait for it until the watchdog fires",
+                                action=action if action in _HW_ACTIONS else "reboot_node"))
             elif "hung_in" in evidence:
                 out.append(Item(**base, what="hung_call", tier=2 if sev == "fail" else 3, summary=message,
                                 why="a driver or tool call that does not return on the node: the GPU or "
                                     "driver may have stopped answering the job too"))
             elif check == "nvlink" and comp.startswith("nvlink/") and sev == "fail":
                 out.append(Item(**base, what="nvlink_down", tier=1, summary=message,
-                                why="a collective's NVLink traffic over a lane that is down stalls or fails"))
+                                why="a collective's NVLink traffic over a lane that is down stalls or fails",
+                                action=action if action in _HW_ACTIONS else "reboot_node"))
             elif check in ("throttle", "thermal") and sev in ("fail", "warn"):
                 out.append(Item(**base, what="slowdown", tier=2 if sev == "fail" else 3, summary=message,
                                 why="a GPU held at low clocks makes its rank the slowest: every collective "
@@ -324,12 +375,15 @@ class Reasoner:
                 else:
                     why = (f"down {down:.1f} s, within NCCL's IB retry window of {window}: NCCL "
                            "retried through it")
+                # the ib check's remedy for a port that goes down (its outage findings say so)
                 out.append(Item(ev.node, start, port, "ib", "ib_outage", 1 if long else 3, summary, why,
                                 until=stop, evidence={"start": start, "end": end, "down_s": down,
-                                                      "retry_window_s": round(self.nccl.retry_window_s, 3)}))
+                                                      "retry_window_s": round(self.nccl.retry_window_s, 3)},
+                                action="check_cables"))
         if ev.identity is not None:
             boot = ev.identity.get("boot_time")
-            if isinstance(boot, (int, float)) and self.job.start < boot <= self.end and not any(
+            if isinstance(boot, (int, float)) and self.job.start < boot <= self.end + self.job.resolution_s \
+                    and not any(
                     i.what == "reboot" for i in out):
                 out.append(Item(ev.node, float(boot), "node", "", "reboot", 1,
                                 "the node booted during the job (its current boot time)",
@@ -340,7 +394,7 @@ class Reasoner:
 
     def _in_job(self, item: Item) -> bool:
         until = item.until if item.until is not None else item.time
-        return item.time <= self.end and until >= self.job.start
+        return item.time <= self.end + self.job.resolution_s and until >= self.job.start
 
     def _score(self, item: Item) -> float:
         # when it mattered: an outage when it outlasted the retry window, anything else when raised

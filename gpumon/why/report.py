@@ -6,7 +6,8 @@ JSON (a contract once documented in the README, "gpumon why"): ``schema``, ``ver
 ``watchdog_source``, ``nccl`` (the IB retry window used), ``suspects`` (ranked, best first),
 ``timeline`` (everything read, suspects and context, oldest first), ``nodes`` (each node's
 reachability and what it answered), ``unreachable`` (names), ``log`` (what the job log said),
-``notes`` (what limits the verdict).
+``notes`` (what limits the verdict), ``culprits`` (the nodes whose tier-1 hardware suspect an
+epilog may drain, with gpumon's drain reason) and ``admin_comment`` (one bounded line for Slurm).
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ from typing import Any
 
 from rich.console import Console
 
+from gpumon.model import Action
+from gpumon.remediate.slurm import drain_reason
 from gpumon.report import print_records
-from gpumon.why.reason import Verdict, relative
+from gpumon.why.reason import Item, Verdict, relative
 
 SCHEMA = "gpumon.why/v1"
+# A Slurm job's AdminComment: sacct and scontrol show it whole, but it is one line in a database
+# row: the verdict and the first suspects, not the report
+ADMIN_COMMENT_BYTES = 400
 
 _HEADLINE = {
     "infrastructure": "infrastructure suspect(s) found",
@@ -41,7 +47,42 @@ def to_json(v: Verdict) -> dict[str, Any]:
             "nodes": [n.to_json() for n in v.nodes],
             "unreachable": [n.node for n in v.unreachable],
             "log": None if v.log is None else v.log.to_json(),
-            "notes": list(v.notes)}
+            "notes": list(v.notes),
+            "culprits": [{"node": c.node, "component": c.component, "what": c.what, "action": c.action,
+                          "relative_s": round(c.time - v.end, 1),
+                          "drain_reason": drain_reason(Action(c.action), _drain_words(v, c))}
+                         for c in v.culprits if c.action is not None],
+            "admin_comment": admin_comment(v)}
+
+
+def _drain_words(v: Verdict, c: Item) -> str:
+    what = c.summary if c.summary.startswith(c.component) else f"{c.component}: {c.summary}"
+    return f"why job {v.job.id}: {what}" if v.job.id else f"why: {what}"
+
+
+def _bounded(text: str, limit: int) -> str:
+    flat = " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
+    raw = flat.encode()
+    if len(raw) <= limit:
+        return flat
+    return raw[: limit - 3].decode("utf-8", errors="ignore").rstrip() + "..."
+
+
+def admin_comment(v: Verdict) -> str:
+    """One line, at most ADMIN_COMMENT_BYTES of UTF-8: the verdict, the ranked suspects (node,
+    component, when relative to the failure, what) and the unreachable nodes."""
+    head = {"infrastructure": "infrastructure", "no_infrastructure_evidence":
+            "no infrastructure evidence (look at the application)",
+            "inconclusive": "inconclusive (no suspect on the nodes that answered)",
+            "cannot_answer": "cannot answer (no node's history could be read)"}[v.verdict]
+    parts = [f"gpumon why: {head}"]
+    for i, s in enumerate(v.suspects[:3]):
+        parts.append(f"#{i + 1} {s.node} {s.component} {relative(s.time, v.end)}: {s.summary}")
+    if len(v.suspects) > 3:
+        parts.append(f"+{len(v.suspects) - 3} more suspects")
+    if v.unreachable:
+        parts.append("unreachable: " + ",".join(n.node for n in v.unreachable))
+    return _bounded("; ".join(parts), ADMIN_COMMENT_BYTES)
 
 
 def _utc(t: float) -> str:

@@ -568,13 +568,22 @@ def test_wrapper_with_a_typo_in_gpumon_args_leaves_the_node(slurm: Slurm, tmp_pa
         slurm.reset("gpu03")
 
 
-def test_wrapper_is_shellcheck_clean() -> None:
+# every sh script in contrib/ (the health check, the why epilog): a new one is linted without a list
+CONTRIB_SCRIPTS = sorted(WRAPPER.parent.glob("*.sh"))
+
+
+def test_contrib_scripts_are_found() -> None:
+    assert {p.name for p in CONTRIB_SCRIPTS} >= {"slurm-healthcheck.sh", "slurm-epilog-why.sh"}
+
+
+@pytest.mark.parametrize("script", CONTRIB_SCRIPTS, ids=[p.name for p in CONTRIB_SCRIPTS])
+def test_wrapper_is_shellcheck_clean(script: Path) -> None:
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         if os.environ.get("CI"):
             pytest.fail("shellcheck missing: .ci/run must install the Debian package shellcheck")
         pytest.skip("shellcheck not installed (Debian package shellcheck)")
-    proc = subprocess.run([shellcheck, "--shell=sh", str(WRAPPER)], capture_output=True, text=True,
+    proc = subprocess.run([shellcheck, "--shell=sh", str(script)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout
 
