@@ -41,6 +41,13 @@ from gpumon.sdc.inject import FaultInjector, FaultSpec
 FLIP = "dtype=fp32,ops=add_,bits=0:3,max_flips=1"
 
 
+def save(path: Path, result: dict[str, Any]) -> None:
+    """Atomically: the test reads these files while the ranks run."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+
+
 def posed_identify(rank: int, world: int, device: Any) -> Identity:
     """The guard's ``identify`` for a CPU rank posing as the GPU ``$GUARD_POSED_GPU_UUID`` of its
     host (there is no CUDA here to report a device's UUID): everything else is the real
@@ -155,7 +162,7 @@ def dies(rank: int, victim: int, at: int, out: Path, result: dict[str, Any]) -> 
     has lost a rank; every survivor writes its results and exits."""
     def bf(r: int, step: int) -> audit_ranks.Batch:
         if rank == victim and step == at and r != rank:
-            (out / "rank-dying.json").write_text(json.dumps({"rank": rank, "pid": os.getpid(), "step": step}))
+            save(out / "rank-dying.json", {"rank": rank, "pid": os.getpid(), "step": step})
             while True:
                 time.sleep(1)  # killed here
         return batch_for(r, step)
@@ -177,7 +184,7 @@ def dies(rank: int, victim: int, at: int, out: Path, result: dict[str, Any]) -> 
             alarms.append(audit_ranks.alarm_json(a))
     result["dies"] = {"disabled": g.disabled, "steps": g.steps, "audits": g.audits, "alarms": alarms,
                       "seconds": time.monotonic() - t0}
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    save(out / f"rank{rank}.json", result)
     sys.stdout.flush()
     os._exit(0)  # no teardown collective can finish without the dead rank
 
@@ -209,7 +216,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown scenario {name!r}")
         result[name]["wall_s"] = time.monotonic() - t0
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
+        save(out / f"rank{rank}.json", result)
     dist.destroy_process_group()
 
 

@@ -33,6 +33,7 @@ from fabric.slurm_cluster import SlurmCluster, require_slurm
 
 from gpumon.guard import attestation as at
 from gpumon.guard import verdict as vf
+from gpumon.guard.cli import checkpoints
 from gpumon.sim import nvml_inject
 from gpumon.sim.nvml_state import read_state
 
@@ -120,6 +121,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
             yield j
         finally:
             for d in j.daemons.values():
+                d.terminate()
+            for d in j.daemons.values():
                 stop(d)
             for h in net.hosts:
                 cluster.resume(h.name)
@@ -168,7 +171,7 @@ def _run(j: Job, lib_dir: Path) -> None:
     results = [j.out / f"rank{r}.json" for r in range(3)]
 
     def survivors_done() -> bool:
-        done = [json.loads(p.read_text()) for p in results if p.is_file()]
+        done = [json.loads(p.read_text()) for p in results if p.is_file()]  # written atomically
         return sum("dies" in d for d in done) == 2
 
     _wait("the survivors finish", survivors_done, 60, j.logs)
@@ -176,11 +179,12 @@ def _run(j: Job, lib_dir: Path) -> None:
     j.phases["after_kill"] = time.monotonic() - j.killed["at"]
     print(f"guard netns launch: {j.phases}", flush=True)
     # the survivors' agents would wait for the dead one's at torchrun's exit barrier (300 s)
+    _wait("the dead rank's torchrun exits", lambda: agents[FAULT_HOSTS["dies"]].poll() is not None, 10)
+    for a in agents.values():
+        if a.poll() is None:
+            a.terminate()
     for name, a in agents.items():
-        try:
-            a.wait(2)
-        except subprocess.TimeoutExpired:
-            stop(a, grace=5)
+        stop(a, grace=5)
         j.codes[name] = a.returncode
     for p in results:
         got = json.loads(p.read_text())
@@ -261,7 +265,8 @@ def test_a_low_bit_in_one_ranks_backward_at_an_audit_step_names_it_not_its_audit
     assert all(r["audit"]["files"] == [] for h, r in job.ranks.items() if h != bad)
 
 
-def test_a_flipped_weight_bit_is_named_with_its_parameter_and_the_verified_checkpoint(job: Job) -> None:
+def test_a_flipped_weight_bit_is_named_with_its_parameter_and_the_verified_checkpoint(
+        job: Job, capsys: pytest.CaptureFixture[str]) -> None:
     bad = FAULT_HOSTS["flip"]
     rank = job.rank_of(bad)
     f = job.ranks[bad]["flip"]
@@ -277,14 +282,20 @@ def test_a_flipped_weight_bit_is_named_with_its_parameter_and_the_verified_check
         assert sorted(v["evidence"]["majority_ranks"]) == others
     ckpt = job.out / "ckpt"
     assert [at.read(ckpt / f"step_{s}.pt{at.SUFFIX}").verified for s in (3, 6, 9)] == [True, True, False]
-    proc = subprocess.run([GPUMON, "guard", "checkpoints", str(ckpt), "--json"], capture_output=True,
-                          text=True, timeout=60)
-    got = json.loads(proc.stdout)
-    # the disagreement at the save of step 9 makes step 8 suspect (the flip was in a step before it)
-    assert proc.returncode == 1 and got["first_suspect_step"] == 8 and got["resume"]["step"] == 6, got
-    text = subprocess.run([GPUMON, "guard", "checkpoints", str(ckpt)], capture_output=True, text=True,
-                          timeout=60).stdout
-    assert f"resume from: {ckpt / 'step_6.pt'}  (step 6, verified: all 3 replicas agreed" in text, text
+    # the command itself, as an operator runs it
+    proc = subprocess.run([GPUMON, "guard", "checkpoints", str(ckpt)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert f"resume from: {ckpt / 'step_6.pt'}  (step 6, verified: all 3 replicas agreed" in proc.stdout
+    # the disagreement at the save of step 9 makes step 8 suspect (the flip was in a step before it);
+    # with a node's spool as its daemon left it (verdicts judged/, the guard's kept bundles/), the
+    # flip's node says step 8 too, and the NaN's node (same job) moves the suspect back to step 3
+    cases = ((None, 8, 6), (job.spool(bad), 8, 6), (job.spool(FAULT_HOSTS["nan"]), 3, 3))
+    for verdicts, first, resume in cases:
+        assert checkpoints(ckpt, verdicts=verdicts, as_json=True) == 1
+        got = json.loads(capsys.readouterr().out)
+        assert (got["first_suspect_step"], got["resume"]["step"], got["verdict_problems"]) == \
+            (first, resume, []), (verdicts, got)
 
 
 def test_a_rank_killed_during_an_audit_costs_the_others_the_guards_timeout_not_a_hang(job: Job) -> None:
