@@ -273,7 +273,7 @@ def scan(directory: Path, *, verdicts: Path | None = None, job: str | None = Non
         if not verdicts.is_dir():
             raise NotADirectoryError(f"{verdicts}: not a directory")
         wanted = {job} if job else set(jobs)
-        for path in _find(verdicts, ".json", problems):
+        for path in _find(verdicts, ".json", problems, skip_bundles=True):
             try:
                 v = vf.read(path)
             except (vf.VerdictError, OSError) as exc:
@@ -286,16 +286,35 @@ def scan(directory: Path, *, verdicts: Path | None = None, job: str | None = Non
                 [job] if job else jobs)
 
 
-def _find(directory: Path, suffix: str, bad: list[tuple[Path, str]]) -> list[Path]:
-    """Files named ``*suffix`` under ``directory``, not following links to directories. A
-    subdirectory that cannot be read is reported; one that vanished while listed is not."""
+# A replay bundle (gpumon.sdc.bundle: a directory with this manifest) holds no verdicts: the guard
+# keeps the failing step as one beside its verdict, under <spool>/bundles/<verdict id>/ by default.
+_BUNDLE_MANIFEST = "manifest.json"
+_BUNDLE_FORMAT = "gpumon-sdc-bundle/"
+
+
+def _is_bundle(directory: Path) -> bool:
+    try:
+        with (directory / _BUNDLE_MANIFEST).open("rb") as fh:
+            manifest = json.loads(fh.read(1 << 22))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith(_BUNDLE_FORMAT)
+
+
+def _find(directory: Path, suffix: str, bad: list[tuple[Path, str]], *,
+          skip_bundles: bool = False) -> list[Path]:
+    """Files named ``*suffix`` under ``directory``, not following links to directories (and not
+    inside replay bundles, with ``skip_bundles``). A subdirectory that cannot be read is reported;
+    one that vanished while listed is not."""
     found: list[Path] = []
 
     def onerror(exc: OSError) -> None:
         if not isinstance(exc, FileNotFoundError):
             bad.append((Path(exc.filename or directory), f"cannot list: {exc.strerror or exc}"))
 
-    for root, _dirs, files in os.walk(directory, onerror=onerror):
+    for root, dirs, files in os.walk(directory, onerror=onerror):
+        if skip_bundles:
+            dirs[:] = [d for d in dirs if not _is_bundle(Path(root, d))]
         # a name starting with "." is an atomic write's temporary file that did not finish
         found.extend(Path(root, f) for f in files if f.endswith(suffix) and not f.startswith("."))
     return sorted(found)

@@ -196,6 +196,34 @@ def test_a_verdict_file_of_the_job_moves_the_first_suspect_step_back(
     assert "no checkpoint to resume from: none was verified before the first suspect step 50" in text
 
 
+def test_a_nodes_spool_with_kept_bundles_reads_as_verdicts_only(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--verdicts`` on a node's spool as the guard and the daemon leave it: verdicts judged/ by the
+    daemon, and the failing steps the guard kept under <spool>/bundles/<id>/ (a replay bundle's
+    manifest.json is not an unreadable verdict)."""
+    for step in (100, 200):
+        attest(tmp_path / "ckpt", step)
+    spool = tmp_path / "spool"
+    subject = vf.Identity(rank=1, world_size=3, host="h1", node_name=None, node_name_source=None,
+                          local_rank=0, device="cpu")
+    path = vf.write(vf.Verdict(check="audit", fault="transient", step=150, message="rank 1 differs",
+                               subject=subject, job="slurm:7", time=1.8e9, id="v150"), spool)
+    (spool / "judged").mkdir()
+    path.rename(spool / "judged" / path.name)
+    bundle = spool / "bundles" / "v150"
+    bundle.mkdir(parents=True)
+    (bundle / "manifest.json").write_text(json.dumps({"format": "gpumon-sdc-bundle/1", "kind": "capture"}))
+    (bundle / "state.pt").write_bytes(b"tensors")
+    assert checkpoints(tmp_path / "ckpt", verdicts=spool, as_json=True) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict_problems"] == [] and doc["first_suspect_step"] == 150 and doc["resume"]["step"] == 100
+    # a file that is neither, outside a bundle, is still named
+    (spool / "bundles" / "stray.json").write_text("{}")
+    assert checkpoints(tmp_path / "ckpt", verdicts=spool, as_json=True) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [Path(p["path"]).name for p in doc["verdict_problems"]] == ["stray.json"]
+
+
 def test_no_verified_checkpoint_is_said_and_exits_2(tmp_path: Path) -> None:
     attest(tmp_path, 100, "disagreement")
     proc = run_cli(str(tmp_path), "--json")
