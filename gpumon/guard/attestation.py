@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from gpumon.guard.verdict import PACE_DIR
+
 FORMAT = "gpumon-guard-attestation"
 VERSION = 1
 SUFFIX = ".attestation.json"
@@ -314,7 +316,9 @@ def _find(directory: Path, suffix: str, bad: list[tuple[Path, str]], *,
 
     for root, dirs, files in os.walk(directory, onerror=onerror):
         if skip_bundles:
-            dirs[:] = [d for d in dirs if not _is_bundle(Path(root, d))]
+            # nor the spool's pace files (gpumon.guard.verdict.PACE_DIR: scores, not verdicts)
+            dirs[:] = [d for d in dirs if not _is_bundle(Path(root, d))
+                       and not (Path(root) == directory and d == PACE_DIR)]
         # a name starting with "." is an atomic write's temporary file that did not finish
         found.extend(Path(root, f) for f in files if f.endswith(suffix) and not f.startswith("."))
     return sorted(found)

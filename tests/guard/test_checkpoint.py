@@ -214,6 +214,9 @@ def test_a_nodes_spool_with_kept_bundles_reads_as_verdicts_only(tmp_path: Path,
     bundle.mkdir(parents=True)
     (bundle / "manifest.json").write_text(json.dumps({"format": "gpumon-sdc-bundle/1", "kind": "capture"}))
     (bundle / "state.pt").write_bytes(b"tensors")
+    # and the pace files the job's ranks keep for the node's metrics (gpumon.guard.pace)
+    vf.write_pace(spool, job="slurm:7", host="h1", step=99, when=1.8e9,
+                  rows=[vf.PaceRow(1, None, 0.98, 0.97, False)])
     assert checkpoints(tmp_path / "ckpt", verdicts=spool, as_json=True) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict_problems"] == [] and doc["first_suspect_step"] == 150 and doc["resume"]["step"] == 100
