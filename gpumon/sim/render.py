@@ -255,7 +255,7 @@ class SimNode:
             link = self.host_root / "sys/bus/pci/devices" / bus
             if not link.is_symlink():
                 link.parent.mkdir(parents=True, exist_ok=True)
-                link.symlink_to(f"../../../{path.removeprefix('sys/')}")
+                _symlink(link, f"../../../{path.removeprefix('sys/')}")
             counts = {"correctable": 0, "nonfatal": 0, "fatal": 0}
             gen, width = max_gen, max_width
             if gpu_index is not None:
@@ -307,7 +307,7 @@ class SimNode:
             link = self.host_root / base / "device"
             if not link.is_symlink():
                 index = int(p.device.removeprefix("mlx5_"))
-                link.symlink_to(f"../../../{self.nic_path(index).removeprefix('sys/')}")
+                _symlink(link, f"../../../{self.nic_path(index).removeprefix('sys/')}")
 
     def _kernel_log(self, t: float) -> None:
         self.kmsg_path.parent.mkdir(parents=True, exist_ok=True)
@@ -512,3 +512,13 @@ class SimNode:
             g.index = index  # NVML numbers the GPUs it sees, in bus order
         return NvmlNodeState(driver_version=self.scenario.driver_version,
                              cuda_driver_version=self.scenario.cuda_driver_version, gpus=gpus)
+
+
+def _symlink(link: Path, target: str) -> None:
+    """``link`` -> ``target``; one made meanwhile by another process rendering the same node (the
+    ranks of a one-node probe start together) is as good (a race seen in CI: "File exists")."""
+    try:
+        link.symlink_to(target)
+    except FileExistsError:
+        if not link.is_symlink():
+            raise
