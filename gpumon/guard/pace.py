@@ -19,9 +19,11 @@ the guard's group (16 bytes per rank), and each rank is scored:
   the second got more work (a longer sequence, a larger micro-batch): that is load, said so, never a
   GPU verdict. Slow on both: the GPU (or its host) is slow.
 
-A rank slow in ``need`` of the last ``of_last`` windows is named once (again only after a window in
-which it was not slow), with node and GPU, in a ``straggler`` verdict its node's daemon turns into a
-warning on that GPU (with the node's own signals beside it). Never an alarm: training goes on.
+A rank slow in ``need`` of the last ``of_last`` windows is named once (again only after ``of_last``
+windows in a row in which it was not slow: one good window in a run of slow ones is noise, not a
+recovery, and must not file a second verdict), with node and GPU, in a ``straggler`` verdict its
+node's daemon turns into a warning on that GPU (with the node's own signals beside it). Never an
+alarm: training goes on.
 """
 
 from __future__ import annotations
@@ -191,12 +193,15 @@ class PaceMeter:
         if any(t <= 0 for t, _ in table):
             # a rank without a timed step (e.g. its hooks never saw a forward): no judgement
             return None
-        scores = score(table, self.threshold)
-        window = PaceWindow(step, n, scores)
+        return self.observe(PaceWindow(step, n, score(table, self.threshold)))
+
+    def observe(self, window: PaceWindow) -> PaceWindow:
+        """Add one scored window to every rank's history; name the ranks it makes stragglers."""
+        scores = window.scores
         for s in scores:
             hist = self._history[s.rank]
             hist.append(s.slow)
-            if not s.slow:
+            if not any(hist):
                 self._named.discard(s.rank)
             if s.load:
                 window.load.append(s.rank)

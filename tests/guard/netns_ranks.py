@@ -11,7 +11,8 @@ others' hosts first.
 Faults come from outside the guard: the SDC fault harness (gpumon.sdc.inject) entered by
 ``audit_ranks.loss_fn``/``backward`` (the functions the loop and the guard both call) or around one
 rank's ``optimizer.step()``; the rank that dies during an audit is killed by the test (SIGKILL from
-outside, see ``dies``). Each rank writes what it saw to OUT/rank<R>.json after every scenario.
+outside, see ``dies``); the straggler is slowed by a CPU quota (a cgroup, see ``pace``). Each rank
+writes what it saw to OUT/rank<R>.json after every scenario.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import audit_ranks  # this folder's siblings (the script's folder is on sys.path)
+import cpu_cgroup
 import ddp_ranks
+import pace_ranks
 import torch
 import torch.distributed as dist
 from audit_ranks import LOW_BIT, NAN, Faults, batch_for, loss_fn, make_net
@@ -155,6 +158,21 @@ def flip(rank: int, bad: int, at: int, saves: tuple[int, ...], ckpt: Path) -> di
     return result
 
 
+def pace(rank: int, name: str, bad: int, out: Path) -> dict[str, Any]:
+    """The straggler scenarios of pace_ranks.py across hosts, every rank capped at half a CPU in its
+    host's cgroup under ``$GUARD_PACE_CGROUP`` (three ranks and three daemons share this machine's
+    cores): ``load``, rank ``bad`` trains on micro-batches 4x the others'; ``slow``, rank ``bad``
+    runs in the ``slow`` cgroup (20 % of a CPU) for the scenario. Verdicts go to each host's spool."""
+    groups = Path(os.environ["GUARD_PACE_CGROUP"])
+    own = groups / os.environ["NODE_NAME"]
+    cpu_cgroup.join(groups / "slow" if name == "slow" and rank == bad else own)
+    try:
+        batch_of = {bad: pace_ranks.BATCH * 4} if name == "load" else {}
+        return pace_ranks.run(rank, out, name, 6, batch_of, own_spool=False)
+    finally:
+        cpu_cgroup.join(own)
+
+
 def dies(rank: int, victim: int, at: int, out: Path, result: dict[str, Any]) -> None:
     """Rank ``victim`` stops in the audit of step ``at`` while it rebuilds the micro-batch it audits
     (it says so in OUT/dying.json) and the test kills it there. The others must come back within
@@ -211,6 +229,8 @@ def main() -> None:
             result[name] = audit(rank, where[name], at=5)
         elif name == "flip":
             result[name] = flip(rank, where[name], at=7, saves=(3, 6, 9), ckpt=out / "ckpt")
+        elif name in ("load", "slow"):
+            result[name] = pace(rank, name, where[name], out)
         elif name == "dies":
             dies(rank, where[name], 2, out, result)
         else:

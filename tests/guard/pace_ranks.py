@@ -4,8 +4,9 @@ Scenarios, one after another in one process group, each with a Guard of its own:
 
 - ``healthy``: every rank the same work, 12 windows of 8 steps;
 - ``load``: rank 1 trains on micro-batches 4x the others' (its step is slower because it does more);
-- ``slow``: rank 2 moves itself into the CPU cgroup named by ``$PACE_CGROUP`` (a CFS quota the test
-  set: a real competitor for its CPU, outside the guard) for the scenario, then back out.
+- ``slow``: rank 2 moves itself from its own CPU cgroup under ``$PACE_CGROUP`` (half a CPU, like
+  every rank's) into the ``slow`` one (20 %, a CFS quota the test set: a real limit on its CPU,
+  outside the guard) for the scenario, then back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import cpu_cgroup  # this folder's sibling (the script's folder is on sys.path)
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -36,10 +38,14 @@ def build() -> tuple[DDP, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def run(rank: int, out: Path, name: str, windows: int, batch_of: dict[int, int]) -> dict[str, Any]:
+def run(rank: int, out: Path, name: str, windows: int, batch_of: dict[int, int],
+        own_spool: bool = True) -> dict[str, Any]:
+    """``own_spool``: the scenario's verdicts in a folder of their own under OUT; else in the
+    guard's default spool (``$GPUMON_GUARD_DIR``: on a test host, the one its daemon reads)."""
     model, opt = build()
     named: list[list[Verdict]] = []
-    guard = Guard(model, opt, weight_check_every=0, spool_dir=out / f"spool-{name}-r{rank}",
+    spool = out / f"spool-{name}-r{rank}" if own_spool else None
+    guard = Guard(model, opt, weight_check_every=0, spool_dir=spool,
                   pace_window=WINDOW, pace_of_last=OF_LAST, pace_need=NEED, on_straggler=named.append)
     n = batch_of.get(rank, BATCH)
     g = torch.Generator().manual_seed(rank)
@@ -62,18 +68,19 @@ def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(message)s")
     torch.set_num_threads(1)
+    cgroups = Path(os.environ["PACE_CGROUP"])
+    cpu_cgroup.join(cgroups / f"r{rank}")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     result: dict[str, Any] = {}
     result["healthy"] = run(rank, out, "healthy", 12, {})
     result["load"] = run(rank, out, "load", 6, {1: BATCH * 4})
-    cgroup = Path(os.environ["PACE_CGROUP"])
     if rank == 2:
-        (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        cpu_cgroup.join(cgroups / "slow")
     try:
         result["slow"] = run(rank, out, "slow", 6, {})
     finally:
         if rank == 2:
-            (cgroup.parent / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            cpu_cgroup.join(cgroups / f"r{rank}")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

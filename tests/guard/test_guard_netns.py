@@ -37,11 +37,14 @@ from gpumon.guard.cli import checkpoints
 from gpumon.sim import nvml_inject
 from gpumon.sim.nvml_state import read_state
 
+from . import cpu_cgroup
+
 RANKS = Path(__file__).with_name("netns_ranks.py")
-SCENARIOS = "healthy,nan,audit,flip,dies"
+SCENARIOS = "healthy,nan,audit,flip,load,slow,dies"
 # the host each fault is on (the rank there is the rendezvous' choice); dies: not host 0, whose
-# torchrun agent holds the job's store
-FAULT_HOSTS = {"nan": "node2", "audit": "node1", "flip": "node0", "dies": "node2"}
+# torchrun agent holds the job's store; load: 4x the others' micro-batches; slow: a CPU quota
+FAULT_HOSTS = {"nan": "node2", "audit": "node1", "flip": "node0", "load": "node2", "slow": "node1",
+               "dies": "node2"}
 # the GPU of its simulated node each host's rank poses as
 POSED_GPU = {"node0": 3, "node1": 5, "node2": 6}
 HEALTHY_STEPS = 1000
@@ -56,6 +59,7 @@ class Job:
     cluster: SlurmCluster
     base: Path
     out: Path
+    cgroups: Path  # the straggler scenarios' CPU cgroups (cpu_cgroup.py)
     ranks: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> what its rank saw
     codes: dict[str, int | None] = field(default_factory=dict)  # host -> torchrun's exit code
     killed: dict[str, Any] = field(default_factory=dict)
@@ -113,8 +117,9 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     out = base / "out"
     out.mkdir()
     t0 = time.monotonic()
-    with TestNet(3) as net, SlurmCluster(net) as cluster:
-        j = Job(net, cluster, base, out)
+    with (cpu_cgroup.cgroups("gpumon-guardnet", ("node0", "node1", "node2")) as groups,
+          TestNet(3) as net, SlurmCluster(net) as cluster):
+        j = Job(net, cluster, base, out, groups)
         j.phases["slurm"] = time.monotonic() - t0
         try:
             _run(j, lib_dir)
@@ -151,14 +156,17 @@ def _run(j: Job, lib_dir: Path) -> None:
         env = nvml_inject.subprocess_env(lib_dir, j.sim(h.name) / "nvml-state.txt", base=rank_env(
             NODE_NAME=h.name, GPUMON_GUARD_DIR=str(j.spool(h.name)),
             GUARD_FAULT_HOSTS=json.dumps(FAULT_HOSTS), GUARD_HEALTHY_STEPS=str(HEALTHY_STEPS),
+            GUARD_PACE_CGROUP=str(j.cgroups),
             GUARD_POSED_GPU_UUID=uuid.removeprefix("GPU-")))  # as torch reports a CUDA device's UUID
         argv = [TORCHRUN, "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={net.hosts[0].ip}:{PORT}", "--rdzv-id=gpumon-guard-netns",
                 f"--rdzv-conf=is_host={int(h.index == 0)}", f"--local-addr={h.ip}", "--max-restarts=0",
                 "--monitor-interval=0.5", str(RANKS), str(j.out), SCENARIOS]
         with (j.base / h.name / "torchrun.log").open("w") as log:
+            # the host's mounts kept: the ranks move themselves between CPU cgroups (the straggler
+            # scenarios), and ``ip netns exec``'s fresh /sys has no cgroup tree
             agents[h.name] = net.popen(h.index, argv, env=env, hostname=h.name, stdout=log,
-                                       stderr=subprocess.STDOUT)
+                                       stderr=subprocess.STDOUT, keep_mounts=True)
     # the rank that is to die stops in the audit's rebuild of a micro-batch: kill it there
     dying = j.out / "rank-dying.json"
     _wait("the rank to kill reaches the audit", lambda: dying.is_file() or any(
@@ -322,15 +330,19 @@ def _events(job: Job, host: str) -> list[dict[str, Any]]:
     return [{"component": c, **json.loads(p)} for c, p in rows]
 
 
-def _metrics(job: Job, host: str) -> dict[tuple[str, str, str], float]:
-    """(family, component, check/state/action) -> value of the guard's and the health store's series
-    for components, as the host's own exporter serves them, read in its netns."""
+def _scrape(job: Job, host: str) -> str:
+    """The host's own exporter's /metrics, read in its netns."""
     url = f"http://{job.net.hosts[job.index(host)].ip}:{METRICS_PORT}/metrics"
     code = ("import sys, urllib.request\n"
             f"sys.stdout.write(urllib.request.urlopen({url!r}, timeout=5).read().decode())")
-    proc = job.net.run(job.index(host), [sys.executable, "-c", code], timeout=20)
+    return job.net.run(job.index(host), [sys.executable, "-c", code], timeout=20).stdout
+
+
+def _metrics(job: Job, host: str) -> dict[tuple[str, str, str], float]:
+    """(family, component, check/state/action) -> value of the guard's and the health store's series
+    for components, as the host's own exporter serves them, read in its netns."""
     out: dict[tuple[str, str, str], float] = {}
-    for line in proc.stdout.splitlines():
+    for line in _scrape(job, host).splitlines():
         name, _, rest = line.partition("{")
         if name not in ("gpumon_finding_severity", "gpumon_health_state", "gpumon_recommended_action"):
             continue
@@ -368,11 +380,13 @@ def test_each_verdict_reaches_its_own_nodes_daemon_health_metrics_and_slurm(job:
         assert unwell == {comp, "node"}, m  # this GPU and no other, and the node's roll-up
         if severity == "warn":  # reported for its hold; a persistent one is judged once, then held by health
             assert m[("gpumon_finding_severity", comp, "guard")] == 3
-        found = [e for e in _events(job, host) if e["component"] == comp and "severity" in e]
+        found = [e for e in _events(job, host) if e["component"] == comp and "severity" in e
+                 and e["evidence"]["verdict_check"] != "straggler"]  # the straggler's: its own test
         assert [e["severity"] for e in found] == [severity], found
         assert found[0]["evidence"]["verdict_check"] == check
         assert (found[0]["evidence"]["node_name"], found[0]["evidence"]["rank"]) == (host, job.rank_of(host))
-        spooled = list(job.spool(host).glob("*.json")) + list((job.spool(host) / "judged").glob("*.json"))
+        files = [*job.spool(host).glob("*.json"), *(job.spool(host) / "judged").glob("*.json")]
+        spooled = [p for p in files if vf.read(p).check != "straggler"]
         assert len(spooled) == 1, spooled
     drained = FAULT_HOSTS["audit"]
     reasons: dict[str, tuple[str, str]] = {}
@@ -386,3 +400,62 @@ def test_each_verdict_reaches_its_own_nodes_daemon_health_metrics_and_slurm(job:
           lambda: (job.base / drained / "daemon.log").read_text())
     assert reasons[drained][1].startswith("gpumon: inspect_hardware: in-job SDC check audit"), reasons
     assert set(reasons) == {drained}, reasons
+
+
+def test_a_rank_slowed_by_a_cpu_quota_on_one_host_is_named_with_that_host_and_its_gpu(job: Job) -> None:
+    """The straggler scenarios across hosts (pace windows of 8 steps, named when slow in 2 of the last
+    3): the rank on ``slow``'s host, limited to 20 % of a CPU, is named by its second slow window,
+    once, with its host and posed GPU, in that host's spool only; the rank given 4x the work on
+    ``load``'s host is not named (slower per step, not per unit of work)."""
+    bad = FAULT_HOSTS["slow"]
+    rank = job.rank_of(bad)
+    uuid, _ = _posed(job, bad)
+    for host, r in job.ranks.items():
+        slow = r["slow"]
+        assert slow["disabled"] is None, slow
+        first = next(i for i, w in enumerate(slow["windows"]) if w["named"])
+        assert first <= 2 and slow["windows"][first]["named"] == [rank], slow["windows"]
+        assert all(w["named"] in ([], [rank]) for w in slow["windows"]), slow["windows"]
+        (verdicts,) = slow["named"]
+        (v,) = verdicts
+        assert (v["check"], v["fault"]) == ("straggler", "unknown") and _subject(v) == (rank, bad, bad, uuid)
+        assert v["evidence"]["pace"] < 0.75 and v["evidence"]["pace_per_work"] < 0.75
+        assert len(slow["files"]) == int(host == bad), (host, slow["files"])
+        load = r["load"]
+        assert load["named"] == [] and load["files"] == [], load["windows"]
+        loaded = job.rank_of(FAULT_HOSTS["load"])
+        assert all(w["per_work"][loaded] >= 0.75 for w in load["windows"]), load["windows"]
+
+
+def test_the_stragglers_node_warns_on_its_gpu_with_its_hardware_signals_and_its_pace(job: Job) -> None:
+    bad = FAULT_HOSTS["slow"]
+    comp = f"gpu/{POSED_GPU[bad]}"
+    found: list[dict[str, Any]] = []
+
+    def judged() -> bool:
+        nonlocal found
+        found = [e for e in _events(job, bad) if e["component"] == comp and "severity" in e
+                 and e["evidence"]["verdict_check"] == "straggler"]
+        return bool(found)
+
+    _wait(f"{bad}'s daemon judges the straggler verdict", judged, DAEMON_WAIT_S,
+          lambda: (job.base / bad / "daemon.log").read_text())
+    (e,) = found
+    assert e["severity"] == "warn" and e["action"] == "none", e
+    assert "in-job straggler" in e["message"] and e["evidence"]["node_name"] == bad
+    signals = e["evidence"]["node_signals"]  # read from this host's simulated GPU through NVML
+    # a healthy simulated node: no hardware explains the slowness, and the operator can see so
+    assert signals["clock_event_reasons"] == [] and signals["pcie_link"]["degraded"] is False, signals
+
+    def slowest(host: str) -> float | None:
+        for line in _scrape(job, host).splitlines():
+            if line.startswith("gpumon_guard_pace_slowest_score"):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    _wait(f"{bad}'s /metrics: the pace of its slowed GPU", lambda: (slowest(bad) or 1.0) < 0.75,
+          DAEMON_WAIT_S, lambda: _scrape(job, bad))
+    for host in job.ranks:
+        if host != bad:
+            got = slowest(host)
+            assert got is not None and got >= 0.75, (host, got)

@@ -1,0 +1,79 @@
+"""CPU cgroups with a CFS quota for the straggler tests: a real limit on a rank's CPU, outside the guard.
+
+Every rank of a straggler scenario runs capped at half a CPU (5 ms periods), so three ranks fit in
+a 2-core machine with room for the rest and no healthy rank is slowed by sharing a core with another
+(uncapped, on a 2-core CI machine, one of three ranks became a real and consistent straggler: the
+CFS balancer paired it with a neighbour). The slowed rank moves into ``slow``, capped at 20 %: 0.4 of
+its healthy pace. A rank moves itself by writing its pid to ``cgroup.procs`` (``join``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PERIOD_US = 5000  # a quota is at least 1 ms: 20 % needs a 5 ms period
+SHARE_US, SLOW_US = 2500, 1000
+
+
+def make(name: str, children: Iterable[str]) -> Path:
+    """A CPU cgroup ``name`` with ``children`` at half a CPU each and ``slow`` at 20 % (v1 or v2)."""
+    shares = {**{c: SHARE_US for c in children}, "slow": SLOW_US}
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.cfs_quota_us").exists() or (v1 / "tasks").exists():
+        top = v1 / name
+        top.mkdir(exist_ok=True)
+        for child, quota in shares.items():
+            d = top / child
+            d.mkdir(exist_ok=True)
+            (d / "cpu.cfs_period_us").write_text(f"{PERIOD_US}\n")
+            (d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        return top
+    v2 = Path("/sys/fs/cgroup")
+    if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
+        if "cpu" not in (v2 / "cgroup.subtree_control").read_text().split():
+            (v2 / "cgroup.subtree_control").write_text("+cpu\n")
+        top = v2 / name
+        top.mkdir(exist_ok=True)
+        (top / "cgroup.subtree_control").write_text("+cpu\n")
+        for child, quota in shares.items():
+            d = top / child
+            d.mkdir(exist_ok=True)
+            (d / "cpu.max").write_text(f"{quota} {PERIOD_US}\n")
+        return top
+    raise OSError("no CPU cgroup controller mounted")
+
+
+def remove(top: Path) -> None:
+    for child in top.iterdir():
+        if child.is_dir():
+            child.rmdir()
+    top.rmdir()
+
+
+@contextmanager
+def cgroups(name: str, children: Iterable[str]) -> Iterator[Path]:
+    """``make`` for a test (root and a CPU controller: skipped without them, failed in CI), then removed."""
+    import pytest  # the rank scripts import this module too
+
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the straggler test needs root (a CPU cgroup)")
+        pytest.skip("needs root: a CPU cgroup slows one rank")
+    try:
+        top = make(f"{name}-{os.getpid()}", children)
+    except OSError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"no CPU cgroup: {exc}")
+        pytest.skip(f"no CPU cgroup: {exc}")
+    try:
+        yield top
+    finally:
+        remove(top)
+
+
+def join(cgroup: Path) -> None:
+    """Move this process into ``cgroup``."""
+    (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
