@@ -18,12 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deploy.image_build import ImageBuild, tools
 from hypothesis import settings
 
 from gpumon.sim import nvml_inject
 from gpumon.sim.nvml_state import NvmlNodeState, write_state
 
 DATA = Path(__file__).parent / "data"
+IMAGE_TESTS = "tests/deploy/test_container_image.py"
+IMAGE_BUILD = pytest.StashKey["ImageBuild"]()
 
 # CI machines are slow and shared: no per-example deadline, and a fixed seed so
 # that a red CI run is reproducible (a found failure is still a failure).
@@ -178,3 +181,24 @@ def sim(inject_lib_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     yield make
     for h in made:
         h.close()
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m have deselected: only a selected image test builds
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    """The container image tests run last, and their image is built from the start of the session in
+    the background at the lowest CPU priority (tests/deploy/image_build.py): ~2 minutes of CPU that
+    the rest of the suite's waits leave idle, not 2 minutes of the suite's wall time."""
+    image = [i for i in items if i.nodeid.startswith(IMAGE_TESTS)]
+    if not image:
+        return
+    items[:] = [i for i in items if not i.nodeid.startswith(IMAGE_TESTS)] + image
+    buildah, mmdebstrap = tools()
+    if buildah and mmdebstrap and os.geteuid() == 0 and not config.option.collectonly:
+        config.stash[IMAGE_BUILD] = ImageBuild(buildah, mmdebstrap).start()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    build = session.config.stash.get(IMAGE_BUILD, None)
+    if build is not None:
+        build.remove()

@@ -1,0 +1,189 @@
+"""One rank of the guard's real-DDP tests (gloo, CPU): ``python ddp_ranks.py RANK WORLD PORT OUT``.
+
+Scenarios run one after another in one process group (each with a Guard of its own); each rank
+writes what it saw to OUT/rank<R>.json. Faults come from outside the guard: the SDC fault harness
+(gpumon.sdc.inject) wrapped around this rank's forward or optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import audit_ranks  # this folder's sibling (the script's folder is on sys.path)
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpumon.guard import Guard, GuardAlarm, deterministic
+from gpumon.sdc.inject import FaultInjector, FaultSpec
+
+
+def build(seed: int = 0) -> tuple[DDP, torch.optim.Optimizer]:
+    torch.manual_seed(seed)  # every replica starts from the same weights
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = DDP(net)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 16, generator=g) * 2, torch.randn(8, 4, generator=g)
+
+
+def weights(model: DDP) -> list[str]:
+    return [t.detach().numpy().tobytes().hex() for t in model.module.state_dict().values()]
+
+
+def alarm_json(a: GuardAlarm) -> dict[str, Any]:
+    return {"ranks": a.ranks, "exit_code": a.exit_code, "skipped": a.skipped,
+            "verdicts": [v.to_json() for v in a.verdicts]}
+
+
+def forward_backward(model: DDP, rank: int, step: int, inject: FaultInjector | None = None) -> None:
+    x, y = batch(rank, step)
+    if inject is not None:
+        with inject:
+            out = model(x)
+    else:
+        out = model(x)
+    torch.nn.functional.mse_loss(out, y).backward()
+
+
+def healthy(rank: int, world: int, out: Path, steps: int) -> dict[str, Any]:
+    model, opt = build()
+    calls = [0]
+
+    def user_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        calls[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    guard = Guard(model, opt, weight_check_every=10, spool_dir=out / f"spool-r{rank}",
+                  comm_hook=user_hook, timeout_s=30)
+    alarms = []
+    for step in range(steps):
+        opt.zero_grad()
+        forward_backward(model, rank, step)
+        try:
+            guard.step()
+        except GuardAlarm as a:
+            alarms.append(alarm_json(a))
+    report = guard.check_weights()
+    return {"alarms": alarms, "user_hook_calls": calls[0], "disabled": guard.disabled,
+            "agree": report.agree if report else None, "steps": guard.steps,
+            "identity": guard.identity.__dict__}
+
+
+def nan_forward(rank: int, world: int, out: Path, at: int, bad: int) -> dict[str, Any]:
+    model, opt = build()
+    guard = Guard(model, opt, weight_check_every=0, spool_dir=out / f"spool-r{rank}", timeout_s=30)
+    # bit 30 is the top exponent bit of fp32: a value in [1, 2) becomes Inf/NaN
+    spec = FaultSpec.parse(f"worker={bad},dtype=fp32,ops=addmm,range=1:1.99,bits=30:30,max_flips=1")
+    result: dict[str, Any] = {"alarms": []}
+    for step in range(at + 3):
+        opt.zero_grad()
+        inj = FaultInjector(spec) if (rank == bad and step == at) else None
+        forward_backward(model, rank, step, inj)
+        if inj is not None:
+            result["flips"] = len(inj.flips)
+        before = weights(model)
+        try:
+            applied = guard.step()
+        except GuardAlarm as a:
+            result["alarms"].append({"step": step, **alarm_json(a)})
+            applied = False
+        if step == at:
+            result["applied_at"] = applied
+            result["unchanged_at"] = weights(model) == before
+            result["before_at"], result["after_at"] = before[0][:64], weights(model)[0][:64]
+    result["files"] = sorted(str(p) for p in guard.verdict_files)
+    result["final"] = weights(model)
+    return result
+
+
+def weight_flip(rank: int, world: int, out: Path, at: int, bad: int) -> dict[str, Any]:
+    model, opt = build()
+    guard = Guard(model, opt, weight_check_every=1, spool_dir=out / f"spool-w-r{rank}", timeout_s=30)
+    # a low mantissa bit of one output of the optimizer's in-place update on one rank: finite, wrong
+    spec = FaultSpec.parse(f"worker={bad},dtype=fp32,ops=add_,bits=0:3,max_flips=1")
+    order = [n for n, p in model.module.named_parameters()]
+    result: dict[str, Any] = {"alarms": [], "order": order}
+    for step in range(at + 2):
+        opt.zero_grad()
+        forward_backward(model, rank, step)
+        if guard.before_step():
+            if rank == bad and step == at:
+                inj = FaultInjector(spec)
+                with inj:
+                    opt.step()
+                result["flipped_call"] = inj.flips[0].call if inj.flips else None
+            else:
+                opt.step()
+        try:
+            guard.after_step()
+        except GuardAlarm as a:
+            result["alarms"].append({"step": step, **alarm_json(a)})
+            break
+    result["files"] = sorted(str(p) for p in guard.verdict_files)
+    return result
+
+
+def wedged_peer(rank: int, world: int, out: Path, at: int, late: int, timeout_s: float,
+                *, user_hook: bool) -> dict[str, Any]:
+    """Rank ``late`` reaches the guard's collective long after the others (a wedged step).
+    ``user_hook``: the loop gave its own comm hook, so check 1 exchanges its flags on the guard's
+    group every step; otherwise the flags ride the gradients and the guard's collective that waits
+    is the weight check, due right after step ``at``."""
+    model, opt = build()
+    guard = Guard(model, opt, weight_check_every=0 if user_hook else at + 1,
+                  spool_dir=out / f"spool-t-r{rank}", timeout_s=timeout_s,
+                  comm_hook=default_hooks.allreduce_hook if user_hook else None)
+    t0 = time.monotonic()
+    for step in range(at + 3):
+        opt.zero_grad()
+        forward_backward(model, rank, step)
+        if rank == late and step == at:
+            time.sleep(timeout_s * 2.5)
+        guard.step()
+    return {"disabled": guard.disabled, "steps": guard.steps, "seconds": time.monotonic() - t0,
+            "final": weights(model)}
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    scenarios = sys.argv[5].split(",")
+    logging.basicConfig(level=logging.ERROR, format=f"rank {rank}: %(message)s")
+    torch.set_num_threads(1)
+    # the audit's scenarios (audit_ranks.py) need a deterministic process; the others do not mind
+    deterministic(threads=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result: dict[str, Any] = {}
+    for name in scenarios:
+        if name in audit_ranks.SCENARIOS:  # in this launch: torch and DDP's first start cost once
+            audit_ranks.run(name, rank, world, out, result)
+        elif name == "healthy":
+            result[name] = healthy(rank, world, out, int(os.environ.get("GUARD_HEALTHY_STEPS", "200")))
+        elif name == "nan":
+            result[name] = nan_forward(rank, world, out, at=5, bad=world - 1)
+        elif name == "flip":
+            result[name] = weight_flip(rank, world, out, at=4, bad=1)
+        elif name == "wedged":
+            result[name] = wedged_peer(rank, world, out, at=2, late=world - 1, timeout_s=1.5, user_hook=True)
+        elif name == "wedged-weights":
+            result[name] = wedged_peer(rank, world, out, at=2, late=world - 1, timeout_s=1.5, user_hook=False)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    # Known, not yet understood: once in a fresh-clone CI run, rank 1 of the 2-rank launch (a dozen
+    # Guards and their gloo groups in one process) aborted at interpreter teardown, after its results
+    # were written ("terminate called without an active exception", SIGABRT). What the tests judge is
+    # written above; leave without C++ teardown. A real job runs one Guard; see the session note.
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
