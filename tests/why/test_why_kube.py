@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from kube_objects import (
     JobApi,
     complete_legacy_job,
@@ -28,6 +29,7 @@ from gpumon.why.cli import resolve
 from gpumon.why.job import JobError
 from gpumon.why.kube import kubernetes_job, pytorch_job
 
+ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_800_000_000.0
 T1 = T0 + 3600.0
 
@@ -179,3 +181,23 @@ def test_cli_reads_the_kubeconfig_and_an_unknown_job_exits_3(api: JobApi, tmp_pa
     proc = run_gpumon("why", "--pytorchjob", "ml/nope", "--kubeconfig", str(kubeconfig), timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert 'pytorchjobs.kubeflow.org "nope" not found' in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_why_role_grants_exactly_what_the_calls_need(api: JobApi) -> None:
+    """deploy/kubernetes/why-rbac.yaml: each request gpumon why sends is one of its rules, and it has
+    no other rule."""
+    (role,) = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "why-rbac.yaml").read_text()))
+    assert role["kind"] == "ClusterRole"
+    rules = sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"])
+    assert rules == [(("",), ("pods",), ("list",)), (("batch",), ("jobs",), ("get",)),
+                     (("kubeflow.org",), ("pytorchjobs",), ("get",))]
+    with api_client(api.url) as c:
+        kubernetes_job("ml/train-oom", api_client=c)
+        pytorch_job("ml/bert", api_client=c)
+    used = set()
+    for r in api.requests:
+        s = r.path.strip("/").split("/")
+        group = "" if s[0] == "api" else s[1]
+        resource = s[-1] if s[-1] == "pods" else s[-2]
+        used.add(((group,), (resource,), ("list",) if resource == "pods" else ("get",)))
+    assert used == set(rules)
