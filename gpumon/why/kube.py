@@ -47,6 +47,7 @@ PYTORCHJOB_LABELS = ("training.kubeflow.org/job-name", "pytorch-job-name")
 PYTORCHJOB = ("kubeflow.org", "v1", "pytorchjobs")
 _RBAC_HINT = ("gpumon why needs get on {what} and list on pods in namespace {ns} "
               "(README, \"gpumon why\": Kubernetes)")
+_NO_ROUTE = "the server could not find the requested resource"  # the apiserver's 404 for an unknown kind
 _DONE_PHASES = frozenset({"Succeeded", "Failed"})
 
 _T = TypeVar("_T")
@@ -172,6 +173,9 @@ class _Reader:
             hint = ""
             if isinstance(cause, ApiException) and cause.status in (401, 403):
                 hint = "; " + _RBAC_HINT.format(what=self.what, ns=self.namespace)
+            elif isinstance(cause, ApiException) and cause.status == 404 and _NO_ROUTE in str(exc):
+                # the kind itself is unknown here, not the object: a CRD that is not installed
+                hint = f"; this apiserver serves no {self.what} (is its operator installed?)"
             raise JobError(f"{exc}{hint}") from None
 
     def pods(self, labels: tuple[str, ...], name: str, uid: str | None) -> list[Any]:

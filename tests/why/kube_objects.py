@@ -175,6 +175,7 @@ class JobApi(ApiStub):
         self.pytorchjobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: list[dict[str, Any]] = []
         self.forbidden: set[str] = set()
+        self.kubeflow = True  # False: the training-operator's CRDs are not installed
         self.user = "system:serviceaccount:ml:gpumon-why"
         super().__init__()
 
@@ -199,7 +200,8 @@ class JobApi(ApiStub):
             return self._guard(s[3], "pods", "", "list") or (200, self._pods(s[3], query))
         if s[:4] == ["apis", "batch", "v1", "namespaces"] and len(s) == 7 and s[5] == "jobs":
             return self._get(self.jobs, s[4], s[6], "jobs", "batch")
-        if s[:4] == ["apis", "kubeflow.org", "v1", "namespaces"] and len(s) == 7 and s[5] == "pytorchjobs":
+        if s[:4] == ["apis", "kubeflow.org", "v1", "namespaces"] and len(s) == 7 and s[5] == "pytorchjobs" \
+                and self.kubeflow:
             return self._get(self.pytorchjobs, s[4], s[6], "pytorchjobs", "kubeflow.org")
         return 404, status_body(404, "NotFound", "the server could not find the requested resource")
 

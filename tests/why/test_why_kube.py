@@ -119,6 +119,12 @@ def test_not_found_forbidden_slow_and_unreachable_are_job_errors(api: JobApi) ->
         with pytest.raises(JobError, match=r'read PyTorchJob ml/train-oom: HTTP 404 .*'
                                            r'pytorchjobs.kubeflow.org "train-oom" not found'):
             pytorch_job("ml/train-oom", api_client=c)
+        api.kubeflow = False
+        with pytest.raises(JobError, match=r"read PyTorchJob ml/bert: HTTP 404 Not Found: the server could "
+                                           r"not find the requested resource; this apiserver serves no "
+                                           r"pytorchjobs.kubeflow.org \(is its operator installed\?\)"):
+            pytorch_job("ml/bert", api_client=c)
+        api.kubeflow = True
         api.forbidden.add("ml")
         with pytest.raises(JobError, match=r'HTTP 403 Forbidden: pytorchjobs.kubeflow.org "bert" is '
                                            r'forbidden: User "system:serviceaccount:ml:gpumon-why" cannot '
