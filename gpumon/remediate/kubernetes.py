@@ -105,9 +105,10 @@ def parse_rfc3339(text: str) -> float | None:
     return parsed.timestamp()
 
 
-def default_api_client(kubeconfig: str | None = None) -> client.ApiClient:
+def default_api_client(kubeconfig: str | None = None, *, retries: int | None = None) -> client.ApiClient:
     """``kubeconfig`` if given; else in-cluster config (the DaemonSet's service account), else the
     default kubeconfig (``$KUBECONFIG`` or ``~/.kube/config``: a developer's, or a systemd install's).
+    ``retries``: urllib3's, per request (None: its default, 3 retries, each with the full timeout).
 
     Loaded into a private Configuration, not the client library's global default,
     and never written back (``persist_config=False``): gpumon does not edit anyone's kubeconfig.
@@ -117,6 +118,7 @@ def default_api_client(kubeconfig: str | None = None) -> client.ApiClient:
         try:
             config.load_incluster_config(  # type: ignore[no-untyped-call]
                 client_configuration=configuration)
+            configuration.retries = retries
             return client.ApiClient(configuration)
         except config.ConfigException as exc:
             in_cluster = f"not in a cluster ({exc}); "
@@ -128,6 +130,7 @@ def default_api_client(kubeconfig: str | None = None) -> client.ApiClient:
     except (config.ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
         where = kubeconfig or "the default kubeconfig"
         raise KubernetesError(f"no Kubernetes configuration: {in_cluster}{where}: {exc}") from exc
+    configuration.retries = retries
     return client.ApiClient(configuration)
 
 
@@ -344,16 +347,21 @@ class KubernetesBackend:
         return {"status": {"conditions": [entry]}}
 
     def _call(self, what: str, call: Callable[[], _T]) -> _T:
-        try:
-            return call()
-        except ApiException as exc:
-            raise KubernetesError(f"{what} {self.node_name}: HTTP {exc.status} {exc.reason}"
-                                  f"{_api_message(exc)}") from exc
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise KubernetesError(f"{what} {self.node_name}: {exc}") from exc
-        except ValueError as exc:
-            # an answer the client could not decode (pydantic's ValidationError is a ValueError)
-            raise KubernetesError(f"{what} {self.node_name}: unreadable answer: {exc}") from exc
+        return api_call(f"{what} {self.node_name}", call)
+
+
+def api_call(what: str, call: Callable[[], _T]) -> _T:
+    """``call()``, its every failure a ``KubernetesError`` that starts with ``what`` (an
+    ``ApiException`` stays its ``__cause__``: its ``status`` tells a 403 from a 404)."""
+    try:
+        return call()
+    except ApiException as exc:
+        raise KubernetesError(f"{what}: HTTP {exc.status} {exc.reason}{_api_message(exc)}") from exc
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise KubernetesError(f"{what}: {exc}") from exc
+    except ValueError as exc:
+        # an answer the client could not decode (pydantic's ValidationError is a ValueError)
+        raise KubernetesError(f"{what}: unreadable answer: {exc}") from exc
 
 
 def _annotations(node: client.V1Node) -> dict[str, str]:

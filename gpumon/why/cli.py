@@ -34,8 +34,15 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
                     "that explain the failure, ranked; or says there are none. Exit 0 no "
                     "infrastructure evidence, 1 inconclusive (nodes unreachable), 2 suspect(s) found, "
                     "3 cannot answer.")
-    which = p.add_argument_group("the job (--job, or --nodes with --start)")
+    which = p.add_argument_group("the job (--job, --k8s-job, --pytorchjob, or --nodes with --start)")
     which.add_argument("--job", metavar="ID", help="a Slurm job id (sacct, else scontrol show job)")
+    which.add_argument("--k8s-job", metavar="NAMESPACE/NAME",
+                       help="a Kubernetes Job (batch/v1): its pods' nodes and times")
+    which.add_argument("--pytorchjob", metavar="NAMESPACE/NAME",
+                       help="a Kubeflow PyTorchJob (kubeflow.org/v1): its pods' nodes and times")
+    which.add_argument("--kubeconfig", metavar="FILE",
+                       help="with --k8s-job/--pytorchjob: this kubeconfig (default: in-cluster, else "
+                            "$KUBECONFIG or ~/.kube/config)")
     which.add_argument("--job-nodes", metavar="HOSTLIST",
                        help="with --job: the job's nodes as a Slurm hostlist (an EpilogSlurmctld's "
                             "$SLURM_JOB_NODELIST), in place of those Slurm lists (a completing job lists "
@@ -93,15 +100,26 @@ def _count(path: Path, verdict: str) -> None:
 
 
 def resolve(args: argparse.Namespace) -> Job:
-    if args.job and (args.nodes or args.start):
-        raise ConfigError("--job or --nodes/--start, not both", key="why")
+    given = [flag for flag, value in (("--job", args.job), ("--k8s-job", args.k8s_job),
+                                      ("--pytorchjob", args.pytorchjob),
+                                      ("--nodes/--start/--end", args.nodes or args.start or args.end))
+             if value]
+    if len(given) > 1:
+        raise ConfigError(f"one job at a time: {' and '.join(given)} given", key="why")
     if args.job_nodes and not args.job:
         raise ConfigError("--job-nodes goes with --job", key="why")
+    if args.kubeconfig and not (args.k8s_job or args.pytorchjob):
+        raise ConfigError("--kubeconfig goes with --k8s-job or --pytorchjob", key="why")
     if args.job:
         return slurm_job(args.job, nodes=args.job_nodes)
+    if args.k8s_job or args.pytorchjob:
+        from gpumon.why import kube  # the kubernetes client only where it is used
+        if args.k8s_job:
+            return kube.kubernetes_job(args.k8s_job, kubeconfig=args.kubeconfig)
+        return kube.pytorch_job(args.pytorchjob, kubeconfig=args.kubeconfig)
     if not (args.nodes and args.start):
-        raise ConfigError("which job? --job ID (Slurm), or --nodes A,B and --start TIME [--end TIME]",
-                          key="why")
+        raise ConfigError("which job? --job ID (Slurm), --k8s-job or --pytorchjob NAMESPACE/NAME "
+                          "(Kubernetes), or --nodes A,B and --start TIME [--end TIME]", key="why")
     return explicit_job(args.nodes, args.start, args.end)
 
 

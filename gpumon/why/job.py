@@ -6,7 +6,7 @@ job only for ``MinJobAge`` after its end, 300 s by default). ``source`` says whi
 Slurm prints times in the controller's local time without a zone: they are read as this host's
 local time (run ``why`` where Slurm's clients run, as the epilog does).
 
-Kubernetes (a Job's or PyTorchJob's pods) is not read yet: give ``--nodes``/``--start``/``--end``.
+Kubernetes (a Job's or a PyTorchJob's pods): gpumon.why.kube.
 """
 
 from __future__ import annotations
@@ -44,17 +44,25 @@ class Job:
     # Slurm prints whole seconds (the start and end it says are floored): the job ran until up
     # to this long after ``end``; an event in that second is the job's
     resolution_s: float = 0.0
+    # what the source said beyond nodes and times (pods never scheduled, which container exited how)
+    notes: tuple[str, ...] = ()
+    # a source that says whether the job failed (Kubernetes: its Failed / Complete / Succeeded
+    # condition; a pod's non-zero exit before a retry that succeeded is no failure of the job)
+    ended_failed: bool | None = None
 
     @property
     def failed(self) -> bool | None:
-        if self.state is None:
+        if self.ended_failed is not None:
+            return self.ended_failed
+        if self.state is None or self.source.startswith("kubernetes"):
             return None
         # "CANCELLED by 1000": the first word is the state
         return self.state.split()[0] in FAILED_STATES or self.exit_code not in (None, "0:0")
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "nodes": list(self.nodes), "start": self.start, "end": self.end,
-                "state": self.state, "exit_code": self.exit_code, "source": self.source}
+                "state": self.state, "exit_code": self.exit_code, "source": self.source,
+                "failed": self.failed, "notes": list(self.notes)}
 
 
 def parse_time(text: str, what: str) -> float:

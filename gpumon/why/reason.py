@@ -264,7 +264,7 @@ class Reasoner:
             self.watchdog_s = PYTORCH_WATCHDOG_DEFAULT_S
             self.watchdog_source = "PyTorch ProcessGroupNCCL's default (10 min): no watchdog line in a log"
         self.expected = max(job.start, self.end - self.watchdog_s)
-        self.notes: list[str] = []
+        self.notes: list[str] = list(job.notes)
 
     # -- one node's history to items ------------------------------------------------------------
 

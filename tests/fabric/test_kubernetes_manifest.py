@@ -281,7 +281,7 @@ def test_every_document_is_a_valid_client_model(docs: list[dict[str, Any]]) -> N
     assert sorted(kinds) == ["Job", "PriorityClass", "Service"]
 
 
-@pytest.mark.parametrize("name", ["daemonset.yaml", "rbac.yaml"])
+@pytest.mark.parametrize("name", ["daemonset.yaml", "rbac.yaml", "why-rbac.yaml"])
 def test_the_validator_passes_the_daemonsets_manifests(name: str) -> None:
     for doc in load_docs(DEPLOY / name):
         validate(doc)

@@ -1,7 +1,7 @@
 """The Kubernetes backend, driven by the policy, with the real official client against a loopback API stub.
 
-No apiserver can run here. ``ApiStub`` is a small ``http.server`` on
-127.0.0.1:0 that serves the node endpoints gpumon uses (GET a node, GET the
+No apiserver can run here. ``ApiStub`` (on tests/kube_stub.py's loopback
+server) serves the node endpoints gpumon uses (GET a node, GET the
 node list with ``limit``/``continue``/``labelSelector``, PATCH a node and its
 ``/status``), records every request, and applies each strategic merge patch
 to an in-memory node so that the next read sees it. **These tests check the
@@ -18,20 +18,17 @@ The deployment manifests are checked here too, by parsing them.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import socket
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
+from kube_stub import ApiStub as LoopbackApi
+from kube_stub import Request, api_client, status_body
 from kubernetes import client
 
 from gpumon.health import Health, Level
@@ -61,16 +58,6 @@ REASON79 = f"gpumon: reboot_node: {XID79} (xid, gpu/3)"
 
 
 # -- the API stub -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Request:
-    method: str
-    path: str
-    query: dict[str, str]
-    content_type: str | None
-    body: Any
-    authorization: str | None = None
 
 
 def make_node(name: str, *, unschedulable: bool = False, taints: list[dict[str, Any]] | None = None,
@@ -118,44 +105,13 @@ def _merge(target: dict[str, Any], patch: dict[str, Any], path: str = "") -> Non
             target[key] = copy.deepcopy(value)
 
 
-def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
-
-
-class ApiStub:
+class ApiStub(LoopbackApi):
     """See the module docstring: wire format, not apiserver semantics."""
 
     def __init__(self, nodes: list[dict[str, Any]]) -> None:
         self.nodes = {n["metadata"]["name"]: n for n in nodes}
-        self.requests: list[Request] = []
-        self.fail: list[int] = []  # statuses for the next requests, one each
         self.conflict_next_patch = False  # someone else changes the node just before the next PATCH
-        self.lock = threading.Lock()
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                stub._handle(self, "GET")
-
-            def do_PATCH(self) -> None:
-                stub._handle(self, "PATCH")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        # a short poll so that shutdown() returns at once, not after the default 0.5 s
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
-                                       daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        super().__init__()
 
     # -- what the tests look at --
 
@@ -166,58 +122,32 @@ class ApiStub:
     def patches(self) -> list[Request]:
         return [r for r in self.requests if r.method == "PATCH"]
 
-    def calls(self) -> list[tuple[str, str]]:
-        return [(r.method, r.path) for r in self.requests]
-
-    def reset(self) -> None:
-        self.requests.clear()
-
     # -- serving --
-
-    def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
-        parts = urlsplit(h.path)
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        length = int(h.headers.get("Content-Length") or 0)
-        raw = h.rfile.read(length) if length else b""
-        body = json.loads(raw) if raw else None
-        with self.lock:
-            self.requests.append(Request(method, parts.path, query, h.headers.get("Content-Type"), body,
-                                         h.headers.get("Authorization")))
-            code, answer = self._answer(method, parts.path, query, h.headers.get("Content-Type"), body)
-        data = json.dumps(answer).encode()
-        h.send_response(code)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
 
     def _answer(self, method: str, path: str, query: dict[str, str], ctype: str | None,
                 body: Any) -> tuple[int, dict[str, Any]]:
-        if self.fail:
-            code = self.fail.pop(0)
-            return code, _status(code, "InternalError", "etcdserver: request timed out")
         segments = path.strip("/").split("/")
         if segments[:3] != ["api", "v1", "nodes"]:
-            return 404, _status(404, "NotFound", f"no route {path}")
+            return 404, status_body(404, "NotFound", f"no route {path}")
         if method == "GET" and len(segments) == 3:
             return 200, self._list(query)
         name = segments[3] if len(segments) > 3 else ""
         node = self.nodes.get(name)
         if node is None:
-            return 404, _status(404, "NotFound", f'nodes "{name}" not found')
+            return 404, status_body(404, "NotFound", f'nodes "{name}" not found')
         subresource = segments[4] if len(segments) > 4 else ""
         if method == "GET" and not subresource:
             return 200, node
         if method != "PATCH" or subresource not in ("", "status"):
-            return 405, _status(405, "MethodNotAllowed", f"{method} {path}")
+            return 405, status_body(405, "MethodNotAllowed", f"{method} {path}")
         if ctype != SMP:
-            return 415, _status(415, "UnsupportedMediaType", f"stub takes only {SMP}, got {ctype}")
+            return 415, status_body(415, "UnsupportedMediaType", f"stub takes only {SMP}, got {ctype}")
         if self.conflict_next_patch:
             self.conflict_next_patch = False
             node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
         wanted_rv = (body.get("metadata") or {}).get("resourceVersion")
         if wanted_rv is not None and wanted_rv != node["metadata"]["resourceVersion"]:
-            return 409, _status(409, "Conflict", "the object has been modified; please apply your "
+            return 409, status_body(409, "Conflict", "the object has been modified; please apply your "
                                                  "changes to the latest version and try again")
         # the main resource ignores status, the status subresource everything else
         body = copy.deepcopy(body)  # the recorded request stays as sent
@@ -257,17 +187,6 @@ class Clock:
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
-
-
-@contextlib.contextmanager
-def api_client(url: str) -> Iterator[client.ApiClient]:
-    configuration = client.Configuration()
-    configuration.host = url
-    api = client.ApiClient(configuration)
-    try:
-        yield api
-    finally:
-        api.close()  # type: ignore[no-untyped-call]
 
 
 class World:
@@ -700,8 +619,7 @@ def test_connection_refused_is_an_error_and_the_next_step_retries(tmp_path: Path
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
     stub = ApiStub([make_node(NODE)])
     try:
-        with api_client(dead) as api:
-            api.configuration.retries = 0
+        with api_client(dead, retries=0) as api:
             w = World(stub, api, tmp_path / "state", clock)
             w.record("xid", xid79())
             policy = w.policy()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kube_objects import failed_backoff_job, failed_pytorchjob, serve, write_kubeconfig
 
 from conftest import DATA, clean_env, run_gpumon, tls_web_config
 
@@ -303,6 +304,39 @@ def test_why_without_the_password_lists_the_node_as_refused(nodes: Nodes) -> Non
                       "--cacert", str(nodes.cert), "--json", timeout=60)
     doc = json.loads(proc.stdout)
     assert proc.returncode == 3 and doc["nodes"][0]["error"].startswith("HTTP 401"), doc
+
+
+def test_why_for_a_pytorchjob_names_its_nodes_from_its_pods(nodes: Nodes) -> None:
+    """The job from a Kubernetes API (the loopback stub of tests/why/kube_objects.py, read by the real
+    client through a kubeconfig): master and worker 0 on n-ok, worker 1 on n-xid, whose GPU fell
+    off the bus, exited 1; the nodes' evidence from the real daemons."""
+    api = serve(failed_pytorchjob(nodes.job_start, time.time(), ("n-ok", "n-ok", "n-xid")),
+                failed_backoff_job(nodes.job_start, time.time(), ("n-ok", "n-ok")))
+    try:
+        kubeconfig = write_kubeconfig(nodes.tmp / "kubeconfig", api.url)
+        proc = run_gpumon("why", "--pytorchjob", "ml/bert", "--kubeconfig", str(kubeconfig),
+                          *nodes.node_urls("n-ok", "n-xid"), "--timeout", "5", "--json", timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        doc = json.loads(proc.stdout)
+        job = doc["job"]
+        assert job["nodes"] == ["n-ok", "n-xid"] and job["source"] == "kubernetes PyTorchJob ml/bert"
+        assert job["state"] == "FAILED (PyTorchJobFailed)" and job["failed"] is True
+        assert job["id"] == "ml/bert" and job["exit_code"] == "1"
+        assert ("n-xid", "gpu/3", "xid") in {(s["node"], s["component"], s["what"]) for s in doc["suspects"]}
+        assert not [s for s in doc["suspects"] if s["node"] == "n-ok"]
+        assert any("pod bert-worker-1 (worker 1) on n-xid: container pytorch exited 1 (Error)" in n
+                   for n in doc["notes"]), doc["notes"]
+        assert doc["admin_comment"].startswith("gpumon why: infrastructure; #1 n-xid gpu/3")
+
+        proc = run_gpumon("why", "--k8s-job", "ml/train-oom", "--kubeconfig", str(kubeconfig),
+                          *nodes.node_urls("n-ok"), "--timeout", "5", timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "job ml/train-oom: 1 node(s)" in proc.stdout
+        assert "FAILED (BackoffLimitExceeded) (exit 137) [kubernetes Job ml/train-oom]" in proc.stdout
+        assert "verdict: no infrastructure evidence" in proc.stdout
+        assert "container train exited 137 (OOMKilled)" in proc.stdout
+    finally:
+        api.close()
 
 
 def test_why_usage_errors_exit_3(nodes: Nodes) -> None:
