@@ -24,7 +24,6 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,8 +77,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     prom_port = _free_port()
     config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
               "scrape_configs": [{"job_name": "gpumon", "static_configs": [
-                  {"targets": [f"127.0.0.1:{ports[n]}"], "labels": {"instance": f"{n}.cluster.test", "host": n}}
-                  for n in SCENARIOS]}]}
+                  {"targets": [f"127.0.0.1:{ports[n]}"],
+                   "labels": {"instance": f"{n}.cluster.test", "host": n}} for n in SCENARIOS]}]}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = []
@@ -181,7 +180,9 @@ def test_prometheus_answers_only_for_the_nodes_whose_api_does_not(fleet: Fleet) 
 
 def test_the_nccl_default_window_and_a_healthy_node_from_prometheus(fleet: Fleet) -> None:
     # NCCL >= 2.23 retries for 30 s: the 6 s outage is context, not a suspect
-    code, doc = _why(fleet, "n-a", "--prometheus", fleet.prom, "--prometheus-only", "--nccl-version", "2.23.4")
+    code, doc = _why(fleet, "n-a", "--prometheus", fleet.prom, "--prometheus-only",
+                     "--nccl-version", "2.23.4")
+    assert code == 2 and [s["what"] for s in doc["suspects"] if s["tier"] == 1] == ["xid"], doc["suspects"]
     assert not [s for s in doc["suspects"] if s["what"] == "ib_outage"], doc["suspects"]
     assert any(i["what"] == "ib_outage" and i["tier"] == 3 and "retried through it" in i["why"]
                for i in doc["timeline"])
@@ -195,6 +196,51 @@ def test_prometheus_not_answering_is_every_nodes_error(fleet: Fleet) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     code, doc = _why(fleet, "n-a,n-b", "--prometheus", dead, "--prometheus-only")
     assert code == 3 and doc["verdict"] == "cannot_answer", doc
-    assert all(n["error"].startswith(f"Prometheus {dead}: cannot connect") for n in doc["nodes"]), doc["nodes"]
+    assert all(n["error"].startswith(f"Prometheus {dead}: cannot connect")
+               for n in doc["nodes"]), doc["nodes"]
     proc = run_gpumon("why", "--nodes", "n-a", "--start", repr(fleet.start), "--prometheus-only")
     assert proc.returncode == 3 and "--prometheus-only needs --prometheus URL" in proc.stderr, proc.stderr
+
+
+# -- the outage reconstruction, on series as query_range answers them (1 s step) --------------------
+
+def _port(points: list[tuple[float, float]], *, first: float = 0.0, last: float | None = None,
+          outages: dict[float, float] | None = None) -> list[dict[str, Any]]:
+    from gpumon.why.prom import _Node, _outages
+    comp = "ib/mlx5_0/1"
+    n = _Node("n", first=first, last=points[-1][0] if last is None else last)
+    n.downtime = [({"component": comp}, points)]
+    if outages is not None:
+        n.outages = {comp: outages}
+    found = _outages(n, 1.0)
+    return list(found[0]["evidence"]["recent_outages"]) if found else []
+
+
+def test_outages_from_the_downtime_series() -> None:
+    steady = [(float(t), 0.0) for t in range(5)]
+    # down from 4.5 to 10.5 (6 s), one scrape repeating the previous reading mid-way: one outage
+    rising = [(5.0, 0.5), (6.0, 1.5), (7.0, 1.5), (8.0, 3.5), (9.0, 4.5), (10.0, 5.5), (11.0, 6.0),
+              (12.0, 6.0)]
+    [o] = _port(steady + rising)
+    assert o["start"] == pytest.approx(4.5) and o["down_s"] == pytest.approx(6.0) and o["end"] is not None
+    # then a second one 5 s later: two
+    again = [(13.0, 6.0), (14.0, 6.0), (15.0, 6.0), (16.0, 7.0), (17.0, 7.5), (18.0, 7.5)]
+    assert [round(o["down_s"], 1) for o in _port(steady + rising + again)] == [6.0, 1.5]
+    # the node's series end while the port is down (the node went): still down at the last reading
+    [o] = _port(steady + rising[:4])
+    assert o["end"] is None and o["down_s"] == pytest.approx(3.5)
+    # nothing rises: no outage (old downtime in the check's 24 h window is not one)
+    assert _port([(float(t), 42.0) for t in range(10)]) == []
+
+
+def test_an_outage_under_way_at_the_first_sample() -> None:
+    points = [(10.0, 2.0), (11.0, 3.0), (12.0, 4.0), (13.0, 4.0)]
+    # the only outage in the window (gpumon_ib_outages 1): all its downtime is this one's
+    [o] = _port(points, first=10.0, outages={10.0: 1.0, 11.0: 1.0})
+    assert o["start"] == pytest.approx(8.0) and o["down_s"] == pytest.approx(4.0)
+    # older outages in the window too: only what is seen rising (a lower bound)
+    [o] = _port(points, first=10.0, outages={10.0: 2.0})
+    assert o["start"] == pytest.approx(10.0) and o["down_s"] == pytest.approx(2.0)
+    # a port that appears after the node's first sample had no downtime before
+    [o] = _port([(20.0, 3.0), (21.0, 3.0)], first=10.0)
+    assert o["start"] == pytest.approx(17.0) and o["down_s"] == pytest.approx(3.0)
