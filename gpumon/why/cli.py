@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumon.errors import ConfigError
+from gpumon.why import prom
 from gpumon.why.collect import DEFAULT_TEMPLATE, Access, collect
 from gpumon.why.job import Job, JobError, explicit_job, slurm_job
 from gpumon.why.joblog import JobLog, parse_file
@@ -73,6 +74,7 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     src.add_argument("--nccl-version", metavar="X.Y.Z", help="the job's NCCL (default: from the log)")
     src.add_argument("--watchdog-timeout", type=float, metavar="SECONDS",
                      help="the job's collective timeout (default: from the log, else PyTorch's 600)")
+    prom.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print the JSON verdict (schema gpumon.why/v1)")
     p.add_argument("--metrics-file", type=Path, metavar="FILE",
                    help="count this post-mortem in a node_exporter textfile-collector file "
@@ -154,8 +156,16 @@ def main(args: argparse.Namespace) -> int:
     now = time.time()
     end = job.end if job.end is not None else now
     # a minute after the end: a check that saw the fault a sample late, the reboot that followed
-    nodes = collect(job.nodes, access, job.start - LEAD_S, end + 60.0, timeout_s=args.timeout,
-                    workers=args.workers)
+    since, until = job.start - LEAD_S, end + 60.0
+    # Prometheus: only for the nodes whose API does not answer (theirs is the richer history), or
+    # for all with --prometheus-only
+    prom_access = prom.from_args(args)
+    if prom_access is not None and args.prometheus_only:
+        nodes = prom.fetch(job.nodes, prom_access, since, min(until, now))
+    else:
+        nodes = collect(job.nodes, access, since, until, timeout_s=args.timeout, workers=args.workers)
+        if prom_access is not None:
+            nodes = prom.fill_in(nodes, prom_access, since, min(until, now))
     verdict = Reasoner(job, nodes, log, nccl, now=now, watchdog_s=args.watchdog_timeout).judge()
     if args.metrics_file is not None:
         _count(args.metrics_file, verdict.verdict)

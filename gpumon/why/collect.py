@@ -45,6 +45,8 @@ class NodeEvidence:
     # the node's clock minus ours (its "now" against the middle of our request): events are in
     # the node's time, the job's in the controller's
     clock_skew_s: float | None = None
+    source: str = "api"  # where the evidence comes from: the node's API, or "prometheus" (gpumon.why.prom)
+    notes: list[str] = field(default_factory=list)  # what the verdict must say about this node's evidence
 
     @property
     def reachable(self) -> bool:
@@ -54,7 +56,8 @@ class NodeEvidence:
         return {"node": self.node, "url": self.url, "reachable": self.reachable, "error": self.error,
                 "identity": self.identity, "events": len(self.events), "truncated": self.truncated,
                 "history_from": self.history_from, "state": self.state, "seconds": round(self.seconds, 3),
-                "clock_skew_s": None if self.clock_skew_s is None else round(self.clock_skew_s, 3)}
+                "clock_skew_s": None if self.clock_skew_s is None else round(self.clock_skew_s, 3),
+                "source": self.source}
 
 
 @dataclass(frozen=True)

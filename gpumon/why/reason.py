@@ -419,6 +419,8 @@ class Reasoner:
         self._corroborate(suspects)
         reachable = [n for n in self.nodes if n.reachable]
         unreachable = [n for n in self.nodes if not n.reachable]
+        for n in self.nodes:
+            self.notes += [f"{n.node}: {note}" for note in n.notes]
         for n in reachable:
             if n.truncated:
                 self.notes.append(f"{n.node}: more events in the window than read (truncated)")

@@ -1,0 +1,246 @@
+"""``gpumon why --prometheus``: a node that is gone, judged from what a real Prometheus scraped of it.
+
+Two ``gpumon daemon --simulate`` processes on loopback, scraped every second by a real Prometheus
+(Debian package), each target labelled as gpumon's scrape configs label it (``instance`` the node's
+name, here with a domain to show it is matched; ``host`` the short name, for
+``--prometheus-node-label``):
+
+- ``n-a``: Xid 79 on GPU 3 at 1 s, then InfiniBand mlx5_2 port 1 down for 6 s from 2 s; once its
+  history has the outage, its daemon is stopped: the node is gone, its API refuses;
+- ``n-b``: healthy, left running;
+
+and ``n-c``, a node Prometheus never scraped. Before ``n-a`` goes, its own API's outage record is
+kept: what Prometheus says is held to it (within the 1 s scrape resolution).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import clean_env, need_tool, run_gpumon
+
+SCENARIOS = {
+    "n-a": "faults:\n  - {at_s: 1, kind: xid, gpu: 3, code: 79}\n"
+           "  - {at_s: 2, kind: ib_down, device: mlx5_2, port: 1, duration_s: 6}\n",
+    "n-b": "faults: []\n",
+}
+# NCCL_IB_TIMEOUT=17: a 3.76 s retry window, which the 6 s outage outlasts
+NCCL = ("--nccl-env", "NCCL_IB_TIMEOUT=17", "--nccl-version", "2.18.3")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+@dataclass
+class Fleet:
+    prom: str
+    ports: dict[str, int]
+    start: float
+    end: float
+    outage: dict[str, Any]  # n-a's own API's record of the outage, before it went
+
+
+def _stop(p: subprocess.Popen[bytes]) -> None:
+    p.terminate()
+    try:
+        p.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    prometheus = need_tool("prometheus", "prometheus")
+    tmp = tmp_path_factory.mktemp("why-prom")
+    ports = {name: _free_port() for name in SCENARIOS}
+    prom_port = _free_port()
+    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+              "scrape_configs": [{"job_name": "gpumon", "static_configs": [
+                  {"targets": [f"127.0.0.1:{ports[n]}"],
+                   "labels": {"instance": f"{n}.cluster.test", "host": n}} for n in SCENARIOS]}]}
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs = []
+    start = time.time()
+    procs["prometheus"] = subprocess.Popen(
+        [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for name, faults in SCENARIOS.items():
+        d = tmp / name
+        d.mkdir()
+        (d / "s.yaml").write_text(f"name: {name}\nsku: h100-sxm\n{faults}")
+        (d / "gpumon.yaml").write_text(f"node_name: {name}\n")
+        logs.append(open(d / "daemon.log", "w"))  # noqa: SIM115 (closed at teardown)
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "gpumon", "--config", str(d / "gpumon.yaml"), "daemon", "--simulate",
+             str(d / "s.yaml"), "--sim-dir", str(d / "sim"), "--duration", "120",
+             "--listen", f"127.0.0.1:{ports[name]}"],
+            stdout=subprocess.DEVNULL, stderr=logs[-1], env=clean_env())
+    prom = f"http://127.0.0.1:{prom_port}"
+    try:
+        deadline = time.monotonic() + 60
+        outage: dict[str, Any] | None = None
+        while outage is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                doc = _json(f"http://127.0.0.1:{ports['n-a']}/api/v1/events?limit=10000")
+            except OSError:
+                continue
+            outage = next((o for e in doc["events"] if e["component"] == "ib/mlx5_2/1"
+                           for o in e["evidence"].get("recent_outages") or []), None)
+        assert outage is not None, "the IB outage never reached n-a's history"
+        time.sleep(2.0)  # two more scrapes of the port back up
+        _stop(procs.pop("n-a"))  # the node is gone
+        end = time.time()
+        q = urllib.parse.urlencode({"query": 'up{instance="n-a.cluster.test"}'})
+        while time.monotonic() < deadline:  # Prometheus saw it go
+            result = _json(f"{prom}/api/v1/query?{q}")["data"]["result"]
+            if result and result[0]["value"][1] == "0":
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail("Prometheus never saw n-a go down")
+        yield Fleet(prom, ports, start, end, outage)
+    finally:
+        for p in procs.values():
+            _stop(p)
+        for f in logs:
+            f.close()
+
+
+def _why(fleet: Fleet, nodes: str, *extra: str) -> tuple[int, dict[str, Any]]:
+    proc = run_gpumon("why", "--nodes", nodes, "--start", repr(fleet.start), "--end", repr(fleet.end),
+                      "--prometheus-step", "1", "--timeout", "5", "--json", *extra, timeout=60)
+    assert proc.stdout, proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_a_node_that_is_gone_is_named_from_prometheus_alone(fleet: Fleet) -> None:
+    code, doc = _why(fleet, "n-a,n-b,n-c", "--prometheus", fleet.prom, "--prometheus-only", *NCCL)
+    assert code == 2 and doc["verdict"] == "infrastructure", doc
+    ib = next(s for s in doc["suspects"] if s["what"] == "ib_outage")
+    assert (ib["node"], ib["component"], ib["tier"]) == ("n-a", "ib/mlx5_2/1", 1), ib
+    assert "longer than NCCL's IB retry window of 3.76 s" in ib["why"]
+    # the outage as the node's own API recorded it, to one 1 s scrape (and the check's 1 s sampling)
+    assert ib["evidence"]["start"] == pytest.approx(fleet.outage["start"], abs=2.0), (ib, fleet.outage)
+    assert ib["evidence"]["down_s"] == pytest.approx(fleet.outage["down_s"], abs=1.5), (ib, fleet.outage)
+    assert ib["evidence"]["end"] is not None  # back up before the node went
+    assert ib["relative_s"] < 0
+    xid = next(s for s in doc["suspects"] if s["what"] == "xid")
+    assert (xid["node"], xid["component"], xid["tier"]) == ("n-a", "gpu/3", 1), xid
+    assert xid["evidence"] == {"code": 79, "action": "reboot_node"}, xid
+    assert not [s for s in doc["suspects"] if s["node"] == "n-b"], doc["suspects"]
+    by = {n["node"]: n for n in doc["nodes"]}
+    assert [n["node"] for n in doc["nodes"]] == ["n-a", "n-b", "n-c"]
+    assert by["n-a"]["source"] == "prometheus" and by["n-a"]["reachable"] is True
+    assert by["n-a"]["identity"]["node"] == "n-a"  # gpumon_build_info's node label
+    assert by["n-a"]["url"] == f'{fleet.prom} (instance="n-a.cluster.test")'
+    assert by["n-a"]["state"] == "unhealthy"
+    # never scraped: kept, said so
+    assert doc["unreachable"] == ["n-c"]
+    assert by["n-c"]["error"].startswith("no data in Prometheus"), by["n-c"]
+    assert any(n.startswith("n-a: evidence from Prometheus") and "± one step" in n for n in doc["notes"])
+
+
+def test_prometheus_answers_only_for_the_nodes_whose_api_does_not(fleet: Fleet) -> None:
+    code, doc = _why(fleet, "n-a,n-b", "--prometheus", fleet.prom, *NCCL,
+                     "--node-url", f"n-a=http://127.0.0.1:{fleet.ports['n-a']}",
+                     "--node-url", f"n-b=http://127.0.0.1:{fleet.ports['n-b']}")
+    assert code == 2, doc
+    by = {n["node"]: n for n in doc["nodes"]}
+    assert by["n-b"]["source"] == "api" and by["n-b"]["reachable"] is True
+    assert by["n-a"]["source"] == "prometheus" and by["n-a"]["reachable"] is True
+    assert any(n.startswith("n-a: its API did not answer") and "cannot connect" in n and
+               "judged from Prometheus" in n for n in doc["notes"]), doc["notes"]
+    assert {(s["node"], s["what"]) for s in doc["suspects"]} >= {("n-a", "ib_outage"), ("n-a", "xid")}
+    assert doc["unreachable"] == []
+
+
+def test_the_nccl_default_window_and_a_healthy_node_from_prometheus(fleet: Fleet) -> None:
+    # NCCL >= 2.23 retries for 30 s: the 6 s outage is context, not a suspect
+    code, doc = _why(fleet, "n-a", "--prometheus", fleet.prom, "--prometheus-only",
+                     "--nccl-version", "2.23.4")
+    assert code == 2 and [s["what"] for s in doc["suspects"] if s["tier"] == 1] == ["xid"], doc["suspects"]
+    assert not [s for s in doc["suspects"] if s["what"] == "ib_outage"], doc["suspects"]
+    assert any(i["what"] == "ib_outage" and i["tier"] == 3 and "retried through it" in i["why"]
+               for i in doc["timeline"])
+    code, doc = _why(fleet, "n-b", "--prometheus", fleet.prom, "--prometheus-only",
+                     "--prometheus-node-label", "host")
+    assert code == 0 and doc["verdict"] == "no_infrastructure_evidence", doc
+    assert doc["nodes"][0]["url"] == f'{fleet.prom} (host="n-b")'
+
+
+def test_prometheus_not_answering_is_every_nodes_error(fleet: Fleet) -> None:
+    dead = f"http://127.0.0.1:{_free_port()}"
+    code, doc = _why(fleet, "n-a,n-b", "--prometheus", dead, "--prometheus-only")
+    assert code == 3 and doc["verdict"] == "cannot_answer", doc
+    assert all(n["error"].startswith(f"Prometheus {dead}: cannot connect")
+               for n in doc["nodes"]), doc["nodes"]
+    proc = run_gpumon("why", "--nodes", "n-a", "--start", repr(fleet.start), "--prometheus-only")
+    assert proc.returncode == 3 and "--prometheus-only needs --prometheus URL" in proc.stderr, proc.stderr
+
+
+# -- the outage reconstruction, on series as query_range answers them (1 s step) --------------------
+
+def _port(points: list[tuple[float, float]], *, first: float = 0.0, last: float | None = None,
+          outages: dict[float, float] | None = None) -> list[dict[str, Any]]:
+    from gpumon.why.prom import _Node, _outages
+    comp = "ib/mlx5_0/1"
+    n = _Node("n", first=first, last=points[-1][0] if last is None else last)
+    n.downtime = [({"component": comp}, points)]
+    if outages is not None:
+        n.outages = {comp: outages}
+    found = _outages(n, 1.0)
+    return list(found[0]["evidence"]["recent_outages"]) if found else []
+
+
+def test_outages_from_the_downtime_series() -> None:
+    steady = [(float(t), 0.0) for t in range(5)]
+    # down from 4.5 to 10.5 (6 s), one scrape repeating the previous reading mid-way: one outage
+    rising = [(5.0, 0.5), (6.0, 1.5), (7.0, 1.5), (8.0, 3.5), (9.0, 4.5), (10.0, 5.5), (11.0, 6.0),
+              (12.0, 6.0)]
+    [o] = _port(steady + rising)
+    assert o["start"] == pytest.approx(4.5) and o["down_s"] == pytest.approx(6.0) and o["end"] is not None
+    # then a second one 5 s later: two
+    again = [(13.0, 6.0), (14.0, 6.0), (15.0, 6.0), (16.0, 7.0), (17.0, 7.5), (18.0, 7.5)]
+    assert [round(o["down_s"], 1) for o in _port(steady + rising + again)] == [6.0, 1.5]
+    # the node's series end while the port is down (the node went): still down at the last reading
+    [o] = _port(steady + rising[:4])
+    assert o["end"] is None and o["down_s"] == pytest.approx(3.5)
+    # nothing rises: no outage (old downtime in the check's 24 h window is not one)
+    assert _port([(float(t), 42.0) for t in range(10)]) == []
+
+
+def test_an_outage_under_way_at_the_first_sample() -> None:
+    points = [(10.0, 2.0), (11.0, 3.0), (12.0, 4.0), (13.0, 4.0)]
+    # the only outage in the window (gpumon_ib_outages 1): all its downtime is this one's
+    [o] = _port(points, first=10.0, outages={10.0: 1.0, 11.0: 1.0})
+    assert o["start"] == pytest.approx(8.0) and o["down_s"] == pytest.approx(4.0)
+    # older outages in the window too: only what is seen rising (a lower bound)
+    [o] = _port(points, first=10.0, outages={10.0: 2.0})
+    assert o["start"] == pytest.approx(10.0) and o["down_s"] == pytest.approx(2.0)
+    # a port that appears after the node's first sample had no downtime before
+    [o] = _port([(20.0, 3.0), (21.0, 3.0)], first=10.0)
+    assert o["start"] == pytest.approx(17.0) and o["down_s"] == pytest.approx(3.0)
