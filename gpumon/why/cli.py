@@ -68,6 +68,9 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     src.add_argument("--password-file", type=Path, metavar="FILE", help="basic auth password (first line)")
     src.add_argument("--log", type=Path, metavar="FILE",
                      help="the job's log: NCCL watchdog lines, NCCL warnings and settings")
+    src.add_argument("--flight-recorder", type=Path, metavar="DIR",
+                     help="the job's PyTorch Flight Recorder dumps (<prefix><rank> files; a folder per "
+                          "node names the node): the ranks that never entered the stuck collective")
     src.add_argument("--nccl-env", action="append", default=[], metavar="NAME=VALUE",
                      help="the job's NCCL settings (NCCL_IB_TIMEOUT=.., NCCL_IB_RETRY_CNT=..; repeatable); "
                           "default: what the log says NCCL read, else NCCL's defaults")
@@ -140,6 +143,14 @@ def main(args: argparse.Namespace) -> int:
             log = parse_file(args.log)
         except OSError as exc:
             raise ConfigError(f"cannot read the job log: {exc.strerror or exc}", file=str(args.log)) from None
+    flight = None
+    if args.flight_recorder is not None:
+        from gpumon.why.flight import read_dir
+        try:
+            flight = read_dir(args.flight_recorder)
+        except OSError as exc:
+            raise ConfigError(f"cannot read the Flight Recorder dumps: {exc.strerror or exc}",
+                              file=str(args.flight_recorder)) from None
     env = dict(log.nccl_env) if log is not None else {}
     env.update(_pairs(args.nccl_env, "--nccl-env"))
     nccl = nccl_settings(env, args.nccl_version or (log.nccl_version if log is not None else None))
@@ -166,7 +177,8 @@ def main(args: argparse.Namespace) -> int:
         nodes = collect(job.nodes, access, since, until, timeout_s=args.timeout, workers=args.workers)
         if prom_access is not None:
             nodes = prom.fill_in(nodes, prom_access, since, min(until, now))
-    verdict = Reasoner(job, nodes, log, nccl, now=now, watchdog_s=args.watchdog_timeout).judge()
+    verdict = Reasoner(job, nodes, log, nccl, now=now, watchdog_s=args.watchdog_timeout,
+                       flight=flight).judge()
     if args.metrics_file is not None:
         _count(args.metrics_file, verdict.verdict)
     if args.json:

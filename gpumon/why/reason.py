@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon.why.collect import NodeEvidence
+from gpumon.why.flight import Flight
 from gpumon.why.job import Job
 from gpumon.why.joblog import JobLog
 
@@ -145,6 +146,7 @@ class Verdict:
     nodes: list[NodeEvidence]
     log: JobLog | None
     notes: list[str]
+    flight: Flight | None = None  # the job's Flight Recorder dumps, when given
 
     @property
     def unreachable(self) -> list[NodeEvidence]:
@@ -249,10 +251,11 @@ def _fmt_s(s: float) -> str:
 
 class Reasoner:
     def __init__(self, job: Job, nodes: list[NodeEvidence], log: JobLog | None, nccl: NcclSettings,
-                 *, now: float, watchdog_s: float | None = None) -> None:
+                 *, now: float, watchdog_s: float | None = None, flight: Flight | None = None) -> None:
         self.job = job
         self.nodes = nodes
         self.log = log
+        self.flight = flight
         self.nccl = nccl
         self.end = job.end if job.end is not None else now
         if watchdog_s is not None:
@@ -260,6 +263,9 @@ class Reasoner:
         elif log is not None and log.watchdog_timeout_s is not None:
             self.watchdog_s = log.watchdog_timeout_s
             self.watchdog_source = f"the job log ({log.path}: Timeout(ms)=)"
+        elif flight is not None and flight.timeout_s is not None:
+            self.watchdog_s = flight.timeout_s
+            self.watchdog_source = f"the Flight Recorder dumps ({flight.path}: timeout_ms)"
         else:
             self.watchdog_s = PYTORCH_WATCHDOG_DEFAULT_S
             self.watchdog_source = "PyTorch ProcessGroupNCCL's default (10 min): no watchdog line in a log"
@@ -417,6 +423,9 @@ class Reasoner:
             s.score = self._score(s)
         suspects.sort(key=lambda i: (i.tier, -i.score, i.time))
         self._corroborate(suspects)
+        if self._flight_recorder(suspects):
+            # a suspect on the node of a rank that never entered the stuck collective explains more
+            suspects.sort(key=lambda i: (i.tier, "flight_recorder" not in i.evidence, -i.score, i.time))
         reachable = [n for n in self.nodes if n.reachable]
         unreachable = [n for n in self.nodes if not n.reachable]
         for n in self.nodes:
@@ -448,7 +457,7 @@ class Reasoner:
         if self.job.failed is False and verdict == "infrastructure":
             self.notes.append("the job did not fail: the suspects may explain a slow run, not a failure")
         return Verdict(verdict, self.job, self.end, self.expected, self.watchdog_s, self.watchdog_source,
-                       self.nccl, suspects, timeline, self.nodes, self.log, self.notes)
+                       self.nccl, suspects, timeline, self.nodes, self.log, self.notes, self.flight)
 
     def _corroborate(self, suspects: list[Item]) -> None:
         """The job log's "connection closed by remote peer X": a rank on X went away. Said with a
@@ -465,6 +474,55 @@ class Reasoner:
                 self.notes.append(f"the job log says the remote peer {peer} closed its connections "
                                   f"({n} line(s)): a rank there went away; no infrastructure event on it "
                                   "explains that")
+
+
+    def _node_of(self, host: str) -> NodeEvidence | None:
+        short = host.split(".")[0]
+        return next((ev for ev in self.nodes if ev.node == host or ev.node.split(".")[0] == short), None)
+
+    def _flight_recorder(self, suspects: list[Item]) -> bool:
+        """The Flight Recorder's ranks that never entered the stuck collective: evidence *on* a
+        suspect of their node (it says which rank stopped, not why), never a suspect of its own: a
+        rank that does not enter a collective is as often the job's own code (a rank-dependent path,
+        a data loader, a deadlock) as its node. Without a suspect there, a note that says where to
+        look. Returns whether a suspect was corroborated."""
+        if self.flight is None:
+            return False
+        corroborated = False
+        for g in self.flight.groups:
+            if g.created is not None and not self.job.start - 60.0 <= g.created <= self.end + 60.0:
+                self.notes.append(f"Flight Recorder: process group {g.label}'s {g.op} #{g.seq} was enqueued "
+                                  f"{_fmt_s(g.created - self.end)} from the failure, outside the job's run: "
+                                  "dumps of another job or run?")
+        for f in self.flight.findings():
+            if f.kind == "no_dump":
+                self.notes.append(f"Flight Recorder: {f.words}")
+                continue
+            if f.kind == "mismatch":
+                self.notes.append(f"Flight Recorder: {f.words}")
+                continue
+            if f.host is None:
+                self.notes.append(f"Flight Recorder: {f.words}; the dumps do not say which node it ran on "
+                                  "(keep each node's dumps in a folder named after it)")
+                continue
+            ev = self._node_of(f.host)
+            if ev is None:
+                self.notes.append(f"Flight Recorder: {f.words}; {f.host} is not one of the job's nodes")
+                continue
+            if not ev.reachable:
+                self.notes.append(f"Flight Recorder: {f.words}; {ev.node} did not answer: its health "
+                                  "history is unknown")
+                continue
+            hits = [s for s in suspects if s.node == ev.node]
+            for s in hits:
+                s.why += f"; the Flight Recorder says {f.words}"
+                s.evidence.setdefault("flight_recorder", []).append(f.words)
+                corroborated = True
+            if not hits:
+                self.notes.append(f"Flight Recorder: {f.words}; no infrastructure event recorded on "
+                                  f"{ev.node} explains it: look at what that rank was doing (its own log, "
+                                  "its stack)")
+        return corroborated
 
 
 def relative(t: float, end: float) -> str:

@@ -6,7 +6,8 @@ JSON (a contract once documented in the README, "gpumon why"): ``schema``, ``ver
 ``watchdog_source``, ``nccl`` (the IB retry window used), ``suspects`` (ranked, best first),
 ``timeline`` (everything read, suspects and context, oldest first), ``nodes`` (each node's
 reachability and what it answered), ``unreachable`` (names), ``log`` (what the job log said),
-``notes`` (what limits the verdict), ``culprits`` (the nodes whose tier-1 hardware suspect an
+``notes`` (what limits the verdict), ``flight_recorder`` (what the job's Flight Recorder dumps
+say, or null: ``gpumon.why.flight.Flight.to_json``), ``culprits`` (the nodes whose tier-1 hardware suspect an
 epilog may drain, with gpumon's drain reason) and ``admin_comment`` (one bounded line for Slurm).
 """
 
@@ -47,6 +48,7 @@ def to_json(v: Verdict) -> dict[str, Any]:
             "nodes": [n.to_json() for n in v.nodes],
             "unreachable": [n.node for n in v.unreachable],
             "log": None if v.log is None else v.log.to_json(),
+            "flight_recorder": None if v.flight is None else v.flight.to_json(),
             "notes": list(v.notes),
             "culprits": [{"node": c.node, "component": c.component, "what": c.what, "action": c.action,
                           "relative_s": round(c.time - v.end, 1),
@@ -104,6 +106,8 @@ def print_verdict(v: Verdict, console: Console) -> None:
         ranks = ",".join(str(r) for r in sorted({t.rank for t in v.log.timeouts if t.rank is not None}))
         console.print(f"job log: watchdog timed out {s.op} SeqNum={s.seq} after {s.ran_ms} ms "
                       f"(Timeout(ms)={s.timeout_ms}) on rank(s) {ranks or '?'}", markup=False)
+    if v.flight is not None:
+        _print_flight(v, console)
     console.print(f"verdict: {_HEADLINE[v.verdict]}", markup=False)
     if v.suspects:
         rows = [((str(i + 1), s.node, s.component, s.what, relative(s.time, v.end)), [s.summary, s.why])
@@ -118,3 +122,27 @@ def print_verdict(v: Verdict, console: Console) -> None:
             console.print(f"  {relative(i.time, v.end):>10} {i.node} {i.component} {i.summary}", markup=False)
     for note in v.notes:
         console.print(f"note: {note}", markup=False)
+
+
+def _print_flight(v: Verdict, console: Console) -> None:
+    f = v.flight
+    assert f is not None
+    bad = f"; {len(f.errors)} file(s) not read" if f.errors else ""
+    console.print(f"flight recorder: {len(f.dumps)} rank dump(s) read from {f.path}{bad}", markup=False)
+    for name, why in f.errors.items():
+        console.print(f"  not read {name}: {why}", markup=False)
+    for g in f.groups:
+        when = f", enqueued {relative(g.created, v.end)}" if g.created is not None else ""
+        console.print(f"  process group {g.label}: stuck at {g.op} #{g.seq}{when}; entered by rank(s) "
+                      f"{','.join(map(str, g.entered)) or 'none'}", markup=False)
+    for finding in f.findings():
+        console.print(f"  {finding.words}", markup=False)
+    if f.pytorch.get("used"):
+        said = "; ".join(f"#{x['seq']} {x['op']} missing {x['missing_ranks']} "
+                         f"mismatched {x['mismatched_ranks']}"
+                         for x in f.pytorch.get("findings", [])) or "nothing amiss"
+        console.print(f"  PyTorch's analyzer ({f.pytorch.get('torch')}): {said}", markup=False)
+    elif f.pytorch:
+        console.print(f"  PyTorch's analyzer not used: {f.pytorch.get('why')}", markup=False)
+    for note in f.notes:
+        console.print(f"  note: {note}", markup=False)
