@@ -92,38 +92,46 @@ class Access:
         return headers
 
 
-class _Unanswered(Exception):
-    pass
+class Unanswered(Exception):
+    """Why a request got no usable answer, in words for the verdict."""
 
 
-def _get(url: str, access: Access, ctx: ssl.SSLContext | None, deadline: float) -> dict[str, Any]:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise _Unanswered("no answer within the per-node timeout")
-    req = urllib.request.Request(url, headers=access.headers())
+def read_json(req: urllib.request.Request, timeout: float, ctx: ssl.SSLContext | None, *, auth_hint: str,
+              timed_out: str, not_json: str) -> Any:
+    """The JSON answer to ``req`` within ``timeout`` s, bounded to MAX_ANSWER_BYTES; every way it can
+    fail is an ``Unanswered`` saying which (``auth_hint`` for a 401: the flags that give credentials)."""
     try:
-        with urllib.request.urlopen(req, timeout=left, context=ctx) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:
             body = resp.read(MAX_ANSWER_BYTES + 1)
     except urllib.error.HTTPError as exc:
         detail = ""
         with contextlib.suppress(ValueError, AttributeError, OSError):
             detail = str(json.loads(exc.read(65536)).get("error", ""))
-        hint = " (basic auth refused: --user/--password-file)" if exc.code == 401 else ""
-        raise _Unanswered(f"HTTP {exc.code} {exc.reason}{hint}" + (f": {detail}" if detail else "")) from None
+        hint = f" (basic auth refused: {auth_hint})" if exc.code == 401 else ""
+        raise Unanswered(f"HTTP {exc.code} {exc.reason}{hint}" + (f": {detail}" if detail else "")) from None
     except urllib.error.URLError as exc:
-        raise _Unanswered(f"cannot connect: {exc.reason}") from None
+        raise Unanswered(f"cannot connect: {exc.reason}") from None
     except TimeoutError:
-        raise _Unanswered("no answer within the per-node timeout") from None
-    except OSError as exc:
-        raise _Unanswered(f"connection failed: {exc}") from None
+        raise Unanswered(timed_out) from None
+    except OSError as exc:  # ssl.SSLError too
+        raise Unanswered(f"connection failed: {exc}") from None
     if len(body) > MAX_ANSWER_BYTES:
-        raise _Unanswered(f"answer larger than {MAX_ANSWER_BYTES} bytes")
+        raise Unanswered(f"answer larger than {MAX_ANSWER_BYTES} bytes")
     try:
-        doc = json.loads(body)
+        return json.loads(body)
     except ValueError:
-        raise _Unanswered("the answer is not JSON (is this gpumon's exporter, with the query API?)") from None
+        raise Unanswered(not_json) from None
+
+
+def _get(url: str, access: Access, ctx: ssl.SSLContext | None, deadline: float) -> dict[str, Any]:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise Unanswered("no answer within the per-node timeout")
+    doc = read_json(urllib.request.Request(url, headers=access.headers()), left, ctx,
+                    auth_hint="--user/--password-file", timed_out="no answer within the per-node timeout",
+                    not_json="the answer is not JSON (is this gpumon's exporter, with the query API?)")
     if not isinstance(doc, dict) or doc.get("api") != 1:
-        raise _Unanswered("the answer is not gpumon's query API v1")
+        raise Unanswered("the answer is not gpumon's query API v1")
     return doc
 
 
@@ -157,7 +165,7 @@ def fetch_node(node: str, access: Access, since: float, until: float, timeout_s:
             if not ev.truncated or not page.get("events"):
                 break
             lo = float(page["events"][-1]["time"])  # the next page starts at the last one's time
-    except _Unanswered as exc:
+    except Unanswered as exc:
         ev.error = str(exc)
     except (ssl.SSLError, OSError, ValueError, KeyError, TypeError) as exc:
         ev.error = f"{type(exc).__name__}: {exc}"

@@ -37,11 +37,8 @@ and ``:port``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import math
 import re
-import ssl
 import time
 import urllib.error
 import urllib.parse
@@ -52,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumon.errors import ConfigError
-from gpumon.why.collect import MAX_ANSWER_BYTES, Access, NodeEvidence
+from gpumon.why.collect import Access, NodeEvidence, Unanswered, read_json
 
 DEFAULT_STEP_S = 30.0  # the scrape interval of config/prometheus/gpumon-scrape.yaml and the ServiceMonitor
 DEFAULT_NODE_LABEL = "instance"
@@ -96,27 +93,11 @@ def _post(access: PromAccess, path: str, form: Mapping[str, str], deadline: floa
                                  method="POST")
     ctx = via.ssl_context() if base.startswith("https:") else None
     try:
-        with urllib.request.urlopen(req, timeout=left, context=ctx) as resp:
-            body = resp.read(MAX_ANSWER_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        detail = ""
-        with contextlib.suppress(ValueError, AttributeError, OSError):
-            detail = str(json.loads(exc.read(65536)).get("error", ""))
-        hint = " (basic auth refused: --prometheus-user/--prometheus-password-file)" if exc.code == 401 \
-            else ""
-        raise PromError(f"HTTP {exc.code} {exc.reason}{hint}" + (f": {detail}" if detail else "")) from None
-    except urllib.error.URLError as exc:
-        raise PromError(f"cannot connect: {exc.reason}") from None
-    except TimeoutError:
-        raise PromError(f"no answer within {access.timeout_s:g} s") from None
-    except (ssl.SSLError, OSError) as exc:
-        raise PromError(f"connection failed: {exc}") from None
-    if len(body) > MAX_ANSWER_BYTES:
-        raise PromError(f"answer larger than {MAX_ANSWER_BYTES} bytes (fewer nodes or a longer step)")
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        raise PromError("the answer is not JSON (is this a Prometheus server's URL?)") from None
+        doc = read_json(req, left, ctx, auth_hint="--prometheus-user/--prometheus-password-file",
+                        timed_out=f"no answer within {access.timeout_s:g} s",
+                        not_json="the answer is not JSON (is this a Prometheus server's URL?)")
+    except Unanswered as exc:
+        raise PromError(str(exc)) from None
     if not isinstance(doc, dict) or doc.get("status") != "success" or "data" not in doc:
         raise PromError("the answer is not a Prometheus API success: " + str(doc)[:200])
     return doc["data"]
