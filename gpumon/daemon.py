@@ -161,6 +161,10 @@ class Daemon:
         self.report = ReportWriter(agent.state_dir, agent.node, agent.profile.name, self._latest_runs,
                                    self.health, self.remediation)
         self.report.start()
+        # a check that did not load is reported once, as it stays: /metrics (gpumon_check_outcome
+        # {outcome="not-loaded"}, its unknown finding), the health state and report.json
+        for run in agent.not_loaded_runs():
+            self._record(run)
         self._pump = KernelLogPump(lambda: agent.kernel_log_source(bounded=True), self.wake,
                                    [c for c in self._checks if c.uses_kernel_log],
                                    boot=agent.hw.fs.boot_id(), marks=agent.check_state.get(WATERMARK_STATE))
@@ -265,8 +269,9 @@ class Daemon:
         due = self._due
         # said once the signal handlers are in place (serve): "ready" means a SIGTERM now stops it
         agent = self.agent
-        log.info("gpumon daemon on %s: profile %s, %d GPUs, checks: %s", agent.node, agent.profile.name,
-                 len(agent.inventory.gpus), ", ".join(c.name for c in self._checks))
+        log.info("gpumon daemon on %s: profile %s, %d GPUs, checks: %s%s", agent.node, agent.profile.name,
+                 len(agent.inventory.gpus), ", ".join(c.name for c in self._checks),
+                 f"; NOT loaded: {', '.join(agent.not_loaded)}" if agent.not_loaded else "")
         sd_notify("READY=1\nSTATUS=running checks")
         start = time.monotonic()
         last_watchdog = last_sync = -math.inf
@@ -282,7 +287,7 @@ class Daemon:
             now = time.monotonic()
             if duration is not None and now - start >= duration:
                 break
-            if not refrozen and len(self.latest) >= len(self._checks):
+            if not refrozen and len(self.latest) >= len(self._checks) + len(agent.not_loaded):
                 refrozen = True
                 gc.collect()  # nothing frozen can be collected: cycles that are garbage go first
                 gc.freeze()
