@@ -163,3 +163,18 @@ def test_an_entry_point_whose_check_has_another_name_is_not_loaded(tmp_path: Pat
     names, error, count = proc.stdout.splitlines()
     assert names == "['misnamed']" and "it names its check 'other_name'" in error
     assert int(count) == len(load_checks())
+
+
+def test_a_required_bootstrap_check_that_did_not_load_makes_the_suite_incomplete(tmp_path: Path) -> None:
+    site = _plugin_dir(tmp_path)
+    cfg = tmp_path / "gpumon.yaml"
+    cfg.write_text("bootstrap:\n  required: [import_raises]\n")
+    proc = subprocess.run([sys.executable, "-m", "gpumon", "--config", str(cfg), "run-bootstrap",
+                           "--simulate", "healthy-8xh100", "--sim-dir", str(tmp_path / "sim"),
+                           "--only", "pcie_topology", "--json"],
+                          capture_output=True, text=True, env=_env(site), timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    doc = json.loads(proc.stdout)
+    (f,) = [f for f in doc["findings"] if f["check"] == "import_raises"]
+    assert f["severity"] == "unknown"
+    assert "could not run: it did not load: RuntimeError: plugin exploded on import" in f["message"]
