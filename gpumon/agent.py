@@ -21,6 +21,7 @@ from gpumon.hw.kernellog import KernelLogSource, read_saved, snapshot
 from gpumon.machine import Machine
 from gpumon.model import CheckRun, Phase
 from gpumon.profiles import Profile, all_profiles, select_profile
+from gpumon.registry import NotLoaded
 from gpumon.runner import Runner
 
 
@@ -32,6 +33,9 @@ class Agent:
     machine: Machine = field(default_factory=Machine)
     # only the daemon keeps check state across runs; one-shot commands start clean
     persist_state: bool = False
+    # the entry points that gave no check (gpumon.registry): reported by every command that runs
+    # the checks, as an ``unknown`` finding each
+    not_loaded: dict[str, NotLoaded] = field(default_factory=dict)
     hw: Hardware = field(init=False)
     inventory: Inventory = field(init=False)
     profile: Profile = field(init=False)
@@ -64,7 +68,7 @@ class Agent:
                 raise NvmlUnavailable(self.inventory.nvml_error)
         profiles = all_profiles([Path(d) for d in self.config.profile_dirs])
         self.profile = select_profile(profiles, self.inventory.gpu_names, self.config.profile)
-        self.config = with_profile(self.config, self.checks, self.profile)
+        self.config = with_profile(self.config, self.checks, self.profile, not_loaded=self.not_loaded)
         self.node = self.config.node_name or self.machine.node_name() or socket.gethostname()
         self.check_state = CheckStateStore(self.state_dir / "checks" if self.persist_state else None)
         self.runner = Runner(self.hw, self.inventory, self.profile, self.config, node=self.node,
@@ -107,6 +111,10 @@ class Agent:
                 continue
             chosen.append(cls())
         return chosen
+
+    def not_loaded_runs(self, names: Sequence[str] = ()) -> list[CheckRun]:
+        """A run per check that did not load (only those in ``names``, when given)."""
+        return [bad.run() for name, bad in self.not_loaded.items() if not names or name in names]
 
     def run_once(self, checks: Sequence[Check]) -> list[CheckRun]:
         log = self.kernel_log_snapshot() if any(c.uses_kernel_log for c in checks) else None

@@ -241,7 +241,9 @@ def judge_requirements(result: SuiteResult, agent: Agent) -> None:
                 result.incomplete.append(req)
             continue
         cls = agent.checks.get(name)
-        if cls is None:
+        if cls is None and name in agent.not_loaded:
+            req = Requirement(name, by, f"it did not load: {agent.not_loaded[name].error}")
+        elif cls is None:
             req = Requirement(name, by, f"no check {name!r} is installed (entry point group gpumon.checks)")
         elif not agent.config.settings(cls).enabled:
             req = Requirement(name, by, f"disabled in the config (checks.{name}.enabled: false)")

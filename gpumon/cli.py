@@ -26,7 +26,7 @@ from gpumon.fabric import cli as fabric_cli
 from gpumon.guard import cli as guard_cli
 from gpumon.machine import Machine
 from gpumon.model import CheckRun, Phase, Status
-from gpumon.registry import load_checks
+from gpumon.registry import NotLoaded, load_registry
 from gpumon.report import json_report, print_table
 from gpumon.sdc import cli as canary_cli
 from gpumon.sim.render import default_root
@@ -229,20 +229,22 @@ def _main(argv: Sequence[str] | None = None) -> int:
             # reads other nodes' history: no machine, no checks, no node config needed here
             return why_cli.main(args)
         scenario = load_scenario(args.simulate) if args.simulate else None
-        checks = load_checks()
-        config = load_config(args.config, checks, overrides=_overrides(args))
+        # a check that does not load is left out and reported by each command that runs checks
+        registry = load_registry()
+        checks, not_loaded = registry.checks, registry.not_loaded
+        config = load_config(args.config, checks, overrides=_overrides(args), not_loaded=not_loaded)
         if args.command == "canary":
-            return _canary(args, config, checks, scenario)
+            return _canary(args, config, checks, scenario, not_loaded)
         logging.getLogger().setLevel(config.log_level.upper())
         if args.command == "list-checks":
-            return _list_checks(checks, config)
+            return _list_checks(checks, config, not_loaded)
         if args.command == "status":
             return _status(config, args, scenario)
         if args.command == "set-healthy":
             return _set_healthy(config, args, scenario)
         # the one place that knows what kind of node this is: everything past it asks the machine
         machine: Machine = _start_simulation(args, scenario) if scenario is not None else Machine()
-        agent = Agent(config, checks, machine, persist_state=args.command == "daemon")
+        agent = Agent(config, checks, machine, persist_state=args.command == "daemon", not_loaded=not_loaded)
         if args.command == "probe-fabric":
             try:
                 agent.start(require_nvml=False)
@@ -290,7 +292,7 @@ def _flush_and_exit(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _list_checks(checks: dict[str, type[Check]], config: Config) -> int:
+def _list_checks(checks: dict[str, type[Check]], config: Config, not_loaded: dict[str, NotLoaded]) -> int:
     from rich.table import Table
 
     from gpumon.report import console_for
@@ -303,6 +305,8 @@ def _list_checks(checks: dict[str, type[Check]], config: Config) -> int:
         interval = f"{s.interval_s:g}s" if cls.phase in _SCHEDULED else "-"
         table.add_row(name, cls.phase.value, interval, f"{s.timeout_s:g}s",
                       "yes" if s.enabled else "no", cls.description)
+    for name, bad in not_loaded.items():
+        table.add_row(name, "-", "-", "-", "NOT LOADED", f"{bad.target}: {bad.error}")
     console.print("gpumon checks")
     console.print(table)
     console.print("interval: how often the daemon runs the check; - : run on demand (gpumon run-bootstrap)")
@@ -310,12 +314,12 @@ def _list_checks(checks: dict[str, type[Check]], config: Config) -> int:
 
 
 def _canary(args: argparse.Namespace, config: Config, checks: dict[str, type[Check]],
-            scenario: Scenario | None) -> int:
+            scenario: Scenario | None, not_loaded: dict[str, NotLoaded]) -> int:
     """``gpumon canary``: through the agent like every command, on a machine without NVML too (a
     CPU run)."""
     machine: Machine = _canary_on_simulated_node(args, scenario) if scenario is not None else Machine()
     try:
-        agent = Agent(config, checks, machine)
+        agent = Agent(config, checks, machine, not_loaded=not_loaded)
         agent.start(require_nvml=False)
         try:
             return int(canary_cli.main(args, agent))
@@ -336,10 +340,12 @@ def _emit(agent: Agent, runs: list, args: argparse.Namespace) -> int:  # type: i
 
 
 def _check(agent: Agent, args: argparse.Namespace) -> int:
-    unknown = [n for n in args.names if n not in agent.checks]
+    unknown = [n for n in args.names if n not in agent.checks and n not in agent.not_loaded]
     if unknown:
         raise ConfigError(f"unknown check {unknown[0]!r} (registered: {', '.join(agent.checks)})",
                           key="check")
+    # a check that did not load is in the report as a check that could not say (unknown)
+    not_loaded = agent.not_loaded_runs(args.names)
     checks = agent.selected(Phase.CONTINUOUS, args.names)
     if args.all_boots and not args.kmsg_file:
         raise ConfigError("--all-boots judges a saved log: give it with --kmsg-file FILE", key="check")
@@ -355,9 +361,9 @@ def _check(agent: Agent, args: argparse.Namespace) -> int:
         # GPUs or NVSwitches, so the log's checks are not gated on it; lines name PCI bus ids
         no_gpus_here = agent.inventory.nvml_error is not None and not agent.inventory.gpus
         gate = not no_gpus_here
-        return _emit(agent, agent.runner.run(checks, log, gate=gate), args)
+        return _emit(agent, agent.runner.run(checks, log, gate=gate) + not_loaded, args)
     runs = _replay(agent, checks) if agent.machine.replays else agent.run_once(checks)
-    return _emit(agent, runs, args)
+    return _emit(agent, runs + not_loaded, args)
 
 
 def _replay(agent: Agent, checks: list[Check]) -> list[CheckRun]:

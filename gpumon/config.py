@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -157,11 +157,16 @@ class Config:
 _COMMON = {"enabled", "interval_s", "timeout_s"}
 
 
-def _check_sections(data: Mapping[str, Any], src: Source, checks: Mapping[str, type[Check]]) -> None:
-    """Validate the ``checks:`` section of one file against the registered checks."""
+def _check_sections(data: Mapping[str, Any], src: Source, checks: Mapping[str, type[Check]],
+                    not_loaded: Collection[str] = ()) -> None:
+    """Validate the ``checks:`` section of one file against the registered checks (the section of
+    a check that did not load is kept as written: there is no class to validate it with, and the
+    check is reported as not loaded rather than the config refused)."""
     sections = data.get("checks") or {}
     for name, section in sections.items():
         path = ("checks", name)
+        if name in not_loaded:
+            continue
         if name not in checks:
             raise src.error(path, f"unknown check (registered: {', '.join(sorted(checks))})")
         if section is None:
@@ -199,16 +204,17 @@ def _validate_common(common: Mapping[str, Any], src: Source, path: tuple[str, ..
             raise src.error((*path, key), f"must be <= {MAX_CHECK_TIMEOUT_S:g} s, got {value!r}")
 
 
-def _load_layer(data: Any, src: Source, checks: Mapping[str, type[Check]]) -> dict[str, Any]:
+def _load_layer(data: Any, src: Source, checks: Mapping[str, type[Check]],
+                not_loaded: Collection[str] = ()) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise src.error((), "the config file must be a mapping of settings")
     build(Config, data, src)  # strict validation of every non-check key, with lines
-    _check_sections(data, src, checks)
-    _bootstrap_names(data, src, checks)
+    _check_sections(data, src, checks, not_loaded)
+    _bootstrap_names(data, src, {**checks, **dict.fromkeys(not_loaded)})
     return dict(data)
 
 
-def _bootstrap_names(data: Mapping[str, Any], src: Source, checks: Mapping[str, type[Check]]) -> None:
+def _bootstrap_names(data: Mapping[str, Any], src: Source, checks: Mapping[str, object]) -> None:
     """A misspelt name in ``bootstrap.optional`` would leave the check required, one in
     ``bootstrap.required`` would require nothing: both are refused where they are written."""
     section = data.get("bootstrap") or {}
@@ -219,11 +225,12 @@ def _bootstrap_names(data: Mapping[str, Any], src: Source, checks: Mapping[str, 
                                                         f"{', '.join(sorted(checks))})")
 
 
-def with_profile(config: Config, checks: Mapping[str, type[Check]], profile: Profile) -> Config:
+def with_profile(config: Config, checks: Mapping[str, type[Check]], profile: Profile, *,
+                 not_loaded: Collection[str] = ()) -> Config:
     """Per-check options: the check's defaults <- the profile's SKU thresholds <- the site config."""
     src = profile.origin or Source(f"profile {profile.name}")
     for name in profile.checks:
-        if name not in checks:
+        if name not in checks and name not in not_loaded:
             raise src.error(("checks", name), f"unknown check (registered: {', '.join(sorted(checks))})")
     settings = dict(config.check_settings)
     for name, cls in checks.items():
@@ -240,18 +247,20 @@ def with_profile(config: Config, checks: Mapping[str, type[Check]], profile: Pro
 
 
 def load_config(path: Path | None, checks: Mapping[str, type[Check]], *,
-                overrides: Mapping[str, Any] | None = None, site_file: Path = SITE_CONFIG) -> Config:
-    """Defaults <- site file (or ``path``) <- ``overrides`` (from CLI flags)."""
+                overrides: Mapping[str, Any] | None = None, site_file: Path = SITE_CONFIG,
+                not_loaded: Collection[str] = ()) -> Config:
+    """Defaults <- site file (or ``path``) <- ``overrides`` (from CLI flags). ``not_loaded``: the
+    checks that did not load (gpumon.registry), whose sections are not refused."""
     text = resources.files("gpumon_config").joinpath("gpumon.yaml").read_text(encoding="utf-8")
     data, src = load_yaml(text, "config/gpumon.yaml (built-in)")
-    merged = _load_layer(data, src, checks)
+    merged = _load_layer(data, src, checks, not_loaded)
     files = [src.file]
     chosen = path if path is not None else (site_file if site_file.is_file() else None)
     if path is not None and not path.is_file():
         raise ConfigError("config file not found", file=str(path))
     if chosen is not None:
         data, src = load_yaml_file(chosen)
-        merged = deep_merge(merged, _load_layer(data, src, checks))
+        merged = deep_merge(merged, _load_layer(data, src, checks, not_loaded))
         files.append(str(chosen))
     if overrides:
         merged = deep_merge(merged, {k: v for k, v in overrides.items() if v is not None})

@@ -1,7 +1,10 @@
 """``gpumon daemon``: continuous checks on jittered schedules, kernel log event-driven.
 
 Startup -> main loop -> bounded shutdown (uvicorn's server shape: ``startup``, ``main_loop``,
-``shutdown``), with signal handlers restored on the way out. Checks that read the kernel log run
+``shutdown``), under the daemon's signal handlers from the start of startup to the end of shutdown
+(restored on the way out). SIGTERM or SIGINT: a graceful stop; a second SIGINT while stopping exits
+at once with :data:`FORCED_EXIT` (uvicorn's force exit). A start-up that fails part-way stops what
+it had started before the error goes on. Checks that read the kernel log run
 as soon as a new record arrives (``gpumon.kernel_pump``); the others run every ``interval_s`` +-
 jitter. A check still running from its previous turn is not started twice; a hung one is reported
 by the runner. What the daemon found goes to ``/metrics`` (``gpumon.export``), the health state
@@ -52,6 +55,9 @@ PRERENDER_COUNTS_S = 10.0
 FOREIGN_S = 1.0
 # How often the main loop tells systemd's watchdog it is alive (and ticks the health state).
 WATCHDOG_S = 5.0
+# The exit status after a second SIGINT: 128 + SIGINT, what a shell reports for a command ended by
+# Ctrl-C (systemd stops with SIGTERM and, past TimeoutStopSec, SIGKILL: this is for a person)
+FORCED_EXIT = 128 + signal.SIGINT
 
 
 def sd_notify(message: str) -> bool:
@@ -124,6 +130,7 @@ class Daemon:
         self._due: dict[str, float] = {}
         self._pump: KernelLogPump | None = None
         self._background: list[threading.Thread] = []
+        self._signalled = False
 
     def next_delay(self, interval: float) -> float:
         j = self.agent.config.daemon.jitter
@@ -131,11 +138,15 @@ class Daemon:
 
     def serve(self, duration: float | None = None) -> int:
         """Run until a signal (SIGTERM, SIGINT) or ``duration`` seconds; the exit code."""
-        self.startup()
         with self._signals():
+            try:
+                self.startup()
+            except BaseException:
+                self._undo_startup()
+                raise
             self.main_loop(duration)
             self._stop_checks()
-        self.shutdown()
+            self.shutdown()
         return 0
 
     # -- startup ---------------------------------------------------------------------
@@ -161,6 +172,10 @@ class Daemon:
         self.report = ReportWriter(agent.state_dir, agent.node, agent.profile.name, self._latest_runs,
                                    self.health, self.remediation)
         self.report.start()
+        # a check that did not load is reported once, as it stays: /metrics (gpumon_check_outcome
+        # {outcome="not-loaded"}, its unknown finding), the health state and report.json
+        for run in agent.not_loaded_runs():
+            self._record(run)
         self._pump = KernelLogPump(lambda: agent.kernel_log_source(bounded=True), self.wake,
                                    [c for c in self._checks if c.uses_kernel_log],
                                    boot=agent.hw.fs.boot_id(), marks=agent.check_state.get(WATERMARK_STATE))
@@ -170,6 +185,21 @@ class Daemon:
         for c in canaries:
             self._due[c.name] = start + self.next_delay(agent.config.settings(type(c)).interval_s)
         self._pump.start()
+
+    def _undo_startup(self) -> None:
+        """Stop what a start-up that failed part-way had started (the pump, the machine's tasks,
+        /metrics, the NVRx socket, the report writer, remediation, the health state, NVML): the
+        process that goes on, or exits, keeps no thread, port or socket of it."""
+        self.stop.set()
+        self._content_changed.set()  # the render thread waits on it: it sees the stop at once
+        try:
+            if self._pump is not None and self._pump.thread.ident is not None:
+                self._pump.close()
+            for thread in self._background:
+                thread.join(timeout=2.0)
+            self.shutdown()
+        except Exception:  # the start-up's own error is the one to report
+            log.exception("while stopping a failed start-up")
 
     def _start_exporter(self) -> None:
         settings = self.agent.config.exporter
@@ -265,8 +295,9 @@ class Daemon:
         due = self._due
         # said once the signal handlers are in place (serve): "ready" means a SIGTERM now stops it
         agent = self.agent
-        log.info("gpumon daemon on %s: profile %s, %d GPUs, checks: %s", agent.node, agent.profile.name,
-                 len(agent.inventory.gpus), ", ".join(c.name for c in self._checks))
+        log.info("gpumon daemon on %s: profile %s, %d GPUs, checks: %s%s", agent.node, agent.profile.name,
+                 len(agent.inventory.gpus), ", ".join(c.name for c in self._checks),
+                 f"; NOT loaded: {', '.join(agent.not_loaded)}" if agent.not_loaded else "")
         sd_notify("READY=1\nSTATUS=running checks")
         start = time.monotonic()
         last_watchdog = last_sync = -math.inf
@@ -282,7 +313,7 @@ class Daemon:
             now = time.monotonic()
             if duration is not None and now - start >= duration:
                 break
-            if not refrozen and len(self.latest) >= len(self._checks):
+            if not refrozen and len(self.latest) >= len(self._checks) + len(agent.not_loaded):
                 refrozen = True
                 gc.collect()  # nothing frozen can be collected: cycles that are garbage go first
                 gc.freeze()
@@ -485,7 +516,10 @@ class Daemon:
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
         def handle(signum: int, frame: FrameType | None) -> None:
-            log.info("signal %d: shutting down", signum)
+            if self._signalled and signum == signal.SIGINT:
+                self._force_exit()
+            self._signalled = True
+            log.info("signal %d: shutting down (a second SIGINT exits at once)", signum)
             self.stop.set()
             self.wake.set()
 
@@ -498,6 +532,25 @@ class Daemon:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+
+    def _force_exit(self) -> None:
+        """A second SIGINT: exit now, without waiting for running checks (a hung NVML call can hold
+        one for its whole deadline) or saving their state; the tool processes checks started are
+        killed rather than left running without a parent. The health store is SQLite, whose
+        committed events survive an exit at any point."""
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+        log.warning("second SIGINT: exiting now (exit %d) without waiting for running checks or "
+                    "saving their state%s", FORCED_EXIT,
+                    f"; killing {len(children)} child processes" if children else "")
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        os._exit(FORCED_EXIT)
 
     def _start_background(self) -> list[threading.Thread]:
         """The machine's own tasks beside the checks (a simulated node's clock), each given the

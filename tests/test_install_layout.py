@@ -35,8 +35,9 @@ UNITS = ("gpumon.service", "gpumon-bootstrap.service")
 VENV = Path("opt/gpumon")  # relative to a root tree; /opt/gpumon on a node
 DOC = Path("opt/gpumon/share/doc/gpumon-node/README.md")
 WRAPPER = ROOT / "contrib" / "slurm-healthcheck.sh"
-# what a wheel build reads from the checkout (pyproject's package-dir maps checks/ and config/)
-SOURCES = ("pyproject.toml", "README.md", "gpumon", "checks", "config")
+# what a wheel build reads from the checkout (setup.py finds the packages; pyproject's package-dir
+# maps checks/ and config/)
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "gpumon", "checks", "config")
 # tomllib is 3.11+ and gpumon supports 3.10
 _version = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
 assert _version
@@ -48,21 +49,28 @@ def _run(*cmd: str | Path, **kw: object) -> subprocess.CompletedProcess[str]:
                           **kw)  # type: ignore[call-overload]
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _copy_sources(src: Path) -> Path:
     # a copy, so that the build's build/ and egg-info never land in (or race in) the checkout
-    src = tmp_path_factory.mktemp("src")
+    src.mkdir(exist_ok=True)
     for name in SOURCES:
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(ROOT / name, src / name)
-    out = tmp_path_factory.mktemp("dist")
+    return src
+
+
+def _build(src: Path, out: Path) -> Path:
     proc = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                 "-q", "-w", out, src)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (built,) = out.glob("*.whl")
     return built
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(_copy_sources(tmp_path_factory.mktemp("src")), tmp_path_factory.mktemp("dist"))
 
 
 def _dist_info(whl: zipfile.ZipFile, name: str) -> str:
@@ -94,8 +102,7 @@ def test_the_wheel_is_gpumon_node_with_the_gpumon_command(wheel: Path) -> None:
         if f"{module}.py" not in names and f"{module}/__init__.py" not in names:
             missing.append(f"{name} = {target}")
     assert not missing, f"entry points naming modules the wheel lacks: {missing}"
-    # the package list in pyproject is written by hand: a subpackage left out of it is a module
-    # missing from every install, not only a check
+    # a subpackage the build did not find is a module missing from every install, not only a check
     lost = sorted(name for folder, package in (("gpumon", "gpumon"), ("checks", "gpumon_checks"))
                   for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts
                   if (name := f"{package}/{p.relative_to(ROOT / folder).as_posix()}") not in names)
@@ -249,4 +256,66 @@ def test_every_package_of_the_checkout_is_in_the_wheel(wheel: Path) -> None:
             rel = init.relative_to(ROOT / top).as_posix()
             if f"{installed_as}/{rel}" not in names:
                 missing.append(f"{top}/{rel}")
-    assert not missing, f"packages missing from the wheel (add them to pyproject's packages): {missing}"
+    assert not missing, f"packages missing from the wheel (setup.py finds them): {missing}"
+    # the data the packages read at run time (importlib.resources): the config, profiles, scenarios
+    data = {p.relative_to(ROOT / "config").as_posix() for p in (ROOT / "config").rglob("*")
+            if p.is_file() and p.suffix in (".yaml", ".json")}
+    assert data and not {f"gpumon_config/{d}" for d in data} - names
+    assert "gpumon/sim/nvml_inject/nvml_inject.c" in names and "gpumon/export/nvhcd/nvhcd.proto" in names
+
+
+def test_a_new_check_package_is_in_the_wheel_without_listing_it(tmp_path: Path) -> None:
+    """A ``checks/<x>/`` package added to the checkout, and a subpackage of gpumon, are in the
+    wheel with nothing else edited (a package list written by hand left one out once)."""
+    src = _copy_sources(tmp_path / "src")
+    for pkg in (src / "checks" / "zz_new_check", src / "checks" / "zz_new_check" / "parts",
+                src / "gpumon" / "zz_new_sub"):
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text('"""a package of the test"""\n')
+        (pkg / "logic.py").write_text("VALUE = 1\n")
+    with zipfile.ZipFile(_build(src, tmp_path / "dist")) as whl:
+        names = set(whl.namelist())
+    for path in ("gpumon_checks/zz_new_check/__init__.py", "gpumon_checks/zz_new_check/logic.py",
+                 "gpumon_checks/zz_new_check/parts/logic.py", "gpumon/zz_new_sub/logic.py"):
+        assert path in names, path
+
+
+def test_every_check_entry_point_loads_from_the_wheel(wheel: Path, tmp_path: Path) -> None:
+    """Each ``gpumon.checks`` entry point of the wheel, imported from the unpacked wheel (not the
+    checkout: the interpreter is isolated from it, the test venv lends only the dependencies) is
+    the gpumon Check class of that name."""
+    unpacked = tmp_path / "whl"
+    with zipfile.ZipFile(wheel) as whl:
+        whl.extractall(unpacked)
+    (info,) = unpacked.glob("*.dist-info")
+    # -I: no PYTHONPATH, no user site, no working directory on sys.path; -S: no site-packages (the
+    # checkout's editable install is there), which come back last, as plain paths, for the
+    # dependencies only
+    deps = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    probe = f"""
+import sys
+from importlib.metadata import PathDistribution
+from pathlib import Path
+sys.path[:0] = [{str(unpacked)!r}]
+sys.path += {deps!r}
+from gpumon.check import Check
+bad = []
+eps = [ep for ep in PathDistribution(Path({str(info)!r})).entry_points if ep.group == "gpumon.checks"]
+for ep in eps:
+    try:
+        obj = ep.load()
+    except Exception as exc:
+        bad.append(f"{{ep.name}}: {{type(exc).__name__}}: {{exc}}")
+        continue
+    where = sys.modules[obj.__module__].__file__ or ""
+    if not (isinstance(obj, type) and issubclass(obj, Check) and obj.name == ep.name):
+        bad.append(f"{{ep.name}}: {{obj!r}} is not the Check named {{ep.name}}")
+    elif not where.startswith({str(unpacked)!r}):
+        bad.append(f"{{ep.name}}: loaded from {{where}}, not the wheel")
+print(len(eps))
+print("\\n".join(bad))
+"""
+    proc = _run(sys.executable, "-I", "-S", "-c", probe, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    count, _, bad = proc.stdout.partition("\n")
+    assert int(count) >= 19 and not bad.strip(), proc.stdout

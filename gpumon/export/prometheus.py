@@ -48,7 +48,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from gpumon.export.readings import help_for, kind_of
 from gpumon.model import Action, CheckRun, Severity
 
-OUTCOMES = ("completed", "skipped", "error", "hung", "still-hung")
+OUTCOMES = ("completed", "skipped", "error", "hung", "still-hung", "not-loaded")
 HEALTH_STATES = ("healthy", "degraded", "unhealthy", "quarantined")
 SEVERITY_VALUE = {Severity.OK: 0, Severity.SKIPPED: 1, Severity.UNKNOWN: 2, Severity.WARN: 3,
                   Severity.FAIL: 4}
@@ -71,7 +71,8 @@ FAMILIES: Mapping[str, str] = {
     "gpumon_check_outcome":
         "Outcome of each check's last run: 1 for the outcome it had, 0 for the others (label outcome: "
         "completed; skipped = not applicable on this node; error = the check raised; hung = past its "
-        "deadline; still-hung = its previous run has not returned, so it was not started). Source: "
+        "deadline; still-hung = its previous run has not returned, so it was not started; not-loaded = "
+        "its plugin failed to load, so the node is not watched for what it detects). Source: "
         "gpumon's check runner.",
     "gpumon_finding_severity":
         "Worst severity of a check's findings on a component at the check's last run (labels check, "

@@ -543,11 +543,14 @@ def _standalone(argv: Sequence[str] | None = None) -> int:
     del canary
     from gpumon.agent import Agent
     from gpumon.config import load_config
-    from gpumon.registry import load_checks
+    from gpumon.registry import load_registry
 
     try:
-        checks = load_checks()
-        agent = Agent(load_config(args.config, checks, overrides={"host_root": args.host_root}), checks)
+        registry = load_registry()
+        checks = registry.checks
+        config = load_config(args.config, checks, overrides={"host_root": args.host_root},
+                             not_loaded=registry.not_loaded)
+        agent = Agent(config, checks, not_loaded=registry.not_loaded)
         agent.start(require_nvml=False)
     except GpumonError as exc:
         print(f"gpumon: canary: {exc}", file=sys.stderr)
