@@ -313,3 +313,20 @@ def test_drops_of_lines_a_check_reads_are_counted_and_on_metrics(host: _Host,
     assert values[("xid", "ring_overrun")] == 0
     read = families["gpumon_kernel_log_lines_read"]
     assert [s.value for s in read.samples if s.name.endswith("_total")] == [300]
+
+
+def test_an_event_handed_with_its_repeats_is_the_event_with_those_fields_replaced() -> None:
+    """The pump copies a queued Xid event with its repeats by one constructor call, not
+    dataclasses.replace: every other field as it was, whatever XidEvent holds (issue 23)."""
+    from dataclasses import fields, replace
+
+    from gpumon.hw.kmsg import KernelRecord
+    from gpumon.kernel_pump import _with_repeats
+
+    first, last = KernelRecord("a", "a", 1, 10), KernelRecord("a", "a", 9, 90)
+    event = XidEvent(154, "0000:3b:00.0", 7, "python", "m", first, "RLW", True, 3, (1, 2), 45, (4, "Drain"),
+                     (1, "Reset"), (5, 6))
+    copy = _with_repeats(event, 8, last)
+    assert copy == replace(event, repeats=8, last_record=last) and copy is not event
+    assert [f.name for f in fields(XidEvent) if getattr(copy, f.name) != getattr(event, f.name)] == \
+        ["repeats", "last_record"]

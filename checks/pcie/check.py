@@ -460,6 +460,9 @@ class AerFold:
         # what each line's text parses to (parse_aer_message, else the summary line): a storm
         # repeats the same few report lines, and parsing them was most of what a line cost
         self._memo: dict[str, pcihw.AerLogLine | tuple[str, str, str] | None] = {}
+        # a record's whole text -> what its lines parse to (those that parse), the same for the
+        # records that repeat it: one lookup for a record of the storm, AER or not
+        self._texts: dict[str, tuple[tuple[str, pcihw.AerLogLine | tuple[str, str, str]], ...]] = {}
 
     def take(self) -> AerDelta | None:
         delta, self._delta = self._delta, AerDelta()
@@ -469,33 +472,57 @@ class AerFold:
         """:meth:`add` for each record, dated by ``time_of`` only when it is an AER line (the
         pump's call, once per read of the log: see gpumon.check.KernelLogFold)."""
         keys: list[tuple[str, str]] = []
+        texts = self._texts
         for record in records:
             text = getattr(record, "text", "")
-            if isinstance(text, str) and ("[" in text or "AER:" in text or "PCIe Bus Error" in text
-                                          or "error status/mask=" in text):
-                keys.extend(self._add(text, time_of(record)))
+            if not isinstance(text, str):
+                continue
+            lines = texts.get(text)
+            if lines is None:
+                lines = self._parsed(text)
+            if lines:
+                keys.extend(self._fold(lines, time_of(record)))
         return keys
 
     def add(self, record: Any, when: float) -> list[tuple[str, str]]:
         text = getattr(record, "text", "")
-        if not isinstance(text, str) or not (
-                "[" in text or "AER:" in text or "PCIe Bus Error" in text or "error status/mask=" in text):
-            return []  # what parse_aer_message and the summary line need (most lines of a storm)
+        if not isinstance(text, str):
+            return []
         return self._add(text, when)
 
     def _add(self, text: str, when: float) -> list[tuple[str, str]]:
+        lines = self._texts.get(text)
+        if lines is None:
+            lines = self._parsed(text)
+        return self._fold(lines, when) if lines else []
+
+    def _parsed(self, text: str) -> tuple[tuple[str, pcihw.AerLogLine | tuple[str, str, str]], ...]:
+        """What the lines of a record's text parse to (parse_aer_message, else the summary line),
+        those that parse, in order; kept for the records that repeat the text (bounded)."""
+        out: list[tuple[str, pcihw.AerLogLine | tuple[str, str, str]]] = []
+        # what parse_aer_message and the summary line need (most lines of a storm have none)
+        if "[" in text or "AER:" in text or "PCIe Bus Error" in text or "error status/mask=" in text:
+            memo = self._memo
+            for line in text.splitlines():
+                try:
+                    parsed = memo[line]
+                except KeyError:
+                    parsed = _fold_parse(line)
+                    if len(memo) >= _FOLD_MEMO_MAX:
+                        memo.clear()
+                    memo[line] = parsed
+                if parsed is not None:
+                    out.append((line, parsed))
+        lines = tuple(out)
+        if len(self._texts) >= _FOLD_MEMO_MAX:
+            self._texts.clear()
+        self._texts[text] = lines
+        return lines
+
+    def _fold(self, lines: tuple[tuple[str, pcihw.AerLogLine | tuple[str, str, str]], ...],
+              when: float) -> list[tuple[str, str]]:
         keys: list[tuple[str, str]] = []
-        memo = self._memo
-        for line in text.splitlines():
-            try:
-                parsed = memo[line]
-            except KeyError:
-                parsed = _fold_parse(line)
-                if len(memo) >= _FOLD_MEMO_MAX:
-                    memo.clear()
-                memo[line] = parsed
-            if parsed is None:
-                continue
+        for line, parsed in lines:
             if isinstance(parsed, pcihw.AerLogLine):
                 if self._line(parsed, line, when):
                     keys.append((parsed.bdf, str(parsed.severity)))
@@ -679,10 +706,16 @@ def _ingest(kmsg: dict[str, Any], last_header: dict[str, str], msg: pcihw.AerLog
             if len(kmsg) >= _MAX_LOG_DEVICES:
                 return
             entry = kmsg[msg.bdf] = {"samples": []}
-        group = entry.setdefault(msg.severity, {"count": 0, "first": when, "last": when, "errors": []})
+        group: dict[str, Any] | None = entry.get(msg.severity)
+        if group is None:
+            group = {"count": 0, "first": when, "last": when, "errors": []}
+            entry[msg.severity] = group
         group["count"] += 1
-        group["first"] = min(group["first"], when)
-        group["last"] = max(group["last"], when)
+        # min() and max() as comparisons: the same result (NaN included), per line of a storm
+        if when < group["first"]:
+            group["first"] = when
+        if when > group["last"]:
+            group["last"] = when
         entry["current"] = msg.severity
         if msg.reporter != msg.bdf:
             entry["reported_by"] = msg.reporter
@@ -769,10 +802,17 @@ def _count_summary(kmsg: dict[str, Any], parsed: tuple[str, str, str], line: str
         if len(kmsg) >= _MAX_LOG_DEVICES:
             return bdf, kind
         entry = kmsg[bdf] = {"samples": []}
-    group = entry.setdefault(key, {}).setdefault(kind, {"count": 0, "first": when, "last": when})
+    groups: dict[str, dict[str, Any]] | None = entry.get(key)
+    if groups is None:
+        groups = entry[key] = {}
+    group: dict[str, Any] | None = groups.get(kind)
+    if group is None:
+        group = groups[kind] = {"count": 0, "first": when, "last": when}
     group["count"] += 1
-    group["first"] = min(group["first"], when)
-    group["last"] = max(group["last"], when)
+    if when < group["first"]:  # min() and max(), as in _ingest
+        group["first"] = when
+    if when > group["last"]:
+        group["last"] = when
     if kind != "correctable" and len(entry["samples"]) < _MAX_SAMPLES:
         entry["samples"].append(line.strip()[:300])
     return bdf, kind

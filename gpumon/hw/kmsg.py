@@ -124,6 +124,10 @@ _MON = r"(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
 
 # prio,seq,usec,flags[,more];message  (Documentation/ABI/testing/dev-kmsg)
 _KMSG_RE = re.compile(r"(\d{1,10}),(\d{1,20}),(-?\d{1,20}),[^;\n]*;")
+# _KMSG_RE over a block of lines at once, each line's message captured (_Assembler's storm path:
+# one findall for a whole read instead of a match and its groups per line); the first digit is
+# ASCII, as the per-line path requires of a line before it tries _KMSG_RE
+_KMSG_LINES_RE = re.compile(r"^([0-9]\d{0,9}),(\d{1,20}),(-?\d{1,20}),[^;\n]*;(.*)$", re.MULTILINE)
 # [ 1843.308145] with an optional CONFIG_PRINTK_CALLER field [    T123]
 _MONO_RE = re.compile(r"\[\s*(\d{1,12})\.(\d{1,9})\]\s?(?:\[\s*[TC]\d{1,10}\]\s?)?")
 _CTIME_RE = re.compile(
@@ -347,6 +351,48 @@ _TEXT_MEMO_MAX = 4096
 _LEVEL_OF = {str(p): p & 7 for p in range(8)}
 
 
+def _kmsg_text(msg: str) -> str:
+    """A /dev/kmsg record's text from its message (dictionary lines cut, \\xNN undone,
+    stripped), memoized in _TEXT_MEMO."""
+    cut = msg
+    nl = cut.find("\n")  # what follows are " KEY=value" dictionary lines
+    if nl >= 0:
+        cut = cut[:nl]
+    text = _unescape_kmsg(cut).strip()
+    if len(_TEXT_MEMO) >= _TEXT_MEMO_MAX:
+        _TEXT_MEMO.clear()
+    _TEXT_MEMO[msg] = text
+    return text
+
+
+def _kmsg_block(lines: list[str]) -> list[KernelRecord] | None:
+    """``lines`` as the records _Assembler.add makes of them outside a first read, when every
+    one is a /dev/kmsg record its per-line path takes as is (a storm's read): one findall over
+    the block, no match object per line, the same records. None: some line is not (no header, a
+    carriage return, a NUL, a journal marker, a blank message without kernel time), and the
+    lines go through the per-line path."""
+    block = "\n".join(lines)
+    if "\r" in block or "\x00" in block:
+        return None
+    found = _KMSG_LINES_RE.findall(block)
+    if len(found) != len(lines):  # at most one match a line: some line did not match
+        return None
+    memo, levels = _TEXT_MEMO, _LEVEL_OF
+    out: list[KernelRecord] = []
+    append = out.append
+    for (prio, seq, usec, msg), raw in zip(found, lines, strict=True):
+        text = memo.get(msg)
+        if text is None:
+            text = _kmsg_text(msg)
+        mono = int(usec)
+        if text.startswith("-- ") or (not text and mono < 0):
+            return None
+        level = levels.get(prio)
+        append(KernelRecord(text, raw, int(seq), mono if mono >= 0 else None, None,
+                            int(prio) & 7 if level is None else level))
+    return out
+
+
 def _kmsg_record(raw: str) -> KernelRecord | None:
     """A ``/dev/kmsg`` record (``prio,seq,usec,flags[,more];message``): what the daemon reads, line
     after line, at up to tens of thousands a second. Exactly what ``_KMSG_RE`` accepts (one match:
@@ -359,14 +405,7 @@ def _kmsg_record(raw: str) -> KernelRecord | None:
     msg = raw[k.end() :]
     text = _TEXT_MEMO.get(msg)
     if text is None:
-        cut = msg
-        nl = cut.find("\n")  # what follows are " KEY=value" dictionary lines
-        if nl >= 0:
-            cut = cut[:nl]
-        text = _unescape_kmsg(cut).strip()
-        if len(_TEXT_MEMO) >= _TEXT_MEMO_MAX:
-            _TEXT_MEMO.clear()
-        _TEXT_MEMO[msg] = text
+        text = _kmsg_text(msg)
     prio, seq, usec = k.groups()
     level = _LEVEL_OF.get(prio)
     mono = int(usec)
@@ -510,8 +549,15 @@ class _Assembler:
         self._step: tuple[int, int | None, int | None] | None = None
 
     def add(self, lines: Iterable[str], *, initial: bool) -> list[KernelRecord]:
-        out: list[KernelRecord] = []
         self._step = None
+        if not initial and isinstance(lines, list) and lines:
+            # a storm: every line a plain /dev/kmsg record, outside the first read's boot filter
+            block = _kmsg_block(lines)
+            if block is not None:
+                self._last = block[-1]
+                self._last_dropped = False
+                return block
+        out: list[KernelRecord] = []
         boot_time = self._boot_time
         for line in lines:
             if "0" <= line[:1] <= "9" and line[-1:] != "\r":

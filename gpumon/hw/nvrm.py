@@ -178,6 +178,11 @@ _FALLEN = "fallen off the bus"
 # kernel log): emptied when full.
 _XID_MEMO: dict[str, tuple[tuple[object, ...], bool] | None] = {}
 _XID_MEMO_MAX = 4096
+# A whole record's text -> its _XID_MEMO entry, for a one-line NVRM Xid record that the parser
+# takes straight to _xid when no block is pending (the lines of an Xid storm): one lookup per
+# record instead of the prefilter, the find and the dispatch on the line's start. Bounded as
+# _XID_MEMO.
+_XID_TEXT_MEMO: dict[str, tuple[tuple[object, ...], bool]] = {}
 
 
 def _pid(value: str) -> int | None:
@@ -208,14 +213,39 @@ class NvrmParser:
     def feed(self, record: KernelRecord) -> list[NvrmEvent]:
         text = record.text
         out: list[NvrmEvent] = []
-        if self._ident is None and self._fob is None and "NVRM" not in text and "nvswitch" not in text:
-            return out
+        idle = self._ident is None and self._fob is None
+        if idle:
+            memo = _XID_TEXT_MEMO.get(text)
+            if memo is not None:
+                self._xid_event(memo, record, out)
+                return out
+            if "NVRM" not in text and "nvswitch" not in text:
+                return out
         if "\n" in text:  # one /dev/kmsg record holding a multi-line printk
             for line in text.split("\n"):
                 self._line(line.strip(), record, out)
         else:
             self._line(text, record, out)
+            if idle:
+                self._remember(text)
         return out
+
+    @staticmethod
+    def _remember(text: str) -> None:
+        """Keep in _XID_TEXT_MEMO what a one-line record's text parsed to, when _line took it
+        straight to _xid (no block pending: what feed's lookup stands for)."""
+        at = text.find("NVRM:")
+        if at < 0:
+            return
+        body = text[at + 5 :].lstrip()
+        if not body.startswith("Xid"):
+            return
+        memo = _XID_MEMO.get(body)
+        if memo is None:
+            return
+        if len(_XID_TEXT_MEMO) >= _XID_MEMO_MAX:
+            _XID_TEXT_MEMO.clear()
+        _XID_TEXT_MEMO[text] = memo
 
     def flush(self) -> list[NvrmEvent]:
         out: list[NvrmEvent] = []
@@ -301,6 +331,10 @@ class NvrmParser:
             if body.startswith("Xid ("):
                 self.unparsed_nvrm_lines += 1
             return
+        self._xid_event(memo, record, out)
+
+    def _xid_event(self, memo: tuple[tuple[object, ...], bool], record: KernelRecord,
+                   out: list[NvrmEvent]) -> None:
         f, damaged = memo
         if damaged:
             self.unparsed_nvrm_lines += 1

@@ -873,3 +873,37 @@ def test_a_bounded_follower_reads_a_backlog_in_turns_of_about_a_mib(tmp_path: Pa
         assert got == 20_000 and time.monotonic() - start < 5.0
     with KernelLogFollower(log) as whole:  # not bounded: everything at once, as before
         assert len(whole.read_available()) == 52_000
+
+
+# ------------------------------------------------------------------------- issue 23: storms ten times larger
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.one_of(
+    st.builds(lambda p, s, u, msg: f"{p},{s},{u},-;{msg}", st.sampled_from(["6", "4", "12", "0", "٣"]),
+              st.integers(0, 10**6), st.sampled_from(["-1", "0", "1843308145", "-"]),
+              st.sampled_from(["NVRM: Xid (PCI:0000:19:00): 13, x", "", " ", "-- Boot 0a --", "a\\x0ab",
+                               "é", "x\r", "x\x00y", "c;d"])),
+    _KMSG_PIECES), min_size=1, max_size=6), st.integers(0, 3))
+def test_a_read_of_kmsg_records_is_built_as_line_by_line(lines: list[str], split: int) -> None:
+    """Outside a first read, a list of lines that are all plain /dev/kmsg records is made into
+    records from one block (_kmsg_block); any list gives what the line-by-line path gives,
+    continuation lines after it included."""
+    from gpumon.hw.kmsg import _Assembler
+
+    block, by_line = _Assembler(None), _Assembler(None)
+    got = block.add(lines[:split], initial=False) + block.add(lines[split:], initial=False)
+    want = by_line.add(iter(lines[:split]), initial=False) + by_line.add(iter(lines[split:]), initial=False)
+    assert got == want
+    tail = ["  continued", " SUBSYSTEM=pci"]
+    assert block.add(tail, initial=False) == by_line.add(iter(tail), initial=False)
+
+
+def test_a_storm_read_takes_the_block_path() -> None:
+    from gpumon.hw.kmsg import _kmsg_block
+
+    lines = [f"4,{i},{i * 50},-;NVRM: Xid (PCI:0000:19:00): 13, pid=1, name=x, e {i % 7}" for i in range(500)]
+    block = _kmsg_block(lines)
+    assert block is not None and block == [parse_line(line) for line in lines]
+    assert _kmsg_block([*lines, "   a continuation"]) is None
+    assert _kmsg_block([*lines, "6,1,-5,-;"]) is None  # blank, no kernel time: the per-line path skips it

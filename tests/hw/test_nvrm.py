@@ -526,3 +526,54 @@ def test_adversarial_long_lines_stay_linear(body: str) -> None:
     parser.feed(KernelRecord(text=body, raw=body))
     parser.flush()
     assert time.perf_counter() - t0 < 0.5
+
+
+# ------------------------------------------------------------------------- issue 23: storms ten times larger
+
+
+_STORM_TEXTS = [
+    "NVRM: Xid (PCI:0000:3b:00): 13, pid='<unknown>', name=<unknown>, Graphics Exception: ESR 0x50e648=0x1",
+    "NVRM: Xid (PCI:0000:3b:00): 13, pid=1234, name=python, Graphics Exception: ESR 0x50e648=0x1",
+    "NVRM: Xid (PCI:REDACTED): 79, pid=1, name=x, GPU has fallen off the bus.",  # damaged: counted
+    "NVRM: Xid (PCI:0000:3b:00): 145, RLW_RXPIPE Nonfatal XC0 i0 Link -1 (0x0 0x0)",  # damaged NVLink5
+    "NVRM: GPU at PCI:0000:91:00: GPU-b6c3b2be-c55b-d076-fa0e-d464e4c7e08b",
+    "NVRM: GPU Board Serial Number: 1653723052734",
+    "NVRM: The NVIDIA GPU 0000:b3:00.0",
+    "NVRM: fallen off the bus and is not responding to commands.",
+    "nvidia-nvswitch3: SXid (PCI:0000:c5:00.0): 12028, Non-fatal, Link 23 egress non-posted PRIV error",
+    "pcieport 0000:17:00.0: AER: Correctable error message received from 0000:17:00.0",
+    "NVRM: Xid (PCI:0000:3b:00): 13, pid='<unknown>', name=<unknown>, Graphics Exception: ESR 0x50e648=0x1"
+    "\nNVRM: Xid (PCI:0000:3b:00): 43, pid=1, name=x, Ch 00000008",  # one record, two lines
+]
+
+
+def test_an_xid_record_looked_up_by_its_text_gives_what_parsing_it_gives() -> None:
+    """The parser keeps what a one-line Xid record's text parsed to (a storm repeats a few texts):
+    whatever came before (a block pending, the same text seen, memos emptied), the events and the
+    count of damaged lines are those of a parse from scratch."""
+    from gpumon.hw import nvrm
+
+    rng = __import__("random").Random(23)
+    texts = [rng.choice(_STORM_TEXTS) for _ in range(3000)]
+
+    def run(memo: bool) -> tuple[list[tuple[str, object, object]], int]:
+        nvrm._XID_TEXT_MEMO.clear()
+        nvrm._XID_MEMO.clear()
+        parser = NvrmParser()
+        out: list[tuple[str, object, object]] = []
+        for i, text in enumerate(texts):
+            if not memo:
+                nvrm._XID_TEXT_MEMO.clear()
+            record = KernelRecord(text=text, raw=text, seq=i)
+            out.extend((type(e).__name__, e, e.record.seq) for e in parser.feed(record))
+        out.extend((type(e).__name__, e, e.record.seq) for e in parser.flush())
+        return out, parser.unparsed_nvrm_lines
+
+    fresh, fresh_unparsed = run(memo=False)
+    looked_up, unparsed = run(memo=True)
+    assert looked_up == fresh and unparsed == fresh_unparsed
+    kinds = {name for name, _, _ in fresh}
+    assert fresh_unparsed > 0 and kinds >= {"XidEvent", "GpuIdentity", "FallenOffBus", "SXidEvent"}
+    # a text parsed while a block was pending is not looked up while one is: the identity first
+    events, _ = _feed(_STORM_TEXTS[0], _STORM_TEXTS[4], _STORM_TEXTS[0])
+    assert [type(e).__name__ for e in events] == ["XidEvent", "GpuIdentity", "XidEvent"]
