@@ -1,10 +1,16 @@
 """CPU cgroups with a CFS quota for the straggler tests: a real limit on a rank's CPU, outside the guard.
 
-Every rank of a straggler scenario runs capped at half a CPU (5 ms periods), so three ranks fit in
-a 2-core machine with room for the rest and no healthy rank is slowed by sharing a core with another
+Every rank of a straggler scenario runs capped at half a CPU (1 ms of every 2 ms), so three ranks fit
+in a 2-core machine with room for the rest and no healthy rank is slowed by sharing a core with another
 (uncapped, on a 2-core CI machine, one of three ranks became a real and consistent straggler: the
-CFS balancer paired it with a neighbour). The slowed rank moves into ``slow``, capped at 20 %: 0.4 of
-its healthy pace. A rank moves itself by writing its pid to ``cgroup.procs`` (``join``).
+CFS balancer paired it with a neighbour). The slowed rank moves into ``slow``, capped at 20 % (1 ms of
+every 5 ms; a quota is at least 1 ms): 0.4 of its healthy pace. A rank moves itself by writing its pid
+to ``cgroup.procs`` (``join``).
+
+The periods are short beside a step (~15 ms of CPU, pace_ranks.py): a step that ends just after its
+period's quota ran out waits for the next period, so a period comparable to a step makes healthy
+steps' times jump by a whole period (with 5 ms periods and 3 ms steps, a CI run read a healthy rank
+at pace 0.65 in 2 of 3 windows).
 """
 
 from __future__ import annotations
@@ -14,21 +20,21 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-PERIOD_US = 5000  # a quota is at least 1 ms: 20 % needs a 5 ms period
-SHARE_US, SLOW_US = 2500, 1000
+SHARE = (1000, 2000)  # (quota, period) µs: half a CPU
+SLOW = (1000, 5000)  # 20 %: a quota is at least 1 ms, so a 5 ms period
 
 
 def make(name: str, children: Iterable[str]) -> Path:
     """A CPU cgroup ``name`` with ``children`` at half a CPU each and ``slow`` at 20 % (v1 or v2)."""
-    shares = {**{c: SHARE_US for c in children}, "slow": SLOW_US}
+    shares = {**{c: SHARE for c in children}, "slow": SLOW}
     v1 = Path("/sys/fs/cgroup/cpu")
     if (v1 / "cpu.cfs_quota_us").exists() or (v1 / "tasks").exists():
         top = v1 / name
         top.mkdir(exist_ok=True)
-        for child, quota in shares.items():
+        for child, (quota, period) in shares.items():
             d = top / child
             d.mkdir(exist_ok=True)
-            (d / "cpu.cfs_period_us").write_text(f"{PERIOD_US}\n")
+            (d / "cpu.cfs_period_us").write_text(f"{period}\n")
             (d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
         return top
     v2 = Path("/sys/fs/cgroup")
@@ -38,10 +44,10 @@ def make(name: str, children: Iterable[str]) -> Path:
         top = v2 / name
         top.mkdir(exist_ok=True)
         (top / "cgroup.subtree_control").write_text("+cpu\n")
-        for child, quota in shares.items():
+        for child, (quota, period) in shares.items():
             d = top / child
             d.mkdir(exist_ok=True)
-            (d / "cpu.max").write_text(f"{quota} {PERIOD_US}\n")
+            (d / "cpu.max").write_text(f"{quota} {period}\n")
         return top
     raise OSError("no CPU cgroup controller mounted")
 

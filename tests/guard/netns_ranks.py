@@ -161,13 +161,13 @@ def flip(rank: int, bad: int, at: int, saves: tuple[int, ...], ckpt: Path) -> di
 def pace(rank: int, name: str, bad: int, out: Path) -> dict[str, Any]:
     """The straggler scenarios of pace_ranks.py across hosts, every rank capped at half a CPU in its
     host's cgroup under ``$GUARD_PACE_CGROUP`` (three ranks and three daemons share this machine's
-    cores): ``load``, rank ``bad`` trains on micro-batches 4x the others'; ``slow``, rank ``bad``
+    cores): ``load``, rank ``bad`` trains on micro-batches twice the others'; ``slow``, rank ``bad``
     runs in the ``slow`` cgroup (20 % of a CPU) for the scenario. Verdicts go to each host's spool."""
     groups = Path(os.environ["GUARD_PACE_CGROUP"])
     own = groups / os.environ["NODE_NAME"]
     cpu_cgroup.join(groups / "slow" if name == "slow" and rank == bad else own)
     try:
-        batch_of = {bad: pace_ranks.BATCH * 4} if name == "load" else {}
+        batch_of = {bad: pace_ranks.BATCH * pace_ranks.LOAD} if name == "load" else {}
         return pace_ranks.run(rank, out, name, 6, batch_of, own_spool=False)
     finally:
         cpu_cgroup.join(own)

@@ -3,7 +3,7 @@
 Scenarios, one after another in one process group, each with a Guard of its own:
 
 - ``healthy``: every rank the same work, 12 windows of 8 steps;
-- ``load``: rank 1 trains on micro-batches 4x the others' (its step is slower because it does more);
+- ``load``: rank 1 trains on micro-batches twice the others' (its step is slower because it does more);
 - ``slow``: rank 2 moves itself from its own CPU cgroup under ``$PACE_CGROUP`` (half a CPU, like
   every rank's) into the ``slow`` one (20 %, a CFS quota the test set: a real limit on its CPU,
   outside the guard) for the scenario, then back.
@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpumon.guard import Guard, Verdict
 
 WINDOW, OF_LAST, NEED = 8, 3, 2
-BATCH = 48
+BATCH = 864
+LOAD = 2  # the load scenario's rank trains on LOAD x BATCH: pace ~0.5 per step, ~1 per unit of work
 
 
 def build() -> tuple[DDP, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    # ~10 ms of compute per step on one CPU thread: each step spans several CFS periods (the test's
-    # is 10 ms), so a quota slows every step rather than a few
-    net = torch.nn.Sequential(torch.nn.Linear(256, 768), torch.nn.Tanh(), torch.nn.Linear(768, 256))
+    # ~15 ms of CPU per step on one thread (2-core VM): ~15 of the cgroups' 2 ms periods at half a CPU,
+    # so a quota slows every step evenly rather than a few by a whole period (cpu_cgroup.py)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
     model = DDP(net)
     return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -51,6 +53,7 @@ def run(rank: int, out: Path, name: str, windows: int, batch_of: dict[int, int],
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(n, 256, generator=g), torch.randn(n, 256, generator=g)
     history = []
+    t0 = time.monotonic()
     for _ in range(WINDOW * windows):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -61,7 +64,8 @@ def run(rank: int, out: Path, name: str, windows: int, batch_of: dict[int, int],
             history.append({"named": w.named, "load": w.load, "pace": [s.pace for s in w.scores],
                             "per_work": [s.pace_per_work for s in w.scores]})
     return {"windows": history, "named": [[v.to_json() for v in vs] for vs in named],
-            "files": [str(p) for p in guard.verdict_files], "disabled": guard.disabled}
+            "files": [str(p) for p in guard.verdict_files], "disabled": guard.disabled,
+            "seconds": round(time.monotonic() - t0, 2)}
 
 
 def main() -> None:
@@ -73,7 +77,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     result: dict[str, Any] = {}
     result["healthy"] = run(rank, out, "healthy", 12, {})
-    result["load"] = run(rank, out, "load", 6, {1: BATCH * 4})
+    result["load"] = run(rank, out, "load", 6, {1: BATCH * LOAD})
     if rank == 2:
         cpu_cgroup.join(cgroups / "slow")
     try:

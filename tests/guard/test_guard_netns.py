@@ -42,7 +42,7 @@ from . import cpu_cgroup
 RANKS = Path(__file__).with_name("netns_ranks.py")
 SCENARIOS = "healthy,nan,audit,flip,load,slow,dies"
 # the host each fault is on (the rank there is the rendezvous' choice); dies: not host 0, whose
-# torchrun agent holds the job's store; load: 4x the others' micro-batches; slow: a CPU quota
+# torchrun agent holds the job's store; load: twice the others' micro-batches; slow: a CPU quota
 FAULT_HOSTS = {"nan": "node2", "audit": "node1", "flip": "node0", "load": "node2", "slow": "node1",
                "dies": "node2"}
 # the GPU of its simulated node each host's rank poses as
@@ -405,7 +405,7 @@ def test_each_verdict_reaches_its_own_nodes_daemon_health_metrics_and_slurm(job:
 def test_a_rank_slowed_by_a_cpu_quota_on_one_host_is_named_with_that_host_and_its_gpu(job: Job) -> None:
     """The straggler scenarios across hosts (pace windows of 8 steps, named when slow in 2 of the last
     3): the rank on ``slow``'s host, limited to 20 % of a CPU, is named by its second slow window,
-    once, with its host and posed GPU, in that host's spool only; the rank given 4x the work on
+    once, with its host and posed GPU, in that host's spool only; the rank given twice the work on
     ``load``'s host is not named (slower per step, not per unit of work)."""
     bad = FAULT_HOSTS["slow"]
     rank = job.rank_of(bad)

@@ -2,7 +2,7 @@
 
 Every rank runs in a CPU cgroup of its own capped at half a CPU (so three fit in a 2-core machine
 without sharing); for the ``slow`` scenario rank 2 moves itself into one capped at 20 %: a real limit
-on its CPU, outside the guard. Rank 1 in ``load`` gets 4x the work.
+on its CPU, outside the guard. Rank 1 in ``load`` gets twice the work.
 """
 
 from __future__ import annotations
