@@ -62,7 +62,11 @@ class CheckState(dict[str, Any]):
         aside), then kept; reset when ``boot`` is not the state's boot (a reboot; saved at once
         when the reset kept something, such as an outage closed by it)."""
         typed = self.typed
-        if not isinstance(typed, cls):
+        if not (isinstance(cls, type) and issubclass(cls, BootState)):
+            raise TypeError(f"{cls!r} is not a check's State (a gpumon.bootstate.BootState dataclass)")
+        if typed is not None and not isinstance(typed, cls):
+            raise TypeError(f"check state is {type(typed).__name__}, not {cls.__name__}")
+        if typed is None:
             typed = self.typed = read_state(cls, self, check=self.name or cls.__name__,
                                             refused=self.keep_refused)
         if enter_boot(typed, boot):
