@@ -8,8 +8,8 @@ normal electrical and thermal life; a GPU held down for a large share of the win
 
 Per GPU and run the check reads the current reasons mask (``nvmlDeviceGetCurrentClocksEventReasons``)
 and the NVML violation counters (``nvmlDeviceGetViolationStatus``, cumulative ns), and keeps
-them in ``ctx.state`` (typed, ``_ThrottleState``, read back through ``gpumon.bootstate``: saved
-state of another shape is logged and started afresh, never raised on). The share of the window
+them in its declared ``State`` (``ThrottleState``, loaded and saved by the framework: saved state
+of another shape is logged and started afresh, never raised on). The share of the window
 each reason was active comes from:
 
 - sampling: the masks read run after run, time-weighted (the time between two readings is
@@ -27,18 +27,18 @@ A counter that goes backwards (driver reload, GPU reset) restarts from that read
 SW power cap and application clocks are normal operation and never judged.
 
 With less than ``min_history_s`` of readings in the window (a one-shot ``gpumon check``, the
-daemon's first minute) there is no window to speak of: the current reading decides, as it
-always did (a fail reason active now fails, a warn reason warns).
+daemon's first minute) there is no window to speak of: the current reading decides (a fail
+reason active now fails, a warn reason warns).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstate import dump_state, enter_boot, restore
+from gpumon.bootstate import OMIT_DEFAULT, BootState
 from gpumon.check import Check, CheckContext, each_gpu
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
@@ -200,36 +200,22 @@ def window_shares(samples: Sequence[Sequence[float]], spans: Mapping[str, Sequen
 
 @dataclass
 class _History:
-    """One GPU's readings in the window (JSON: lists for the tuples, as the untyped releases wrote)."""
+    """One GPU's readings in the window (JSON: lists for the tuples, as in the untyped state files)."""
 
     samples: list[tuple[float, int]] = field(default_factory=list)  # (time, reasons mask)
     # counter name -> (t0, t1, ns it ran between two readings)
     spans: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     counters: dict[str, tuple[float, int]] = field(default_factory=dict)  # name -> last (time, ns)
-    resets: int = 0  # counters seen going backwards; left out of the JSON while 0, as before
+    # counters seen going backwards; left out of the JSON while 0, where older files have no key
+    resets: int = field(default=0, metadata=OMIT_DEFAULT)
 
 
 @dataclass
-class _ThrottleState:
-    """The check's persisted state (``ctx.state``): ``{"boot_id", "gpus": {index: history}}``."""
+class ThrottleState(BootState):
+    """The check's declared state: ``{"boot_id", "gpus": {index: history}}``. A reboot restarts
+    every counter and ends every slowdown: nothing is kept (``new_boot``)."""
 
-    boot_id: str | None = None
     gpus: dict[str, _History] = field(default_factory=dict)
-
-    def new_boot(self) -> bool:
-        """A reboot restarts every counter and ends every slowdown: nothing is kept. False:
-        nothing here must reach the disk before the daemon's next save."""
-        self.gpus = {}
-        return False
-
-
-def _dump(state: _ThrottleState) -> dict[str, Any]:
-    """``state`` as the JSON the untyped releases wrote, which an older release can still read."""
-    out = dump_state(state)
-    for history in out["gpus"].values():
-        if not history["resets"]:
-            del history["resets"]
-    return out
 
 
 class ThrottleCheck(Check):
@@ -239,40 +225,15 @@ class ThrottleCheck(Check):
     interval = 10.0
     timeout = 20.0
     Config = ThrottleConfig
-
-    def __init__(self) -> None:
-        # The typed state and the mapping it was read from (see _typed_state)
-        self._state = _ThrottleState()
-        self._state_of: MutableMapping[str, Any] | None = None
+    State = ThrottleState
 
     def supported(self, inventory: Inventory) -> str | None:
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        state = self._typed_state(ctx.state)
-        try:
-            return self._run(ctx, state)
-        finally:
-            # the persisted mapping follows the typed state after every run (one that raised
-            # included), so that the daemon's timed save sees what this run left
-            ctx.state.clear()
-            ctx.state.update(_dump(state))
-
-    def _typed_state(self, raw: MutableMapping[str, Any]) -> _ThrottleState:
-        """The state read from ``raw`` once per mapping: one loaded from disk may hold anything,
-        but the one this check wrote itself on its last run needs no second look. An emptied
-        mapping is read again: the daemon empties a state it sets aside, and this check never
-        leaves its own empty."""
-        if raw is not self._state_of or not raw:
-            self._state = restore(_ThrottleState, raw, check=self.name)
-            self._state_of = raw
-        return self._state
-
-    def _run(self, ctx: CheckContext, state: _ThrottleState) -> list[Finding]:
         params = ctx.params_as(ThrottleConfig)
         out = self.unreadable_gpus(ctx.inventory)
-        enter_boot(state, ctx.hw.fs.boot_id())  # a reboot restarts every counter and ends every slowdown
-        gpus = state.gpus
+        gpus = ctx.state_as(ThrottleState).gpus
 
         def read(info: GpuInfo) -> tuple[int, dict[str, Any], dict[str, int]]:
             return (ctx.hw.nvml.clocks_event_reasons(info.index), *self._readings(ctx, info.index))

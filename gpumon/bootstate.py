@@ -1,10 +1,12 @@
-"""What every stateful check repeats: its state lives for one boot, a fault that comes back after
+"""What every stateful check shares: its state lives for one boot, a fault that comes back after
 the reboot meant to cure it escalates, and its saved state is read back typed.
 
-**Boot.** ``ctx.state`` is persisted across daemon restarts, but most of what a check keeps (counter
-baselines, open windows, de-duplication ledgers) describes one boot. :func:`start_boot` clears the
-state when ``/proc/sys/kernel/random/boot_id`` changed, keeping only the keys the check names (its
-history across boots).
+**Boot.** A check's state is persisted across daemon restarts, but most of what a check keeps
+(counter baselines, open windows, de-duplication ledgers) describes one boot. A check's declared
+``State`` (a dataclass subclassing :class:`BootState`) is reset by the framework when
+``/proc/sys/kernel/random/boot_id`` changed (:func:`enter_boot`, :meth:`BootState.new_boot`),
+keeping the fields it names in ``keep_across_boots``. A check without a ``State`` keeps a plain
+mapping; :func:`start_boot` clears it, keeping only the keys the check names.
 
 **Repeat after reboot.** The rule, one for every check: *a fault that needs a reboot escalates to
 ``inspect_hardware`` when the same fault (the same component and code) was also recorded in an
@@ -15,9 +17,10 @@ inside the check's own state so that it survives restarts and reboots.
 
 **Typed state.** :func:`load_state` reads a check's saved JSON mapping into the check's own state
 dataclass, checking every field against its annotation (and the dataclass's ``__post_init__``);
-:func:`dump_state` writes it back as the same JSON. State of another shape (an older release, a
-hand edit, a truncated file) raises :class:`StateError` with the path of what is wrong;
-:func:`restore` logs that reason and starts fresh, never failing the check.
+:func:`dump_state` writes it back as the same JSON (a field declared with :func:`omit_default` is
+left out while it holds its default). State of another shape (another release, a hand edit, a
+truncated file) raises :class:`StateError` with the path of what is wrong; :func:`read_state`
+(and :func:`restore`, for a mapping) logs that reason and starts fresh, never failing the check.
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ import logging
 import math
 import types
 import typing
-from collections.abc import Iterable, Mapping, MutableMapping
-from typing import Any, Protocol, TypeVar, Union
-
-from gpumon.checkstate import keep_refused
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar, Union
 
 log = logging.getLogger("gpumon.bootstate")
 
@@ -60,19 +62,48 @@ def start_boot(state: MutableMapping[str, Any], boot: str | None, *, keep: Itera
     return True
 
 
-class BootScoped(Protocol):
-    """A check's typed state that carries more than named keys across a reboot (ib: an outage open
-    at the reboot is closed at the last reading that saw it, not dropped)."""
+#: ``field(metadata=OMIT_DEFAULT)``: the field is left out of the saved JSON while it holds its
+#: default (and read back as the default when absent), so that the JSON keeps the keys an older
+#: release wrote and reads.
+OMIT_DEFAULT: Mapping[str, Any] = types.MappingProxyType({"gpumon_omit_default": True})
 
-    boot_id: str | None
+
+@dataclass
+class BootState:
+    """Base of a check's declared ``State``: a dataclass whose fields are JSON types, lists, dicts
+    with string keys, fixed tuples and nested dataclasses (what :func:`load_state` checks). The
+    framework loads it from the check's saved JSON, refuses state of another shape, saves it after
+    the runs and resets it at a reboot (``boot_id``).
+
+    ``keep_across_boots`` names the fields a reboot keeps (a history across boots); override
+    :meth:`new_boot` for more than that (ib closes an outage open at the reboot rather than drop
+    it), and :meth:`salvage` to drop damaged parts of the saved JSON before it is read as a whole
+    (one damaged record need not cost the rest of the state)."""
+
+    boot_id: str | None = None
+
+    keep_across_boots: ClassVar[tuple[str, ...]] = ()
 
     def new_boot(self) -> bool:
-        """Keep of this state what outlives a reboot; True when that changed anything worth saving
-        at once."""
-        ...
+        """Keep of this state what outlives a reboot (by default the fields ``keep_across_boots``
+        names; every other field back to its default); True when that changed anything worth
+        saving at once."""
+        for f in dataclasses.fields(self):
+            if f.name == "boot_id" or f.name in self.keep_across_boots or not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                setattr(self, f.name, f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                setattr(self, f.name, f.default_factory())
+        return False
+
+    @classmethod
+    def salvage(cls, raw: MutableMapping[str, Any], check: str) -> None:
+        """Drop (and log) the parts of the saved JSON ``raw`` that do not read back, before it is
+        read as a whole; by default nothing."""
 
 
-def enter_boot(state: BootScoped, boot: str | None) -> bool:
+def enter_boot(state: BootState, boot: str | None) -> bool:
     """``start_boot`` for a typed state: on a boot other than the state's, let it keep what outlives
     the reboot (``new_boot``) and stamp it with ``boot``; True when that changed anything."""
     if state.boot_id == boot:
@@ -120,8 +151,8 @@ class RepeatHistory:
 
 
 def _boots(raw: Any, now: float, window_s: float) -> dict[str, float]:
-    """A fault's boots within the window; the list of [boot, time] pairs that nvswitch saved
-    before this helper is read as well, so an upgrade keeps its history."""
+    """A fault's boots within the window; a list of [boot, time] pairs (nvswitch's older JSON form)
+    is read as well, so an upgraded node keeps its history."""
     if isinstance(raw, list):
         raw = {str(p[0]): p[1] for p in raw if isinstance(p, list) and len(p) == 2}
     if not isinstance(raw, dict):
@@ -140,6 +171,7 @@ def _recent(t: Any, now: float, window_s: float) -> bool:
 # -- typed state ---------------------------------------------------------------------------------
 
 S = TypeVar("S")
+B = TypeVar("B", bound=BootState)
 
 
 class StateError(ValueError):
@@ -164,15 +196,36 @@ def dump_state(obj: Any) -> dict[str, Any]:
     return out
 
 
+def read_state(cls: type[B], raw: Mapping[str, Any], *, check: str,
+               refused: Callable[[], object] | None = None) -> B:
+    """A check's declared state from its saved JSON ``raw`` (left unchanged): ``cls.salvage`` on a
+    copy, then :func:`load_state`; a fresh ``cls()`` when ``raw`` is empty or does not fit. A
+    refused state is logged with its reason and ``refused`` called first (the store copies the
+    file aside: the next save overwrites it)."""
+    if not raw:
+        return cls()
+    data = dict(raw)
+    cls.salvage(data, check)
+    try:
+        return load_state(cls, data)
+    except StateError as exc:
+        log.warning("saved state of check %s refused, starting afresh: %s", check, exc)
+        if refused is not None:
+            refused()
+        return cls()
+
+
 def restore(cls: type[S], raw: MutableMapping[str, Any], *, check: str) -> S:
-    """:func:`load_state`, or a fresh ``cls()`` when ``raw`` is empty or does not fit; a refused
-    state is logged with its reason, its file copied aside (``gpumon.checkstate.keep_refused``),
-    and ``raw`` overwritten with the fresh state."""
+    """:func:`load_state` of a mapping, or a fresh ``cls()`` when ``raw`` is empty or does not fit;
+    a refused state is logged with its reason, its file copied aside (``gpumon.checkstate.
+    keep_refused``), and ``raw`` overwritten with the fresh state."""
     if raw:
         try:
             return load_state(cls, raw)
         except StateError as exc:
             log.warning("saved state of check %s refused, starting afresh: %s", check, exc)
+            # imported here: gpumon.checkstate builds on this module
+            from gpumon.checkstate import keep_refused
             keep_refused(raw)  # the next save overwrites it: a copy for the post-mortem
     fresh = cls()
     raw.clear()
@@ -263,7 +316,16 @@ def _load_dataclass(cls: type, value: Any, path: str) -> Any:
 
 
 _SCALARS = (str, int, float, bool, type(None))
-_FIELDS: dict[type, tuple[str, ...]] = {}
+# per dataclass: its fields, and (name, default) of those left out while at their default
+_FIELDS: dict[type, tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]] = {}
+
+
+def _fields_of(cls: type) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]:
+    fields = dataclasses.fields(cls)
+    omitted = tuple((f.name, f.default) for f in fields
+                    if f.metadata.get("gpumon_omit_default") and f.default is not dataclasses.MISSING)
+    got = _FIELDS[cls] = (tuple(f.name for f in fields), omitted)
+    return got
 
 
 def _dump(value: Any) -> Any:
@@ -275,15 +337,19 @@ def _dump(value: Any) -> Any:
         return [v if type(v) in _SCALARS else _dump(v) for v in value]
     if cls is dict:
         return {k: v if type(v) in _SCALARS else _dump(v) for k, v in value.items()}
-    names = _FIELDS.get(cls)
-    if names is None:
+    known = _FIELDS.get(cls)
+    if known is None:
         if not dataclasses.is_dataclass(cls):
             return value
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+        known = _fields_of(cls)
+    names, omitted = known
     out = {}
     for name in names:
         v = getattr(value, name)
         out[name] = v if type(v) in _SCALARS else _dump(v)
+    for name, default in omitted:
+        if out[name] == default:
+            del out[name]
     return out
 
 

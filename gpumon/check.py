@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -20,6 +20,8 @@ from gpumon.hw.kernellog import KernelLog as KernelLog  # what a check is handed
 from gpumon.model import Action, Finding, Phase, Severity, gpu
 
 if TYPE_CHECKING:
+    from gpumon.bootstate import BootState
+    from gpumon.checkstate import CheckState
     from gpumon.hw import Hardware
     from gpumon.hw.inventory import Inventory
     from gpumon.profiles import Profile
@@ -50,6 +52,7 @@ class KernelLogFold(Protocol):
 
 
 P = TypeVar("P")
+B = TypeVar("B", bound="BootState")
 G = TypeVar("G")
 R = TypeVar("R")
 
@@ -93,7 +96,10 @@ class CheckContext:
     # the check's options: an instance of its ``Config`` dataclass (None when it has none); read
     # it typed with ``params_as``
     params: object
-    state: MutableMapping[str, Any]
+    # The check's saved state, the store's entry for it (gpumon.checkstate.CheckState): a check
+    # that declares a ``State`` reads it typed with ``state_as``; a check without one keeps
+    # JSON-friendly data in the mapping itself.
+    state: CheckState
     kernel_log: KernelLog
     clock: Callable[[], float] = time.time
     node: str = "localhost"
@@ -110,6 +116,25 @@ class CheckContext:
         if not isinstance(self.params, config):
             raise TypeError(f"check options are {type(self.params).__name__}, not {config.__name__}")
         return self.params
+
+    def state_as(self, cls: type[B]) -> B:
+        """The check's saved state as its ``State`` dataclass: loaded from the saved JSON and
+        checked the first time (state of another shape is logged, its file copied aside, and a
+        fresh ``cls()`` used), kept from run to run, reset at a reboot, saved by the framework.
+        A plain mapping handed in instead of a ``CheckState`` (a context built by hand) is read,
+        and nothing is carried back into it."""
+        from gpumon.checkstate import CheckState  # at run time: checkstate builds on gpumon.bootstate
+
+        state = self.state
+        if not isinstance(state, CheckState):
+            state = self.state = CheckState(state)
+        return state.load(cls, self.hw.fs.boot_id())
+
+    def save_state_now(self) -> bool:
+        """Write the check's state to disk now (atomically, fsync'd), for a change a crash must not
+        lose (an IB port went down); False when it is not persisted (a one-shot ``gpumon check``, a
+        context built by hand) or the write failed."""
+        return self.state.save_now()
 
 
 def each_gpu(ctx: CheckContext, gpus: Sequence[G], read: Callable[[G], R],
@@ -174,6 +199,9 @@ class Check:
     cost: ClassVar[float | None] = None
     # A dataclass of the check's own options (its YAML section), or None.
     Config: ClassVar[type[Any] | None] = None
+    # The dataclass of the check's saved state (a gpumon.bootstate.BootState: read with
+    # ctx.state_as), or None: the framework loads, checks, saves and resets it at a reboot.
+    State: ClassVar[type[BootState] | None] = None
     # Checks fed by the kernel log run as soon as something they read arrives (in the daemon,
     # at most every 0.5 s unless it is new: gpumon.kernel_pump.KernelLogPump). What they read,
     # which is all that the daemon keeps for them between runs:

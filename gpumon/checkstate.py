@@ -1,18 +1,22 @@
 """Per-check persisted state (windows, counters, histories) across daemon restarts.
 
-A check keeps JSON-friendly data in ``ctx.state``; the daemon saves it after
-each run (a frequently run check at most every 10 s), atomically, one file per
-check under ``<state_dir>/checks/``, so a restart does not forget an outage or
-an Xid history. A check whose state just changed in a way a crash must not lose
-(an IB port went down or came back) saves it at once with :func:`save_now`. A
-state file that cannot be read is set aside (renamed ``*.corrupt``) and the
-check starts afresh; a write that fails is logged and retried on the next run.
+``ctx.state`` is the check's :class:`CheckState`: the store's entry for it. A check that
+declares a ``State`` dataclass (``Check.State``, a :class:`gpumon.bootstate.BootState`) reads it
+typed with ``ctx.state_as(MyState)``: loaded from the saved JSON and checked once, reset at a
+reboot, and written back as JSON when the store saves it. A check without one keeps JSON-friendly
+data in the mapping itself. The daemon saves each check's state after its runs (a frequently run
+check at most every 10 s), atomically, one file per check under ``<state_dir>/checks/``, so a
+restart does not forget an outage or an Xid history. A check whose state just changed in a way a
+crash must not lose (an IB port went down or came back) saves it at once with
+``ctx.save_state_now()``. A state file that cannot be read is set aside (renamed ``*.corrupt``)
+and the check starts afresh; a write that fails is logged and retried on the next run.
 A state file that reads but that the check cannot use (valid JSON of another shape: a hand edit,
 another release) would make the check raise on every run, forever: a check that raises on its
 first two runs with state loaded from disk (a one-off exception must not cost a week of history)
 gets that state set aside (:meth:`set_aside`, called by the runner), and its next run starts
-afresh. A state a check refuses itself (``gpumon.bootstate.restore``) is copied aside first
-(:func:`keep_refused`). Set-aside copies carry the time: a later one never overwrites an earlier.
+afresh. A declared state of another shape is refused when it is loaded (``gpumon.bootstate.
+read_state``) and its file copied aside first (:func:`keep_refused`). Set-aside copies carry
+the time: a later one never overwrites an earlier.
 
 Every write goes to a temporary file that is fsync'd, renamed over the old one,
 and the directory fsync'd: after a crash (``kill -9``, power loss) the file holds
@@ -28,28 +32,59 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpumon.atomic import write_atomic
+from gpumon.bootstate import BootState, dump_state, enter_boot, read_state
 
 log = logging.getLogger("gpumon.checkstate")
 
+B = TypeVar("B", bound=BootState)
+
 
 class CheckState(dict[str, Any]):
-    """A check's persisted state: a plain dict that knows which store saves it."""
+    """A check's persisted state, as the store keeps it: the JSON mapping that is saved, which
+    knows its store (None: kept in memory only, e.g. a test's), and, for a check that declares a
+    ``State``, the typed instance loaded from it (:meth:`load`), whose JSON the mapping holds
+    once saved (:meth:`sync`)."""
 
-    def __init__(self, data: dict[str, Any], store: CheckStateStore, name: str) -> None:
-        super().__init__(data)
+    def __init__(self, data: Mapping[str, Any] | None = None, store: CheckStateStore | None = None,
+                 name: str = "") -> None:
+        super().__init__(data or {})
         self._store = store
-        self._name = name
+        self.name = name
+        self.typed: BootState | None = None
+
+    def load(self, cls: type[B], boot: str | None) -> B:
+        """The typed state: read from the mapping the first time (or after the store set it
+        aside), then kept; reset when ``boot`` is not the state's boot (a reboot; saved at once
+        when the reset kept something, such as an outage closed by it)."""
+        typed = self.typed
+        if not (isinstance(cls, type) and issubclass(cls, BootState)):
+            raise TypeError(f"{cls!r} is not a check's State (a gpumon.bootstate.BootState dataclass)")
+        if typed is not None and not isinstance(typed, cls):
+            raise TypeError(f"check state is {type(typed).__name__}, not {cls.__name__}")
+        if typed is None:
+            typed = self.typed = read_state(cls, self, check=self.name or cls.__name__,
+                                            refused=self.keep_refused)
+        if enter_boot(typed, boot):
+            self.save_now()
+        return typed
+
+    def sync(self) -> None:
+        """The mapping follows the typed state (nothing without one)."""
+        if self.typed is not None:
+            data = dump_state(self.typed)
+            self.clear()
+            self.update(data)
 
     def save_now(self) -> bool:
-        return self._store.save(self._name)
+        return self._store.save(self.name) if self._store is not None else False
 
     def keep_refused(self) -> Path | None:
-        return self._store.keep_refused(self._name)
+        return self._store.keep_refused(self.name) if self._store is not None else None
 
 
 def _aside(path: Path, why: str) -> Path:
@@ -153,6 +188,7 @@ class CheckStateStore:
             state = self._states.get(name)
             if state is not None:
                 state.clear()
+                state.typed = None
             self._saved.pop(name, None)
             return moved
 
@@ -165,7 +201,9 @@ class CheckStateStore:
         if path is None or name not in self._states:
             return False
         try:
-            text = json.dumps(self._states[name], separators=(",", ":"), default=str)
+            state = self._states[name]
+            state.sync()
+            text = json.dumps(state, separators=(",", ":"), default=str)
             if self._saved.get(name) == text:
                 return True  # unchanged: a 1 s check must not fsync every second for nothing
             # a full disk leaves no temp file behind (write_atomic removes it)

@@ -42,7 +42,7 @@ from gpumon.health import Health, HealthView
 from gpumon.kernel_pump import WATERMARK_STATE, KernelLogPump
 from gpumon.model import CheckRun, Finding, Phase, Severity
 from gpumon.remediate.runner import RemediationLoop
-from gpumon.runner import Worker
+from gpumon.runner import CheckThread
 
 log = logging.getLogger("gpumon.daemon")
 # /metrics: the content part is re-rendered off the scrape path at once (after a second) when the
@@ -103,8 +103,8 @@ class Daemon:
         self._lost: dict[str, dict[str, None]] = {}
         self._lock = threading.Lock()
         # per check, the thread that runs it (waits for it within its deadline) and records
-        # what it found, kept between runs (see gpumon.runner.Worker)
-        self._workers: dict[str, Worker] = {}
+        # what it found, kept between runs (see gpumon.runner.CheckThread)
+        self._workers: dict[str, CheckThread] = {}
         self._saved_at: dict[str, float] = {}
         self._folded: dict[str, tuple[tuple[Any, ...], float]] = {}
         # per kernel-log check, the watermark of its last completed run (see _store_watermark)
@@ -400,7 +400,7 @@ class Daemon:
         worker = self._workers.get(check.name)
         if worker is None or not worker.submit(work):
             # none yet, or it ended (idle for a while, or the last run raised): a new one
-            worker = self._workers[check.name] = Worker(f"gpumon-run-{check.name}")
+            worker = self._workers[check.name] = CheckThread(f"gpumon-run-{check.name}")
             worker.submit(work)
 
     def _store_watermark(self, name: str | None, *, save: bool = True) -> None:

@@ -7,8 +7,11 @@ until it returns. An exception in a check becomes an ``unknown`` finding;
 nothing a check does can crash the runner.
 
 A check runs on a thread of its own that is kept for its next run while it
-runs often (see :class:`Worker`), so that a check sampling every second does
+runs often (see :class:`CheckThread`), so that a check sampling every second does
 not start a thread every second.
+
+A check's saved state comes from the store (``states``): a check that declares a ``State`` has it
+loaded (checked, reset at a reboot) before its run, and read typed with ``ctx.state_as``.
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ from gpumon.hw.inventory import Inventory
 from gpumon.model import NODE, Action, CheckRun, Finding, Severity
 from gpumon.profiles import Profile
 
-# A worker thread with nothing to do for this long ends: a check run every second (ib) or
-# every 10 s keeps its thread; one run hourly gets a new one each time, as before.
+# A check's thread with nothing to do for this long ends: a check run every second (ib) or
+# every 10 s keeps its thread; one run hourly gets a new one each time.
 WORKER_IDLE_S = 15.0
 
 
-class Worker:
+class CheckThread:
     """A thread that runs one job at a time and waits for the next, instead of a new thread
     per job: starting and ending a thread costs ~0.1 ms of CPU (2-core VM), and the daemon
     started two for every run of the 1 s ``ib`` check. ``submit`` hands a job over only when
@@ -121,12 +124,17 @@ class Runner:
         # a one-shot command keeps its checks' state in memory only (CheckStateStore(None))
         self.states = states if states is not None else CheckStateStore(None)
         self._inflight: dict[str, _Slot] = {}
-        self._workers: dict[str, Worker] = {}
+        self._threads: dict[str, CheckThread] = {}
 
     def _context(self, check: Check, kernel_log: KernelLog, retry: RetryRequest | None) -> CheckContext:
         settings = self.config.settings(type(check))
+        state = self.states.get(check.name)
+        if check.State is not None:
+            # loaded here, not at the check's first state_as: a refused state is said, and a
+            # reboot resets the state, whatever the run does
+            state.load(check.State, self.hw.fs.boot_id())
         return CheckContext(hw=self.hw, inventory=self.inventory, profile=self.profile,
-                            params=settings.params, state=self.states.get(check.name),
+                            params=settings.params, state=state,
                             kernel_log=kernel_log, clock=self.clock, node=self.node,
                             state_dir=self.state_dir, retry=retry)
 
@@ -196,11 +204,11 @@ class Runner:
         def job() -> None:
             self._body(slot, ctx)
 
-        worker = self._workers.get(name)
-        if worker is None or not worker.alive:
-            worker = self._workers[name] = Worker(f"gpumon-check-{name}")
-        slot.thread = worker.thread
-        if worker.submit(job):
+        kept = self._threads.get(name)
+        if kept is None or not kept.alive:
+            kept = self._threads[name] = CheckThread(f"gpumon-check-{name}")
+        slot.thread = kept.thread
+        if kept.submit(job):
             return
         slot.thread = threading.Thread(target=job, name=f"gpumon-check-{name}", daemon=True)
         slot.thread.start()

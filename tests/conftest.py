@@ -98,6 +98,29 @@ def run_gpumon(*args: str, env: dict[str, str] | None = None, timeout: float = 1
                           env=env if env is not None else clean_env(), timeout=timeout, cwd=cwd)
 
 
+def run_on_json(check: Any, ctx: Any) -> Any:
+    """``check.run(ctx)`` where ``ctx.state`` is a plain JSON mapping a test keeps between runs (or
+    a store's ``CheckState``): read as the store reads a state file (a declared ``State`` loaded,
+    checked, reset at a reboot), and left holding the JSON the store would save after the run, so
+    that each run starts from what a restarted daemon would read."""
+    from gpumon.checkstate import CheckState
+
+    raw = ctx.state
+    if isinstance(raw, CheckState):
+        try:
+            return check.run(ctx)
+        finally:
+            raw.sync()
+    entry = ctx.state = CheckState(raw, name=check.name)
+    try:
+        return check.run(ctx)
+    finally:
+        entry.sync()
+        raw.clear()
+        raw.update(entry)
+        ctx.state = raw
+
+
 class SimHarness:
     """A simulated node driven step by step, with checks run against it through the real stack.
 
@@ -160,7 +183,7 @@ class SimHarness:
 
     def run(self, check_cls: type, t: float | None = None):  # type: ignore[no-untyped-def]
         ctx = self.context(check_cls, t)
-        return check_cls().run(ctx)
+        return run_on_json(check_cls(), ctx)
 
     def close(self) -> None:
         for source in self._sources.values():

@@ -162,7 +162,7 @@ def test_a_check_whose_kept_thread_is_busy_runs_on_a_thread_of_its_own(tmp_path:
     WhereAmI.threads = []
     runner.run([WhereAmI()])
     gate = threading.Event()
-    assert runner._workers["whereami"].submit(lambda: gate.wait(5))
+    assert runner._threads["whereami"].submit(lambda: gate.wait(5))
     try:
         start = time.monotonic()
         assert runner.run([WhereAmI()])[0].outcome == "completed"
@@ -193,10 +193,10 @@ def test_a_hung_check_keeps_its_thread_and_the_next_run_after_it_returns_complet
 
 
 def test_worker_ends_when_idle_and_after_a_job_that_raises() -> None:
-    from gpumon.runner import Worker
+    from gpumon.runner import CheckThread
 
     done = threading.Event()
-    idle = Worker("idle", idle_s=0.1)
+    idle = CheckThread("idle", idle_s=0.1)
     assert idle.submit(done.set) and done.wait(2)
     assert idle.idle.wait(2)
     idle.thread.join(2)
@@ -207,7 +207,7 @@ def test_worker_ends_when_idle_and_after_a_job_that_raises() -> None:
     hook = threading.excepthook
     threading.excepthook = lambda args: seen.append(args.exc_type)
     try:
-        boom = Worker("boom")
+        boom = CheckThread("boom")
         assert boom.submit(lambda: {}["missing"])
         boom.thread.join(2)
     finally:
@@ -217,10 +217,10 @@ def test_worker_ends_when_idle_and_after_a_job_that_raises() -> None:
 
 
 def test_worker_takes_one_job_at_a_time() -> None:
-    from gpumon.runner import Worker
+    from gpumon.runner import CheckThread
 
     gate, ran = threading.Event(), threading.Event()
-    w = Worker("one")
+    w = CheckThread("one")
     assert w.submit(lambda: gate.wait(5))
     assert w.busy and not w.idle.is_set()
     assert not w.submit(ran.set)  # busy: not queued behind the stuck job

@@ -24,12 +24,10 @@ findings' ``activity``). Nothing here is proof of a bad GPU, so nothing is taken
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from gpumon.bootstate import dump_state, enter_boot, restore
 from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout
 from gpumon.hw.inventory import Inventory
@@ -109,34 +107,15 @@ class CollectiveHangCheck(Check):
     interval = 10.0
     timeout = 20.0
     Config = CollectiveHangConfig
-
-    def __init__(self) -> None:
-        self._state = CollectiveHangState()
-        self._state_of: MutableMapping[str, Any] | None = None
+    State = CollectiveHangState
 
     def supported(self, inventory: Inventory) -> str | None:
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        state = self._typed_state(ctx.state)
-        try:
-            return self._run(ctx, state)
-        finally:
-            # the persisted mapping follows the typed state after every run, one that raised included
-            ctx.state.clear()
-            ctx.state.update(dump_state(state))
-
-    def _typed_state(self, raw: MutableMapping[str, Any]) -> CollectiveHangState:
-        # read once per mapping (the daemon hands the same one back); an emptied one is read again
-        if raw is not self._state_of or not raw:
-            self._state = restore(CollectiveHangState, raw, check=self.name)
-            self._state_of = raw
-        return self._state
-
-    def _run(self, ctx: CheckContext, state: CollectiveHangState) -> list[Finding]:
         params = ctx.params_as(CollectiveHangConfig)
         out = self.unreadable_gpus(ctx.inventory)
-        enter_boot(state, ctx.hw.fs.boot_id())
+        state = ctx.state_as(CollectiveHangState)
         for info in ctx.inventory.gpus:
             comp = gpu(info.index)
             run = state.gpus.setdefault(str(info.index), Run())

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpumon.bootstate import BootState
+
 
 @dataclass
 class Run:
@@ -39,13 +41,8 @@ class Run:
 
 
 @dataclass
-class CollectiveHangState:
-    """``ctx.state`` of the check: ``{"boot_id", "gpus": {index: run}}``."""
+class CollectiveHangState(BootState):
+    """The check's declared state: ``{"boot_id", "gpus": {index: run}}``. A reboot ends every job
+    and every run: nothing is kept (``new_boot``)."""
 
-    boot_id: str | None = None
     gpus: dict[str, Run] = field(default_factory=dict)
-
-    def new_boot(self) -> bool:
-        """A reboot ends every job and every run. False: nothing here must reach the disk at once."""
-        self.gpus = {}
-        return False

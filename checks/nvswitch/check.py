@@ -49,8 +49,9 @@ NVSwitch should be inspected and repaired" (Fabric Manager user guide, fatal SXi
 transcribed in leptonai/gpud components/accelerator/nvidia/sxid/sxid.go @ 09b59a5b).
 
 The state (SXid groups, the fabric manager log's cursor and groups, the history across boots) is
-typed (checks/nvswitch/state.py) and read back through ``gpumon.bootstate``: saved state of another
-shape is refused, with its reason logged, and the check starts afresh.
+the check's declared ``State`` (checks/nvswitch/state.py), loaded, checked, saved and reset at a
+reboot by the framework: saved state of another shape is refused, with its reason logged, and the
+check starts afresh.
 """
 
 from __future__ import annotations
@@ -58,12 +59,11 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid as uuidlib
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import timezone, tzinfo
 from typing import Any
 
-from gpumon.bootstate import REPEAT_WINDOW_S, REPEAT_WINDOW_SOURCE, RepeatHistory, enter_boot, restore
+from gpumon.bootstate import REPEAT_WINDOW_S, REPEAT_WINDOW_SOURCE, RepeatHistory
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.fabricmanager import (
@@ -91,7 +91,6 @@ from .state import (
     OpenEvent,
     SxidGroup,
     SxidMark,
-    to_json,
 )
 
 _MAX_SAMPLES = 5
@@ -172,15 +171,11 @@ class NvswitchCheck(Check):
     interval = 60.0
     timeout = 20.0
     Config = NvswitchConfig
+    State = NvswitchState
     uses_kernel_log = True
     # SXid lines only: other kernel noise must not re-read NVML and the FM log
     kernel_log_events = (SXidEvent,)
     kernel_log_records = False
-
-    def __init__(self) -> None:
-        # The typed state and the mapping it was read from (see _typed_state)
-        self._state = NvswitchState()
-        self._state_of: MutableMapping[str, Any] | None = None
 
     def supported(self, inventory: Inventory) -> str | None:
         if any(d.is_nvswitch for d in inventory.pci_devices):
@@ -195,34 +190,18 @@ class NvswitchCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params = ctx.params_as(NvswitchConfig)
-        state = self._typed_state(ctx.state)
-        try:
-            enter_boot(state, ctx.hw.fs.boot_id())
-            if isinstance(ctx.kernel_log, SavedKernelLog):
-                # a saved log judged on purpose (gpumon check --kmsg-file), maybe on a laptop: this
-                # host's switches, NVML fabric state and fabric manager log say nothing about it
-                return self._one_per_component(self._sxid(ctx, state, params, ctx.kernel_log.judged_at))
-            now = ctx.clock()
-            boot_time = ctx.hw.fs.boot_time() or ctx.kernel_log.boot_time
-            findings = self._switch_count(ctx.inventory, params)
-            findings += self._sxid(ctx, state, params, now)
-            findings += self._fabric(ctx, params, now, boot_time)
-            findings += self._fm_log(ctx, state, params, now, boot_time)
-            return self._one_per_component(findings)
-        finally:
-            # the persisted mapping follows the typed state after every run, so that the daemon's
-            # save (and a test) sees what this run left
-            ctx.state.clear()
-            ctx.state.update(to_json(state))
-
-    def _typed_state(self, raw: MutableMapping[str, Any]) -> NvswitchState:
-        """The state read from ``raw`` once per mapping: one loaded from disk may hold anything,
-        the one this check wrote back itself needs no second look. An emptied mapping (the
-        runner set the state aside) is read again: the check starts afresh."""
-        if raw is not self._state_of or not raw:
-            self._state = restore(NvswitchState, raw, check=self.name)
-            self._state_of = raw
-        return self._state
+        state = ctx.state_as(NvswitchState)
+        if isinstance(ctx.kernel_log, SavedKernelLog):
+            # a saved log judged on purpose (gpumon check --kmsg-file), maybe on a laptop: this
+            # host's switches, NVML fabric state and fabric manager log say nothing about it
+            return self._one_per_component(self._sxid(ctx, state, params, ctx.kernel_log.judged_at))
+        now = ctx.clock()
+        boot_time = ctx.hw.fs.boot_time() or ctx.kernel_log.boot_time
+        findings = self._switch_count(ctx.inventory, params)
+        findings += self._sxid(ctx, state, params, now)
+        findings += self._fabric(ctx, params, now, boot_time)
+        findings += self._fm_log(ctx, state, params, now, boot_time)
+        return self._one_per_component(findings)
 
     # -- one finding per component (and fault) -----------------------------------------
 

@@ -1,10 +1,10 @@
-"""The nvswitch check's persisted state (``ctx.state``), typed.
+"""The nvswitch check's declared state (``NvswitchCheck.State``), loaded and saved by the framework.
 
-The JSON is the one the check wrote before it was typed, key for key, so that state saved by that
-release loads unchanged (and this release's state loads in that one: a key it expects is never
-written as null). It is read through :func:`gpumon.bootstate.restore`: state of another shape (a
-hand edit, another release, a bit flip that still parses) is refused, with its reason logged, and
-the check starts afresh instead of raising on every run. Each ``__post_init__`` refuses what the
+The JSON is the untyped state file's, key for key, so that state saved by an older release loads
+unchanged (and this release's state loads in that one: a key it expects is never written as null).
+State of another shape (a hand edit, another release, a bit flip that still parses) is refused
+when it is loaded (:func:`gpumon.bootstate.read_state`), with its reason logged, and the check
+starts afresh instead of raising on every run. Each ``__post_init__`` refuses what the
 annotations cannot say and the check could not judge (a finding for a component name that is not
 one, a group that counts no event).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstate import dump_state
+from gpumon.bootstate import OMIT_DEFAULT, BootState
 from gpumon.model import is_component
 
 
@@ -124,21 +124,20 @@ class FmState:
     # checks it and starts from the log's tail on anything it did not write. None: not followed
     # yet, or the log was missing at the last run.
     cursor: dict[str, Any] | None = None
-    # None until the log was first found (not written then: the release before typed state
-    # expects the key to hold the counts when it is there)
-    stats: FmStats | None = None
+    # None until the log was first found (not written then: an older release expects the key to
+    # hold the counts when it is there)
+    stats: FmStats | None = field(default=None, metadata=OMIT_DEFAULT)
 
 
 @dataclass
-class NvswitchState:
-    boot_id: str | None = None
+class NvswitchState(BootState):
     # RepeatHistory's mapping, {"<pci or switch>|<code>": {boot: epoch}}: fatal SXids across boots.
     # Its inner shape is RepeatHistory's to read, tolerantly (an entry it cannot read is no
     # repeat), so that junk in one entry does not cost the cursor and the rest of the state.
     history: dict[str, Any] = field(default_factory=dict)
     sxid: dict[str, SxidGroup] = field(default_factory=dict)  # "<switch>|<code>" -> lines folded
     switch_pci: dict[str, int] = field(default_factory=dict)  # PCI bus id -> switch number in SXid lines
-    sxid_mark: SxidMark | None = None  # not written while None (the previous release left it out)
+    sxid_mark: SxidMark | None = field(default=None, metadata=OMIT_DEFAULT)  # older files have no key
     fm: FmState = field(default_factory=FmState)
 
     def __post_init__(self) -> None:
@@ -151,19 +150,6 @@ class NvswitchState:
         if empty:
             raise ValueError(f"sxid group(s) {', '.join(map(repr, empty))} count no event")
 
-    def new_boot(self) -> bool:
-        """A reboot clears what the kernel log and fabric manager said in the last boot; the history
-        across boots is what the repeat-after-reboot rule reads, and stays."""
-        self.sxid, self.switch_pci, self.sxid_mark, self.fm = {}, {}, None, FmState()
-        return False
-
-
-def to_json(state: NvswitchState) -> dict[str, Any]:
-    """``state`` as the JSON the check saves: :func:`dump_state`, less the keys the previous
-    release left out while they had no value."""
-    out = dump_state(state)
-    if out["sxid_mark"] is None:
-        del out["sxid_mark"]
-    if out["fm"]["stats"] is None:
-        del out["fm"]["stats"]
-    return out
+    # A reboot clears what the kernel log and fabric manager said in the last boot; the history
+    # across boots is what the repeat-after-reboot rule reads, and stays.
+    keep_across_boots = ("history",)

@@ -44,20 +44,19 @@ are the ib check's).
 Uncorrectable errors and the "before gpumon watched" counts stay reported for
 the boot (the counters themselves only reset at boot).
 
-The state is typed (``PcieState``) and read back through ``gpumon.bootstate``: saved state of
-another shape (a hand edit, another release) is refused, with its reason logged, and the check
-starts afresh instead of raising on every run.
+The state is the check's declared ``State`` (``PcieState``), loaded, checked, saved and reset at a
+reboot by the framework: saved state of another shape (a hand edit, another release) is refused,
+with its reason logged, and the check starts afresh instead of raising on every run.
 """
 
 from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstate import enter_boot, restore
 from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition
 from gpumon.hw import pci as pcihw
@@ -137,16 +136,12 @@ class PcieCheck(Check):
     interval = 60.0
     timeout = 30.0
     Config = PcieConfig
+    State = PcieState
     uses_kernel_log = True
     # AER lines are folded as they arrive (AerFold); only an uncorrectable report runs the check
     # at once, corrected ones are counted and reach it at its regular run
     kernel_log_events = ()
     kernel_log_records = False
-
-    def __init__(self) -> None:
-        # The typed state and the mapping it was read from (see _typed_state)
-        self._state = PcieState()
-        self._state_of: MutableMapping[str, Any] | None = None
 
     def kernel_log_fold(self) -> AerFold:
         return AerFold()
@@ -162,29 +157,7 @@ class PcieCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params = ctx.params_as(PcieConfig)
-        state = self._typed_state(ctx.state)
-        try:
-            return self._run(ctx, params, state)
-        finally:
-            # The persisted mapping follows the typed state after every run (the daemon saves it,
-            # a test reads it). The typed state's mappings are the JSON's own, so this is four
-            # keys set, not a copy: a storm of uncorrectable reports runs the check often.
-            raw = ctx.state
-            raw.clear()
-            raw.update(boot_id=state.boot_id, devices=state.devices, kmsg=state.kmsg,
-                       kmsg_source=state.kmsg_source)
-
-    def _typed_state(self, raw: MutableMapping[str, Any]) -> PcieState:
-        """The state read from ``raw`` once per mapping: one loaded from disk may hold anything,
-        the one this check wrote back itself needs no second look. An emptied mapping (the
-        runner set the state aside) is read again: the check starts afresh."""
-        if raw is not self._state_of or not raw:
-            self._state = restore(PcieState, raw, check=self.name)
-            self._state_of = raw
-        return self._state
-
-    def _run(self, ctx: CheckContext, params: PcieConfig, state: PcieState) -> list[Finding]:
-        enter_boot(state, ctx.hw.fs.boot_id())
+        state = ctx.state_as(PcieState)
         now = ctx.clock()
         out = self._read_kernel_log(ctx, state, now)
         try:

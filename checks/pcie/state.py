@@ -1,10 +1,10 @@
-"""The pcie check's persisted state (``ctx.state``), typed.
+"""The pcie check's declared state (``PcieCheck.State``), loaded and saved by the framework.
 
-The JSON is the one the check wrote before it was typed, key for key, so that state saved by that
-release loads unchanged (and this release's loads in that one). It is read through
-:func:`gpumon.bootstate.restore`: state of another shape (a hand edit, another release, a bit flip
-that still parses) is refused, with its reason logged, and the check starts afresh instead of
-raising on every run.
+The JSON is the untyped state file's, key for key, so that state saved by an older release loads
+unchanged (and this release's loads in that one). State of another shape (a hand edit, another
+release, a bit flip that still parses) is refused when it is loaded
+(:func:`gpumon.bootstate.read_state`), with its reason logged, and the check starts afresh instead
+of raising on every run.
 
 A device and a kernel-log entry stay JSON mappings in memory: a device's record has an "is" key (a
 Python keyword, so no dataclass field) and its counters' keys appear only after its first reading,
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstate import StateError, load_state
+from gpumon.bootstate import BootState, StateError, load_state
 from gpumon.hw import pci as pcihw
 from gpumon.model import is_component, pci
 
@@ -120,10 +120,10 @@ def _check(cls: type, raw: dict[str, Any], where: str) -> None:
 
 
 @dataclass
-class PcieState:
-    """The check's persisted state (``ctx.state``, as JSON through gpumon.bootstate)."""
+class PcieState(BootState):
+    """The check's declared state. AER counters and kernel-log reports are per boot: a reboot
+    starts everything afresh (``new_boot``)."""
 
-    boot_id: str | None = None
     # bus id -> "is" (what the function is) and, from the first reading, its AER baseline
     # (_AerBaseline's keys)
     devices: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -135,8 +135,3 @@ class PcieState:
             _check_device(bdf, ds)
         for bdf, entry in self.kmsg.items():
             _check_entry(bdf, entry)
-
-    def new_boot(self) -> bool:
-        """AER counters and kernel-log reports are per boot: a reboot starts everything afresh."""
-        self.devices, self.kmsg, self.kmsg_source = {}, {}, {}
-        return False

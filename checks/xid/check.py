@@ -37,9 +37,10 @@ Application-level Xids (restart_app) stop being reported ``recent_window_s``
 after their last line; GPU-level ones stay for the boot (a reboot or GPU reset
 is what clears them).
 
-The state kept across runs and restarts (``ctx.state``: the groups, GPU identities and the two
-de-duplication ledgers) is typed (``state.py``) and read back through ``gpumon.bootstate``: saved
-state of another shape is logged and started afresh, never raised on at every run.
+The state kept across runs and restarts (the groups, GPU identities and the two de-duplication
+ledgers) is the check's declared ``State`` (``state.py``), loaded, checked, saved and reset at a
+reboot by the framework: saved state of another shape is logged and started afresh, never raised
+on at every run.
 
 The open NVML event set is a live object, not state: it is kept by the check instance (which
 lives as long as the daemon, or one ``gpumon check``), re-opened when it breaks or when the
@@ -49,12 +50,10 @@ check is handed a new hardware session.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from gpumon.bootstate import enter_boot, restore
 from gpumon.check import GPU_LOST, Check, CheckContext
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.inventory import Inventory
@@ -64,7 +63,7 @@ from gpumon.hw.nvrm import FallenOffBus, GpuIdentity, XidEvent
 from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci, reading
 
 from .catalog import UNKNOWN, decode_nvlink5, decode_xid74, lookup, xid74_repeats
-from .state import XidDetail, XidGroup, XidState, dump_xid_state
+from .state import XidDetail, XidGroup, XidState
 
 # nvmlGpuRecoveryAction_t values as printed in Xid 154 lines
 _RECOVERY = {
@@ -142,6 +141,7 @@ class XidCheck(Check):
     interval = 60.0
     timeout = 10.0
     Config = XidConfig
+    State = XidState
     uses_kernel_log = True
     kernel_log_events = (XidEvent, FallenOffBus, GpuIdentity)
     kernel_log_records = False
@@ -149,9 +149,6 @@ class XidCheck(Check):
 
     def __init__(self) -> None:
         self._nvml: _NvmlSource | None = None
-        # The typed state and the mapping it was read from (see _typed_state)
-        self._state = XidState()
-        self._state_of: MutableMapping[str, Any] | None = None
 
     def supported(self, inventory: Inventory) -> str | None:
         if not inventory.gpus and not inventory.nvidia_pci_gpus and not inventory.unreadable_gpus:
@@ -159,29 +156,9 @@ class XidCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        state = self._typed_state(ctx.state)
-        try:
-            return self._run(ctx, state)
-        finally:
-            # the persisted mapping follows the typed state after every run (one that raised
-            # included), so that the daemon's timed save sees what this run left
-            ctx.state.clear()
-            ctx.state.update(dump_xid_state(state))
-
-    def _typed_state(self, raw: MutableMapping[str, Any]) -> XidState:
-        """The state read from ``raw`` once per mapping: a mapping loaded from disk may hold
-        anything, but the one this check wrote itself on its last run needs no second look (in a
-        kernel-log storm the check runs twice a second). An emptied mapping is read again: the
-        daemon empties a state it sets aside, and this check never leaves its own empty."""
-        if raw is not self._state_of or not raw:
-            self._state = restore(XidState, raw, check=self.name)
-            self._state_of = raw
-        return self._state
-
-    def _run(self, ctx: CheckContext, state: XidState) -> list[Finding]:
+        state = ctx.state_as(XidState)  # a reboot has cleared every Xid (XidState.new_boot)
         params = ctx.params_as(XidConfig)
         log = ctx.kernel_log
-        enter_boot(state, ctx.hw.fs.boot_id())  # a reboot clears every Xid: nothing is kept
         groups = state.groups
         saved = isinstance(log, SavedKernelLog)
         now = log.judged_at if isinstance(log, SavedKernelLog) else ctx.clock()

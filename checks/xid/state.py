@@ -1,23 +1,22 @@
-"""The xid check's persisted state (``ctx.state``), typed, read back through ``gpumon.bootstate``.
+"""The xid check's declared state (``XidCheck.State``), loaded and saved by the framework.
 
-The JSON keeps the shape of the releases before it was typed, key for key, so that a node
-upgraded mid-boot keeps its Xid history and an older release can still read what this one wrote:
+The JSON keeps the shape of the untyped state files, key for key, so that a node upgraded mid-boot
+keeps its Xid history and an older release can still read what this one wrote:
 
 ``{"boot_id", "groups": {"<component>|<code>": group}, "identities": {pci: {"uuid", "serial"}},
 "kernel_unmatched": [[gpu, code, when, group key]], "nvml_unmatched": [[gpu, code, lo, hi, group
 key]]}``.
 
 Saved state of another shape (a hand edit, another release, a bit flip that still parses) is
-refused by :func:`gpumon.bootstate.restore`, which logs why; the check then starts afresh instead
-of raising on every run.
+refused when it is loaded (:func:`gpumon.bootstate.read_state`), which logs why; the check then
+starts afresh instead of raising on every run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from gpumon.bootstate import dump_state
+from gpumon.bootstate import OMIT_DEFAULT, BootState
 from gpumon.model import Action, Severity, is_component
 
 
@@ -36,8 +35,8 @@ class XidDetail:
         Action(self.action)
 
 
-# kw_only: the fields keep the order (and so the JSON the order) of the untyped releases, required
-# ones among them
+# kw_only: the fields keep the order (and so the JSON the order) of the untyped state files,
+# required ones among them
 @dataclass(kw_only=True)
 class XidGroup:
     """The events of one (component, root code) in this boot."""
@@ -57,23 +56,21 @@ class XidGroup:
     sources: list[str] = field(default_factory=list)
     detail: XidDetail | None = None
     # Set only for the codes whose lines carry them (NVLink5 144-150, Xid 74); None is "not set",
-    # and is left out of the JSON as the untyped releases left the key out.
-    nvlink_unit: str | None = None
-    nvidia_resolution: str | None = None
-    nvidia_investigatory: str | None = None
-    error_status: str | None = None
-    nvlink_classes: list[str] | None = None
-    register_words: list[str] | None = None
-    x74_lines: dict[str, int] | None = None
-
-
-_OPTIONAL = ("nvlink_unit", "nvidia_resolution", "nvidia_investigatory", "error_status", "nvlink_classes",
-             "register_words", "x74_lines")
+    # and is left out of the JSON, where the untyped state files have no key.
+    nvlink_unit: str | None = field(default=None, metadata=OMIT_DEFAULT)
+    nvidia_resolution: str | None = field(default=None, metadata=OMIT_DEFAULT)
+    nvidia_investigatory: str | None = field(default=None, metadata=OMIT_DEFAULT)
+    error_status: str | None = field(default=None, metadata=OMIT_DEFAULT)
+    nvlink_classes: list[str] | None = field(default=None, metadata=OMIT_DEFAULT)
+    register_words: list[str] | None = field(default=None, metadata=OMIT_DEFAULT)
+    x74_lines: dict[str, int] | None = field(default=None, metadata=OMIT_DEFAULT)
 
 
 @dataclass
-class XidState:
-    boot_id: str | None = None
+class XidState(BootState):
+    """``{"boot_id", "groups", "identities", "kernel_unmatched", "nvml_unmatched"}``; a reboot
+    clears every Xid and renumbers nothing worth keeping: nothing outlives it (``new_boot``)."""
+
     groups: dict[str, XidGroup] = field(default_factory=dict)
     identities: dict[str, dict[str, str]] = field(default_factory=dict)  # PCI bus id -> uuid, serial
     # kernel lines not (yet) matched by an NVML event: (gpu, code, when, group key)
@@ -88,23 +85,3 @@ class XidState:
         bad = [g.component for g in self.groups.values() if not is_component(g.component)]
         if bad:
             raise ValueError(f"group component(s) {', '.join(map(repr, bad))} are not component names")
-
-    def new_boot(self) -> bool:
-        """A reboot clears every Xid (and renumbers nothing worth keeping): nothing outlives it.
-        False: nothing here must reach the disk before the daemon's next save."""
-        self.groups = {}
-        self.identities = {}
-        self.kernel_unmatched = []
-        self.nvml_unmatched = []
-        return False
-
-
-def dump_xid_state(state: XidState) -> dict[str, Any]:
-    """``state`` as the JSON mapping the untyped releases wrote (optional group keys left out
-    when not set)."""
-    out = dump_state(state)
-    for g in out["groups"].values():
-        for key in _OPTIONAL:
-            if g[key] is None:
-                del g[key]
-    return out

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
+from conftest import run_on_json
 from gpumon.check import CheckContext
 from gpumon.export.prometheus import Snapshot, SnapshotHolder, make_registry
 from gpumon.model import CheckRun, Finding, Severity
@@ -35,7 +36,7 @@ class _Daemon:
     def step(self, t: float) -> dict[str, Finding]:
         self.h.render(t)
         self.t = t
-        findings = self.check.run(self.ctx)
+        findings = run_on_json(self.check, self.ctx)
         state = self.h.states["collective_hang"]
         assert json.loads(json.dumps(state)) == state  # JSON types only (CheckStateStore)
         return {f.component: f for f in findings}

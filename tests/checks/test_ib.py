@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SimHarness
+from conftest import SimHarness, run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.checkstate import CheckStateStore
 from gpumon.errors import HwCondition
@@ -86,7 +86,7 @@ class Node:
         ctx = CheckContext(hw=self.hw, inventory=Inventory(ib_devices=sorted(os.listdir(self.ib))),
                            profile=self.profile, params=self.params, state=self.state,
                            kernel_log=KernelLog(), clock=lambda: T0 + t)
-        findings = IbCheck().run(ctx)
+        findings = run_on_json(IbCheck(), ctx)
         assert json.loads(json.dumps(self.state)) == self.state  # JSON types only (CheckStateStore)
         by = {f.component: f for f in findings}
         assert len(by) == len(findings), "one finding per component"
@@ -700,7 +700,7 @@ def _run_kept(node: Node, t: float, state: dict[str, Any], check: IbCheck) -> li
     ctx = CheckContext(hw=node.hw, inventory=Inventory(ib_devices=sorted(os.listdir(node.ib))),
                        profile=node.profile, params=node.params, state=state, kernel_log=KernelLog(),
                        clock=lambda: T0 + t)
-    return check.run(ctx)
+    return run_on_json(check, ctx)
 
 
 def _as_text(findings: list[Finding]) -> list[str]:

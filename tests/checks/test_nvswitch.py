@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.errors import ConfigError
 from gpumon.hw import Hardware
@@ -61,7 +62,7 @@ def _ctx(root: Path, *, events: list[Any] = (), inventory: Inventory | None = No
 
 
 def _run(ctx: CheckContext) -> list[Finding]:
-    findings = NvswitchCheck().run(ctx)
+    findings = run_on_json(NvswitchCheck(), ctx)
     json.dumps(ctx.state)  # the state must stay JSON-serializable
     return findings
 
@@ -524,7 +525,7 @@ def _healthy_run_without_fm_log(h: Any, t: float) -> list[Finding]:
     """A run at time t on a node where fabric manager logs elsewhere (syslog): no log file."""
     h.render(t)
     (h.node.host_root / DEFAULT_LOG_PATH).unlink(missing_ok=True)
-    findings: list[Finding] = NvswitchCheck().run(h.context(NvswitchCheck))
+    findings: list[Finding] = run_on_json(NvswitchCheck(), h.context(NvswitchCheck))
     return findings
 
 

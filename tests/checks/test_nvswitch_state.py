@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from conftest import run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.fabricmanager import DEFAULT_LOG_PATH
@@ -123,7 +124,7 @@ def _scenario(root: Path, *, restart: bool = False, first: dict[str, Any] | None
                            params=NvswitchConfig(), state=state,
                            kernel_log=KernelLog(events=events, source="test", boot_time=1.7e9),
                            clock=lambda dt=dt: T0 + dt)
-        findings = check.run(ctx)
+        findings = run_on_json(check, ctx)
         state = ctx.state
         out.append({"state": _masked(dict(state), root),
                     "findings": _masked([_finding(f) for f in findings], root)})
@@ -161,7 +162,7 @@ def _scenario_from(root: Path, state: dict[str, Any], *, start: int) -> list[dic
                            kernel_log=KernelLog(events=[_sxid(line) for line in lines], source="test",
                                                 boot_time=1.7e9),
                            clock=lambda dt=dt: T0 + dt)
-        findings = NvswitchCheck().run(ctx)
+        findings = run_on_json(NvswitchCheck(), ctx)
         live = json.loads(json.dumps(ctx.state))
         out.append({"state": _masked(live, root), "findings": _masked([_finding(f) for f in findings], root)})
     return out
@@ -216,7 +217,7 @@ def test_the_malformed_shapes_differ_from_a_valid_state_only_where_they_say(
                        params=NvswitchConfig(), state=state,
                        kernel_log=KernelLog(source="test", boot_time=1.7e9), clock=lambda: T0 + 1)
     with caplog.at_level(logging.WARNING, logger="gpumon.bootstate"):
-        found = {(f.component, f.evidence.get("code")): f for f in NvswitchCheck().run(ctx)}
+        found = {(f.component, f.evidence.get("code")): f for f in run_on_json(NvswitchCheck(), ctx)}
     assert not caplog.records
     assert found["nvswitch/0", 20034].evidence["events"] == 1  # the saved SXid group
     assert found["nvswitch/0", 12028].evidence["count"] == 1  # the saved fabric manager group
@@ -251,36 +252,9 @@ def test_malformed_history_inside_is_read_tolerantly(tmp_path: Path, history: An
                        params=NvswitchConfig(), state=state,
                        kernel_log=KernelLog(events=[ev], source="test", boot_time=1.7e9), clock=lambda: T0)
     with caplog.at_level(logging.WARNING, logger="gpumon.bootstate"):
-        found = [f for f in NvswitchCheck().run(ctx) if f.component == "nvswitch/0"]
+        found = [f for f in run_on_json(NvswitchCheck(), ctx) if f.component == "nvswitch/0"]
     assert [(f.severity, f.action.value) for f in found] == [(Severity.FAIL, "reboot_node")]
     assert not caplog.records
     assert ctx.state["history"]["0000:05:00.0|20034"] == {"boot-a": T0}
     json.dumps(ctx.state)
 
-
-def test_state_is_read_once_per_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The typed state is read from the mapping when the mapping is new (a daemon start), not at
-    every run on the mapping the check wrote itself."""
-    import gpumon_checks.nvswitch.check as mod
-
-    calls = []
-    real = mod.restore
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(mod, "restore", counting)
-    _boot(tmp_path, "boot-a")
-    check = NvswitchCheck()
-    state: dict[str, Any] = {}
-    for t in range(3):
-        ctx = CheckContext(hw=Hardware(tmp_path), inventory=Inventory(pci_devices=SWITCHES), profile=GENERIC,
-                           params=NvswitchConfig(), state=state,
-                           kernel_log=KernelLog(source="test", boot_time=1.7e9), clock=lambda t=t: T0 + t)
-        check.run(ctx)
-    assert len(calls) == 1
-    check.run(CheckContext(hw=Hardware(tmp_path), inventory=Inventory(pci_devices=SWITCHES), profile=GENERIC,
-                           params=NvswitchConfig(), state=json.loads(json.dumps(state)),
-                           kernel_log=KernelLog(source="test", boot_time=1.7e9), clock=lambda: T0 + 9))
-    assert len(calls) == 2

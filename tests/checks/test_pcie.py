@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from conftest import run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw import pci as pcihw
@@ -126,14 +127,14 @@ def test_counters_going_backwards_reset_the_baseline(sim: Any) -> None:
     # the function was removed and re-added: its statistics restart from zero
     (gpu / "aer_dev_correctable").write_text("RxErr 0\nTOTAL_ERR_COR 0\n")
     (gpu / "aer_dev_nonfatal").write_text("CmpltTO 0\nTOTAL_ERR_NONFATAL 0\n")
-    found = _by(PcieCheck().run(ctx))
+    found = _by(run_on_json(PcieCheck(), ctx))
     f = found["pci/0000:4c:00.0"]
     assert f.severity is Severity.OK and f.evidence["counter_resets"] == 1
     assert f.evidence.get("correctable_per_hour") is None  # no negative rate, and no rate from nothing
     ctx = h.context(PcieCheck, t=200)
     (gpu / "aer_dev_correctable").write_text("RxErr 1\nTOTAL_ERR_COR 1\n")
     (gpu / "aer_dev_nonfatal").write_text("CmpltTO 0\nTOTAL_ERR_NONFATAL 0\n")
-    f = _by(PcieCheck().run(ctx))["pci/0000:4c:00.0"]
+    f = _by(run_on_json(PcieCheck(), ctx))["pci/0000:4c:00.0"]
     assert f.severity is Severity.OK and f.evidence["correctable_per_hour"] == pytest.approx(36.0)
 
 
@@ -164,7 +165,7 @@ def test_garbage_or_truncated_aer_file_is_unknown_for_that_device_only(sim: Any)
     gpu = (h.node.host_root / "sys/bus/pci/devices/0000:db:00.0").resolve()
     (nic / "aer_dev_fatal").write_bytes(b"Undefined 0\nDLP \xff\xfe\n")
     (gpu / "aer_dev_correctable").write_text("RxErr 0\nBadTLP 0\nBadD")
-    found = _by(PcieCheck().run(ctx))
+    found = _by(run_on_json(PcieCheck(), ctx))
     bad = _by(_bad(found.values()))
     assert set(bad) == {"pci/0000:5e:00.0", "pci/0000:db:00.0"}
     assert all(f.severity is Severity.UNKNOWN for f in bad.values())
@@ -185,7 +186,7 @@ def test_a_device_link_out_of_the_host_root_is_refused(sim: Any, tmp_path: Path)
     link = h.node.host_root / "sys/bus/pci/devices/0000:19:00.0"
     link.unlink()
     link.symlink_to(outside)
-    found = _by(PcieCheck().run(ctx))
+    found = _by(run_on_json(PcieCheck(), ctx))
     refused = found["pci/0000:19:00.0"]
     assert refused.severity is Severity.UNKNOWN and "outside the host root" in refused.message
     assert "fatal_errors" not in refused.evidence
@@ -216,7 +217,7 @@ def test_kernel_log_uncorrectable_line_fails_the_port_event_driven(sim: Any) -> 
 
 def test_no_pci_tree_is_skipped(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path, [])
-    [f] = PcieCheck().run(ctx)
+    [f] = run_on_json(PcieCheck(), ctx)
     assert f.severity is Severity.SKIPPED and "sys/bus/pci/devices" in f.message
     assert PcieCheck().supported(Inventory()) is not None
 
@@ -287,7 +288,7 @@ def test_real_fatal_report_on_the_root_port_above_a_gpu(tmp_path: Path) -> None:
     # the thread names the root port [8086:6f08] and the GPU's bus id; the GPU's device id is not in it
     _function(tmp_path, "pci0000:00/0000:00:03.0", "0x8086", "0x6f08", "0x060400")
     _function(tmp_path, "pci0000:00/0000:00:03.0/0000:03:00.0", "0x10de", "0x0000", "0x030000")
-    found = _by(PcieCheck().run(_ctx(tmp_path, ["0000:03:00.0"], RETURNN_1500.splitlines())))
+    found = _by(run_on_json(PcieCheck(), _ctx(tmp_path, ["0000:03:00.0"], RETURNN_1500.splitlines())))
     port, gpu = found["pci/0000:00:03.0"], found["pci/0000:03:00.0"]
     assert (port.severity, port.action.value) == (Severity.FAIL, "inspect_hardware")
     assert port.evidence["is"] == "upstream of gpu/0"
@@ -305,7 +306,8 @@ def test_real_correctable_reports_are_counted_not_failed(tmp_path: Path) -> None
     _function(tmp_path, "pci0000:00/0000:00:03.1", "0x1022", "0x1453", "0x060400")
     _function(tmp_path, "pci0000:00/0000:00:03.1/0000:07:00.0", "0x10de", "0x2184", "0x030000")
     state: dict[str, Any] = {}
-    found = _by(PcieCheck().run(_ctx(tmp_path, ["0000:07:00.0"], POP_3363.splitlines(), state=state)))
+    found = _by(run_on_json(PcieCheck(),
+                            _ctx(tmp_path, ["0000:07:00.0"], POP_3363.splitlines(), state=state)))
     assert not _bad(found.values())
     gpu = found["pci/0000:07:00.0"]
     cor = gpu.evidence["kernel_log"]["correctable"]
@@ -315,14 +317,15 @@ def test_real_correctable_reports_are_counted_not_failed(tmp_path: Path) -> None
         "BadTLP", "BadDLLP", "Rollover", "Timeout"]
     # the same records handed again (a second source, a daemon restart) are counted again: the log is
     # evidence, the counters in sysfs are the criterion
-    found = _by(PcieCheck().run(_ctx(tmp_path, ["0000:07:00.0"], POP_3363.splitlines(), state=state)))
+    found = _by(run_on_json(PcieCheck(),
+                            _ctx(tmp_path, ["0000:07:00.0"], POP_3363.splitlines(), state=state)))
     assert found["pci/0000:07:00.0"].evidence["kernel_log"]["correctable"]["count"] == 2
 
 
 def test_unreadable_kernel_log_is_unknown_but_sysfs_is_still_read(tmp_path: Path) -> None:
     _function(tmp_path, "pci0000:00/0000:00:03.0", "0x8086", "0x6f08", "0x060400")
     _function(tmp_path, "pci0000:00/0000:00:03.0/0000:03:00.0", "0x10de", "0x2330", "0x030200")
-    found = _by(PcieCheck().run(_ctx(tmp_path, ["0000:03:00.0"], available=False)))
+    found = _by(run_on_json(PcieCheck(), _ctx(tmp_path, ["0000:03:00.0"], available=False)))
     assert found["node"].severity is Severity.UNKNOWN and "permission denied" in found["node"].message
     assert found["pci/0000:03:00.0"].severity is Severity.OK
 
@@ -332,7 +335,7 @@ def test_gpu_link_below_the_profile_warns_wrong_slot(tmp_path: Path) -> None:
     gen5 = ("16.0 GT/s PCIe", "32.0 GT/s PCIe", "16", "16")
     _function(tmp_path, "pci0000:00/0000:00:01.0", "0x8086", "0x352a", "0x060400", link=gen4)  # a Gen4 slot
     _function(tmp_path, "pci0000:00/0000:00:01.0/0000:01:00.0", "0x10de", "0x2330", "0x030200", link=gen5)
-    found = _by(PcieCheck().run(_ctx(tmp_path, ["0000:01:00.0"], profile="h100-sxm")))
+    found = _by(run_on_json(PcieCheck(), _ctx(tmp_path, ["0000:01:00.0"], profile="h100-sxm")))
     gpu = found["pci/0000:01:00.0"]
     assert (gpu.severity, gpu.action.value) == (Severity.WARN, "inspect_hardware")
     assert "only Gen4" in gpu.message and "expects Gen5" in gpu.message
@@ -344,9 +347,9 @@ def test_vanished_device_is_unknown(tmp_path: Path) -> None:
     _function(tmp_path, "pci0000:00/0000:00:03.0", "0x8086", "0x6f08", "0x060400")
     _function(tmp_path, "pci0000:00/0000:00:03.0/0000:03:00.0", "0x10de", "0x2330", "0x030200")
     state: dict[str, Any] = {}
-    PcieCheck().run(_ctx(tmp_path, ["0000:03:00.0"], state=state))
+    run_on_json(PcieCheck(), _ctx(tmp_path, ["0000:03:00.0"], state=state))
     (tmp_path / "sys/bus/pci/devices/0000:03:00.0").unlink()
-    found = _by(PcieCheck().run(_ctx(tmp_path, [], state=state)))
+    found = _by(run_on_json(PcieCheck(), _ctx(tmp_path, [], state=state)))
     gone = found["pci/0000:03:00.0"]
     assert gone.severity is Severity.UNKNOWN and "no longer listed" in gone.message
     assert gone.evidence["was"] == "gpu/0"
@@ -363,7 +366,7 @@ def test_virtual_functions_are_not_watched_and_only_function_0_owns_the_link(tmp
     _function(tmp_path, "pci0000:00/0000:00:01.0/0000:01:00.2", "0x15b3", "0x101e", "0x020000",
               link=("Unknown", "8.0 GT/s PCIe", "0", "16"))
     (tmp_path / "sys/devices/pci0000:00/0000:00:01.0/0000:01:00.2/physfn").symlink_to(f"../../../{nic}")
-    found = _by(PcieCheck().run(_ctx(tmp_path, [])))
+    found = _by(run_on_json(PcieCheck(), _ctx(tmp_path, [])))
     assert set(found) == {"pci/0000:00:01.0", "pci/0000:01:00.0", "pci/0000:01:00.1"}
     assert not _bad(found.values())
     assert found["pci/0000:01:00.1"].evidence["link"]["judged"].startswith("at function 0 (0000:01:00.0)")
@@ -523,7 +526,7 @@ def test_real_h100_capture_maps_every_gpu_nic_and_port_without_false_positive(
     gpus = _h100_gpus(fns)
     cx7 = sorted(b for b, f in fns.items() if f.device == "0x1021")
     assert len(gpus) == 8 and len(cx7) == 8
-    findings = PcieCheck().run(_ctx(root, gpus, profile="h100-sxm"))
+    findings = run_on_json(PcieCheck(), _ctx(root, gpus, profile="h100-sxm"))
     assert not _bad(findings), [f.message for f in _bad(findings)]
     found = _by(findings)
     for i, bdf in enumerate(gpus):
@@ -557,7 +560,7 @@ def test_real_h100_capture_nonfatal_rise_on_a_switch_port_fails_that_port(
     root, fns = h100
     gpus = _h100_gpus(fns)
     state: dict[str, Any] = {}
-    assert not _bad(PcieCheck().run(_ctx(root, gpus, state=state)))
+    assert not _bad(run_on_json(PcieCheck(), _ctx(root, gpus, state=state)))
     fs = Hardware(root).fs
     port = pcihw.read_function(fs, gpus[3]).parent
     assert port is not None
@@ -566,7 +569,7 @@ def test_real_h100_capture_nonfatal_rise_on_a_switch_port_fails_that_port(
     try:
         nonfatal.write_text(saved.replace("CmpltTO 0", "CmpltTO 1").replace("TOTAL_ERR_NONFATAL 0",
                                                                            "TOTAL_ERR_NONFATAL 1"))
-        [bad] = _bad(PcieCheck().run(_ctx(root, gpus, state=state, now=1_800_000_060.0)))
+        [bad] = _bad(run_on_json(PcieCheck(), _ctx(root, gpus, state=state, now=1_800_000_060.0)))
     finally:
         nonfatal.write_text(saved)
     assert bad.component == f"pci/{port}" and bad.evidence["is"] == "upstream of gpu/3"

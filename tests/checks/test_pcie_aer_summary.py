@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pci_tree import add_function
 
+from conftest import run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory
@@ -32,7 +33,7 @@ def _run(root: Path, *lines: str) -> dict[str, Finding]:
     log = KernelLog(records=[parse_line(line) for line in lines], source="test", boot_time=1.7e9)
     ctx = CheckContext(hw=Hardware(root), inventory=inv, profile=GENERIC, params=None, state={},
                        kernel_log=log, clock=lambda: 1.8e9)
-    return {f.component: f for f in PcieCheck().run(ctx)}
+    return {f.component: f for f in run_on_json(PcieCheck(), ctx)}
 
 
 @pytest.mark.parametrize(

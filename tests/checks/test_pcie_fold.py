@@ -16,6 +16,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw import pci as pcihw
@@ -190,7 +191,7 @@ def _check(root: Path, log: KernelLog) -> list[tuple[str, str, str, Any]]:
     inv = Inventory(gpus=[GpuInfo(0, "GPU-0", None, GPU, "NVIDIA H100 80GB HBM3", "hopper", 18, 0)])
     ctx = CheckContext(hw=Hardware(root), inventory=inv, profile=GENERIC, params=None, state={},
                        kernel_log=log, clock=lambda: 1.8e9)
-    return [(f.component, f.severity.value, f.message, f.evidence) for f in PcieCheck().run(ctx)]
+    return [(f.component, f.severity.value, f.message, f.evidence) for f in run_on_json(PcieCheck(), ctx)]
 
 
 def test_the_check_says_the_same_from_the_pumps_fold_as_from_the_records(tmp_path: Path) -> None:
@@ -214,7 +215,7 @@ def test_the_check_says_the_same_from_the_pumps_fold_as_from_the_records(tmp_pat
         log = KernelLog(folded=copy.deepcopy(delta), source="test", boot_time=1.7e9)
         ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=None,
                            state=root_state, kernel_log=log, clock=lambda: 1.8e9)
-        out = [(f.component, f.severity.value, f.message, f.evidence) for f in PcieCheck().run(ctx)]
+        out = [(f.component, f.severity.value, f.message, f.evidence) for f in run_on_json(PcieCheck(), ctx)]
     assert out == direct
     gpu = {c: (sev, msg) for c, sev, msg, _ in out}[f"pci/{GPU}"]
     assert gpu[0] == "fail" and "not recovered" in gpu[1] and "CmpltTO (First)" in gpu[1]

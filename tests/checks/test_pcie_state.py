@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from pci_tree import add_function
 
+from conftest import run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw import pci as pcihw
@@ -128,7 +129,7 @@ def _scenario(root: Path, *, restart: bool = False, first: dict[str, Any] | None
             check = PcieCheck()
         ctx = _ctx(root, hw, state, _log(lines, folded, seq), T0 + dt)
         seq += len(lines)
-        findings = check.run(ctx)
+        findings = run_on_json(check, ctx)
         state = ctx.state
         out.append({"state": json.loads(json.dumps(state)),
                     "findings": json.loads(json.dumps([_finding(f) for f in findings]))})
@@ -191,7 +192,7 @@ def test_the_malformed_shapes_differ_from_a_valid_state_only_where_they_say(
     state = {"boot_id": "boot-a", "devices": {GPU: json.loads(json.dumps(_DEVICE))},
              "kmsg": {PORT: json.loads(json.dumps(_ENTRY))}, "kmsg_source": {PORT: PORT}}
     with caplog.at_level(logging.WARNING, logger="gpumon.bootstate"):
-        found = {f.component: f for f in PcieCheck().run(_ctx(tmp_path, Hardware(tmp_path), state,
+        found = {f.component: f for f in run_on_json(PcieCheck(), _ctx(tmp_path, Hardware(tmp_path), state,
                                                               KernelLog(source="test"), T0))}
     assert not caplog.records
     assert found[f"pci/{PORT}"].evidence["kernel_log"]["fatal"]["count"] == 1
@@ -208,27 +209,3 @@ def test_malformed_saved_state_is_refused_and_the_check_runs(tmp_path: Path, sav
     assert len(refused) == 1 and "pcie" in refused[0].getMessage()
     assert run == fresh  # started afresh: what a fresh start gives, run after run
 
-
-def test_state_is_read_once_per_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The typed state is read from the mapping when the mapping is new (a daemon start), not at
-    every run on the mapping the check wrote itself (a storm of AER reports runs the check often)."""
-    import gpumon_checks.pcie.check as mod
-
-    calls = []
-    real = mod.restore
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(mod, "restore", counting)
-    _tree(tmp_path)
-    _boot(tmp_path, "boot-a")
-    hw = Hardware(tmp_path)
-    check = PcieCheck()
-    state: dict[str, Any] = {}
-    for t in range(3):
-        check.run(_ctx(tmp_path, hw, state, _log(_CORRECTED, False, 1 + 10 * t), T0 + t))
-    assert len(calls) == 1
-    check.run(_ctx(tmp_path, hw, json.loads(json.dumps(state)), KernelLog(source="test"), T0 + 9))
-    assert len(calls) == 2

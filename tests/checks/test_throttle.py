@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import run_on_json
 from gpumon.bootstate import dump_state, load_state
 from gpumon.check import CheckContext
 from gpumon.config import load_config, with_profile
@@ -48,7 +49,7 @@ class _Daemon:
         if render:
             self.h.render(t)
         self.t = t
-        findings = ThrottleCheck().run(self.ctx)
+        findings = run_on_json(ThrottleCheck(), self.ctx)
         state = self.h.states["throttle"]
         assert json.loads(json.dumps(state)) == state  # JSON types only (CheckStateStore)
         return {f.component: f for f in findings}
@@ -277,7 +278,7 @@ def test_state_saved_by_the_previous_release_loads_unchanged_and_judges_the_same
         else:
             h.render(t)
         d.t = t
-        check.run(d.ctx)  # one instance all along, as the daemon keeps it
+        run_on_json(check, d.ctx)  # one instance all along, as the daemon keeps it
     before = {**saved, "boot_id": d.ctx.hw.fs.boot_id()}  # each simulated node boots with an id of its own
     assert h.states["throttle"] == before  # the same JSON, key for key
     later = {t: d.step(t, render=True) for t in (100, 150)}  # _Daemon.step: a new instance each run
@@ -292,11 +293,11 @@ def test_state_saved_by_the_previous_release_loads_unchanged_and_judges_the_same
     for t in (100, 150):  # the first run reads the file, the second runs on what it kept
         h.render(t)
         d.t = t
-        assert [f.to_json() for f in check.run(d.ctx)] == [f.to_json() for f in later[t].values()]
+        assert [f.to_json() for f in run_on_json(check, d.ctx)] == [f.to_json() for f in later[t].values()]
     # a reboot since: nothing of the last boot is kept (gpumon.bootstate.enter_boot)
     d.ctx.state.clear()
     d.ctx.state.update({**json.loads(json.dumps(before)), "boot_id": "an-earlier-boot"})
-    found = {f.component: f for f in ThrottleCheck().run(d.ctx)}
+    found = {f.component: f for f in run_on_json(ThrottleCheck(), d.ctx)}
     assert "current reading" in found["gpu/6"].evidence["judged_by"]
     assert d.ctx.state["boot_id"] == before["boot_id"]
     assert [len(g["samples"]) for g in d.ctx.state["gpus"].values()] == [1] * 8
@@ -328,8 +329,8 @@ def test_saved_state_that_does_not_fit_is_logged_once_and_started_afresh(
     ctx.state.update(json.loads(json.dumps(_MALFORMED[name])))
     check = ThrottleCheck()
     with caplog.at_level("WARNING", logger="gpumon.bootstate"):
-        assert [f.to_json() for f in check.run(ctx)] == expected
-        check.run(ctx)  # the next run goes on from what the first left: nothing is refused again
+        assert [f.to_json() for f in run_on_json(check, ctx)] == expected
+        run_on_json(check, ctx)  # the next run goes on from what the first left: nothing is refused again
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
         "saved state of check throttle refused, starting afresh"]
     assert [len(g["samples"]) for g in ctx.state["gpus"].values()] == [2] * 8

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conftest import clean_env, run_gpumon
+from conftest import clean_env, run_gpumon, run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory, PciDevice, UnreadableGpu
@@ -45,7 +45,7 @@ def _run(name: str, pcis: list[str], *, lost: list[str] = (), state: dict[str, A
                        params=params or XidConfig(), state=state if state is not None else {},
                        kernel_log=KernelLog(events=events, source=name, boot_time=1_700_000_000.0),
                        clock=lambda: now)
-    return XidCheck().run(ctx)
+    return run_on_json(XidCheck(), ctx)
 
 
 def _lines(tmp_path: Path, pcis: list[str], *lines: str, params: XidConfig | None = None,
@@ -60,7 +60,7 @@ def _lines(tmp_path: Path, pcis: list[str], *lines: str, params: XidConfig | Non
                        params=params or XidConfig(), state={},
                        kernel_log=KernelLog(events=events, source="test", boot_time=1_700_000_000.0),
                        clock=lambda: now)
-    return XidCheck().run(ctx)
+    return run_on_json(XidCheck(), ctx)
 
 
 def _by(findings: list[Finding]) -> dict[tuple[str, int], Finding]:
@@ -139,7 +139,7 @@ def test_gpu_missing_from_nvml_is_named_by_its_pci_address(tmp_path: Path) -> No
     inv.pci_devices.append(PciDevice("0000:91:00.0", "0x10de", "0x2330", "0x030200"))
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=XidConfig(),
                        state={}, kernel_log=KernelLog(events=events), clock=lambda: 0.0)
-    [f] = XidCheck().run(ctx)
+    [f] = run_on_json(XidCheck(), ctx)
     assert (f.component, f.action.value) == ("pci/0000:91:00.0", "reboot_node")
 
 
@@ -226,7 +226,7 @@ def test_unreadable_kernel_log_is_unknown_not_ok(tmp_path: Path) -> None:
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=_inventory(["0000:18:00.0"]), profile=GENERIC,
                        params=XidConfig(), state={},
                        kernel_log=KernelLog(available=False, error="/dev/kmsg: permission denied"))
-    [f] = XidCheck().run(ctx)
+    [f] = run_on_json(XidCheck(), ctx)
     assert f.severity is Severity.UNKNOWN and "permission denied" in f.message
 
 
@@ -255,7 +255,7 @@ class _Runner:
         return ctx
 
     def run(self, t: float, kernel_log: KernelLog | None = None) -> dict[tuple[str, int], Finding]:
-        findings = self.check.run(self.context(t, kernel_log))
+        findings = run_on_json(self.check, self.context(t, kernel_log))
         assert json.loads(json.dumps(self.h.states["xid"])) == self.h.states["xid"]  # JSON state only
         return {(f.component, f.evidence.get("code", 0)): f for f in findings}
 
@@ -286,7 +286,7 @@ def test_neither_source_is_unknown(sim: Any) -> None:
     ctx = h.context(XidCheck, 1)
     ctx.kernel_log = NO_KMSG
     ctx.inventory = Inventory()  # no GPU NVML can read: no event set can be opened
-    [f] = XidCheck().run(ctx)
+    [f] = run_on_json(XidCheck(), ctx)
     assert f.severity is Severity.UNKNOWN and "no GPU readable through NVML" in f.message
 
 
@@ -348,7 +348,7 @@ def test_kernel_line_arriving_after_its_nvml_event_is_still_one_event(sim: Any) 
     ctx = r.context(10)
     late = ctx.kernel_log  # the line is in the log, but the check sees NVML's event first
     ctx.kernel_log = KernelLog(source=late.source, boot_time=late.boot_time)
-    early = {(f.component, f.evidence.get("code")): f for f in r.check.run(ctx)}
+    early = {(f.component, f.evidence.get("code")): f for f in run_on_json(r.check, ctx)}
     assert early[("gpu/4", 109)].evidence["source"] == "nvml"
     found = r.run(12, late)
     _expect(found[("gpu/4", 109)], Severity.FAIL, "reset_gpu", 1)
@@ -548,14 +548,14 @@ def test_saved_log_is_judged_at_its_own_end(tmp_path: Path) -> None:
     log = SavedKernelLog(events=events, source=str(_GPUD_46), judged_at=end)
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=_inventory(["0000:cb:00.0"]), profile=GENERIC,
                        params=XidConfig(), state={}, kernel_log=log, clock=time.time)
-    found = _by(XidCheck().run(ctx))
+    found = _by(run_on_json(XidCheck(), ctx))
     # judged when the log ended, the Xid 13s are an hour-fresh application error, as on the node then
     _expect(found[("gpu/0", 13)], Severity.WARN, "restart_app", 3)
     _expect(found[("gpu/0", 109)], Severity.FAIL, "reset_gpu", 1)
     assert found[("gpu/0", 109)].evidence["source"] == "kernel"  # this host's NVML is not asked
     # the same records as the live log (judged now): the application error has long expired
     ctx.kernel_log, ctx.state = KernelLog(events=events, source="live"), {}
-    assert set(_by(XidCheck().run(ctx))) == {("gpu/0", 109)}
+    assert set(_by(run_on_json(XidCheck(), ctx))) == {("gpu/0", 109)}
 
 
 def test_gpumon_check_kmsg_file_judges_an_earlier_boot_the_live_log_ignores(
@@ -635,13 +635,13 @@ def test_state_saved_by_the_previous_release_loads_unchanged_and_judges_the_same
         if t == 300:
             ctx.state.clear()
             ctx.state.update(json.loads(json.dumps(before)))
-        found = {(f.component, f.evidence.get("code", 0)): f for f in fresh.check.run(ctx)}
+        found = {(f.component, f.evidence.get("code", 0)): f for f in run_on_json(fresh.check, ctx)}
         assert _judged(found) == _judged(later[t])
     # a reboot since: nothing of the last boot is kept (gpumon.bootstate.enter_boot)
     ctx = fresh.context(4000)
     ctx.state.clear()
     ctx.state.update({**json.loads(json.dumps(before)), "boot_id": "an-earlier-boot"})
-    assert [f.component for f in XidCheck().run(ctx)] == ["node"]
+    assert [f.component for f in run_on_json(XidCheck(), ctx)] == ["node"]
     assert ctx.state["groups"] == {} and ctx.state["boot_id"] == before["boot_id"]
 
 
@@ -680,15 +680,15 @@ def _ctx119(tmp_path: Path, state: dict[str, Any], *, lines: bool = True) -> Che
 def test_saved_state_that_does_not_fit_is_logged_once_and_started_afresh(
         name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # what the release before typed state did: AttributeError, TypeError... on every run, forever
-    expected = [(f.component, f.severity, f.message) for f in XidCheck().run(_ctx119(tmp_path, {}))]
+    expected = [(f.component, f.severity, f.message) for f in run_on_json(XidCheck(), _ctx119(tmp_path, {}))]
     assert ("gpu/0", Severity.FAIL) in [e[:2] for e in expected]
     state = json.loads(json.dumps(_MALFORMED[name]))
     check = XidCheck()
     with caplog.at_level("WARNING", logger="gpumon.bootstate"):
-        found = check.run(_ctx119(tmp_path, state))
+        found = run_on_json(check, _ctx119(tmp_path, state))
         assert [(f.component, f.severity, f.message) for f in found] == expected
         # the next run goes on from what the first left: nothing is refused again, nothing lost
-        again = check.run(_ctx119(tmp_path, state, lines=False))
+        again = run_on_json(check, _ctx119(tmp_path, state, lines=False))
         assert [(f.component, f.severity, f.message) for f in again] == expected
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
         "saved state of check xid refused, starting afresh"]
@@ -700,7 +700,7 @@ def test_state_emptied_by_the_daemon_is_started_afresh(tmp_path: Path) -> None:
     # same mapping: the check must then read it again, not go on from what it kept
     state: dict[str, Any] = {}
     check = XidCheck()
-    assert "gpu/0" in [f.component for f in check.run(_ctx119(tmp_path, state))]
+    assert "gpu/0" in [f.component for f in run_on_json(check, _ctx119(tmp_path, state))]
     state.clear()
-    assert [f.component for f in check.run(_ctx119(tmp_path, state, lines=False))] == ["node"]
+    assert [f.component for f in run_on_json(check, _ctx119(tmp_path, state, lines=False))] == ["node"]
     assert state["groups"] == {}

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from pci_tree import add_function
 
+from conftest import run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory, PciDevice
@@ -103,7 +104,7 @@ def _xid(case: dict[str, Any], records: list[KernelRecord], events: list[NvrmEve
     now = _now(log)
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=None, state={},
                        kernel_log=log, clock=lambda: now)
-    return _picked(XidCheck().run(ctx), case["expected_code"])
+    return _picked(run_on_json(XidCheck(), ctx), case["expected_code"])
 
 
 def _sxid(case: dict[str, Any], records: list[KernelRecord], events: list[NvrmEvent],
@@ -114,7 +115,7 @@ def _sxid(case: dict[str, Any], records: list[KernelRecord], events: list[NvrmEv
     now = _now(log)
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=None, state={},
                        kernel_log=log, clock=lambda: now)
-    return _picked(NvswitchCheck().run(ctx), case["expected_code"])
+    return _picked(run_on_json(NvswitchCheck(), ctx), case["expected_code"])
 
 
 # the link speed of the test trees (a Gen5 root port and GPU)
@@ -141,7 +142,7 @@ def _aer(case: dict[str, Any], records: list[KernelRecord], tmp_path: Path) -> d
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=None, state={},
                        kernel_log=log, clock=lambda: now)
     bus = _bus(case)
-    bad = [f for f in PcieCheck().run(ctx) if f.severity is not Severity.OK]
+    bad = [f for f in run_on_json(PcieCheck(), ctx) if f.severity is not Severity.OK]
     return _picked(bad, None, f"pci/{bus}")
 
 

@@ -21,15 +21,16 @@ per port, the outages of a sliding window (default 24 h) in ``ctx.state``:
   belong in ``ignore_ports``.
 
 Restarts and crashes never shorten a recorded outage: the state is saved (atomic,
-fsync'd, through ``gpumon.checkstate.save_now``) at the sample where a port goes
+fsync'd, through ``ctx.save_state_now``) at the sample where a port goes
 down or comes back, not only on the daemon's 10 s timer. After a restart (same
 boot) an outage left open is timed from its saved start to the first reading that
 sees the port up again, so one that ended while gpumon was not running is counted
 up to the restart (the safe side: gpumon cannot know it was shorter). A reboot
 closes it at the last saved reading that saw the port down.
-The state is typed (``_IbState``) and read back through ``gpumon.bootstate``: saved state of
-another shape (an older release, a hand edit) is refused, with its reason logged, and the check
-starts afresh.
+The state is the check's declared ``State`` (``state.IbState``), loaded, checked, saved and reset
+at a reboot by the framework: saved state of another shape (another release, a hand edit) is
+refused, with its reason logged, and the check starts afresh. The outage arithmetic is
+``outages.py``.
 
 InfiniBand ports are also compared with the profile (rate, port count);
 Ethernet (RoCE) ports are checked for state and downtime only, since the
@@ -44,16 +45,10 @@ sample (so a link that retrains at a lower rate is seen at once).
 from __future__ import annotations
 
 import dataclasses
-import logging
-import math
-import re
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.bootstate import StateError, dump_state, enter_boot, load_state, restore
 from gpumon.check import Check, CheckContext
-from gpumon.checkstate import save_now
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.infiniband import (
     SAMPLE_COUNTERS,
@@ -67,15 +62,10 @@ from gpumon.hw.infiniband import (
 from gpumon.hw.inventory import Inventory
 from gpumon.model import NODE, Action, Finding, Phase, Severity, reading
 
-_STATE_VERSION = 1
-# How many outage records one port keeps; beyond it the two oldest are merged,
-# so a port flapping every second cannot grow the persisted state without bound.
-_MAX_RECORDS = 128
-_RATE_COUNTERS = ("symbol_error", "link_error_recovery")
-_BUCKET_S = 60.0
+from .outages import RATE_COUNTERS, per_hour, prune, sample
+from .state import Detail, IbState, Layout, Port
+
 _EVIDENCE_OUTAGES = 5
-log = logging.getLogger("gpumon.checks.ib")
-_KEY_RE = re.compile(r"[^/]+/[0-9]{1,3}")
 # Every sample reads all ports in one bounded call, and each file still costs its open,
 # read and close (~5 us of CPU, 8 ports x 3 files a second). Rate, link
 # layer and the error counters only change when a link retrains, and their rates are
@@ -157,12 +147,9 @@ class IbCheck(Check):
     interval = 1.0
     timeout = 10.0
     Config = IbConfig
+    State = IbState
 
     def __init__(self) -> None:
-        # The typed state and the mapping it was read from (see _typed_state)
-        self._state = _IbState()
-        self._state_of: MutableMapping[str, Any] | None = None
-        self._save_now = False
         # port component -> (what its steady finding depends on, params, profile, the finding):
         # see _verdict
         self._steady: dict[str, tuple[tuple[Any, ...], IbConfig, Any, Finding]] = {}
@@ -174,41 +161,23 @@ class IbCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         params = ctx.params_as(IbConfig)
-        now = ctx.clock()
-        state = self._typed_state(ctx.state)
-        try:
-            return self._take_sample(ctx, params, state, now)
-        finally:
-            # the persisted mapping follows the typed state after every sample, so that the
-            # daemon's timed save (and a test) sees what this run left
-            ctx.state.clear()
-            ctx.state.update(dump_state(state))
-            if self._save_now:
-                save_now(ctx.state)
+        # an outage open at a reboot was closed when the state was reset (IbState.new_boot)
+        state = ctx.state_as(IbState)
+        found, changed = self._take_sample(ctx, params, state, ctx.clock())
+        if changed:
+            # an outage opened or closed must be on disk at once: a crash before the daemon's next
+            # timed save would otherwise lose its start, and shorten it
+            ctx.save_state_now()
+        return found
 
-    def _typed_state(self, raw: MutableMapping[str, Any]) -> _IbState:
-        """The state read from ``raw`` once per mapping: a mapping loaded from disk may hold
-        anything, but the one this check wrote itself a second ago needs no second look (the
-        check runs every second, and a full check costs more than the sampling)."""
-        # emptied in place: set aside by the runner (gpumon.checkstate), start afresh too
-        if raw is not self._state_of or not raw:
-            _drop_bad_ports(raw, self.name)
-            self._state = restore(_IbState, raw, check=self.name)
-            self._state_of = raw
-        return self._state
-
-    def _take_sample(self, ctx: CheckContext, params: IbConfig, state: _IbState, now: float) -> list[Finding]:
-        boot = ctx.hw.fs.boot_id()
-        # an outage opened or closed must be on disk at once (save_now in run): a crash before
-        # the daemon's next timed save would otherwise lose its start, and shorten it
-        self._save_now = False
+    def _take_sample(self, ctx: CheckContext, params: IbConfig, state: IbState, now: float
+                     ) -> tuple[list[Finding], bool]:
+        """The sample's findings, and whether an outage opened or closed (or a port went missing)."""
         changed = False
-        changed = enter_boot(state, boot)
         try:
             devices = [d for d in list_devices(ctx.hw.fs) if d not in params.ignore_devices]
         except HwCondition as cond:
-            self._save_now = changed
-            return [self.from_condition(cond, NODE)]
+            return [self.from_condition(cond, NODE)], changed
         ports = state.ports
         readings, unlisted, problems = self._read_all(ctx, devices, state, now)
         out: list[Finding] = []
@@ -227,12 +196,11 @@ class IbCheck(Check):
         tracked = {k: p for k, p in ports.items()
                    if k.split("/", 1)[0] not in params.ignore_devices and k not in params.ignore_ports}
         out.append(self._node_finding(ctx, readings, tracked, problems))
-        self._save_now = changed
-        return out
+        return out, changed
 
     # -- reading -----------------------------------------------------------
 
-    def _read_all(self, ctx: CheckContext, devices: list[str], state: _IbState, now: float
+    def _read_all(self, ctx: CheckContext, devices: list[str], state: IbState, now: float
                   ) -> tuple[dict[str, IbPort | HwCondition | None], dict[str, HwCondition], list[str]]:
         """key "dev/port" -> reading, the condition that stopped it, or None when it is gone;
         devices whose ports could not be listed; what went wrong at device level (said in
@@ -259,7 +227,7 @@ class IbCheck(Check):
             readings.update(_read(ctx, again, state.ports, now))
         return readings, unlisted, problems
 
-    def _wanted(self, ctx: CheckContext, devices: list[str], layout: _Layout, relist: bool,
+    def _wanted(self, ctx: CheckContext, devices: list[str], layout: Layout, relist: bool,
                 unlisted: dict[str, HwCondition], problems: list[str]
                 ) -> tuple[list[tuple[str, int]], dict[str, int]]:
         """The ports to read (listing each device first when ``relist``), and how many
@@ -276,7 +244,7 @@ class IbCheck(Check):
             marks[dev] = len(problems)
         return wanted, marks
 
-    def _list(self, ctx: CheckContext, dev: str, layout: _Layout, unlisted: dict[str, HwCondition],
+    def _list(self, ctx: CheckContext, dev: str, layout: Layout, unlisted: dict[str, HwCondition],
               problems: list[str]) -> bool:
         try:
             ports = list_ports(ctx.hw.fs, dev)
@@ -293,7 +261,7 @@ class IbCheck(Check):
 
     # -- one port ----------------------------------------------------------
 
-    def _port(self, ctx: CheckContext, params: IbConfig, key: str, ports: dict[str, _Port],
+    def _port(self, ctx: CheckContext, params: IbConfig, key: str, ports: dict[str, Port],
               reading: IbPort | HwCondition | None, now: float
               ) -> tuple[Finding | None, IbPort | HwCondition | None, bool]:
         """The port's finding, its reading completed from the last full one, and whether an
@@ -309,21 +277,21 @@ class IbCheck(Check):
                 return (self.from_condition(reading, comp) if isinstance(reading, HwCondition)
                         else self.finding(comp, Severity.UNKNOWN, "port folder vanished while read")
                         ), reading, False
-            pst = ports[key] = _Port()
+            pst = ports[key] = Port()
         changed = False
         if isinstance(reading, IbPort):
             reading = _with_details(pst, reading, now)
-            changed = _sample(pst, reading.up, now, reading)
+            changed = sample(pst, reading.up, now, reading)
             pst.missing_since = None
         elif reading is None:
             if pst.missing_since is None:
                 pst.missing_since = now
                 changed = True
-            changed = _sample(pst, False, now, None) or changed
-        _prune(pst, now, params)
+            changed = sample(pst, False, now, None) or changed
+        prune(pst, now, params)
         return self._verdict(ctx, params, comp, pst, reading, now), reading, changed
 
-    def _verdict(self, ctx: CheckContext, params: IbConfig, comp: str, pst: _Port,
+    def _verdict(self, ctx: CheckContext, params: IbConfig, comp: str, pst: Port,
                  reading: IbPort | HwCondition | None, now: float) -> Finding:
         """The port's finding. A port that is up with nothing in its windows gets, sample
         after sample, the same finding but for ``details_age_s``: that one is kept (in
@@ -341,7 +309,7 @@ class IbCheck(Check):
         self._steady[comp] = (steady, params, ctx.profile, found)
         return found
 
-    def _judge(self, ctx: CheckContext, params: IbConfig, comp: str, pst: _Port,
+    def _judge(self, ctx: CheckContext, params: IbConfig, comp: str, pst: Port,
                reading: IbPort | HwCondition | None, now: float) -> Finding:
         issues: list[_Issue] = []
         evidence = _downtime_evidence(pst, now, params)
@@ -362,7 +330,7 @@ class IbCheck(Check):
             issues += self._reading_issues(ctx, params, reading, pst, evidence, now)
         return _finding(self, comp, issues, evidence)
 
-    def _reading_issues(self, ctx: CheckContext, params: IbConfig, port: IbPort, pst: _Port,
+    def _reading_issues(self, ctx: CheckContext, params: IbConfig, port: IbPort, pst: Port,
                         evidence: dict[str, Any], now: float) -> list[_Issue]:
         issues: list[_Issue] = []
         if not port.up:
@@ -379,7 +347,7 @@ class IbCheck(Check):
                                               "profile's InfiniBand rate and port count do not apply")
         for counter, limit in (("symbol_error", params.symbol_error_warn_per_h),
                                ("link_error_recovery", params.link_error_recovery_warn_per_h)):
-            per_h = _per_hour(pst, counter, now, params)
+            per_h = per_hour(pst, counter, now, params)
             evidence[f"{counter}_per_h"] = round(per_h, 1)
             if per_h > limit:
                 issues.append(_Issue(Severity.WARN, Action.CHECK_CABLES,
@@ -392,7 +360,7 @@ class IbCheck(Check):
     # -- node --------------------------------------------------------------
 
     def _node_finding(self, ctx: CheckContext, readings: dict[str, IbPort | HwCondition | None],
-                      ports: dict[str, _Port], problems: list[str]) -> Finding:
+                      ports: dict[str, Port], problems: list[str]) -> Finding:
         found = self._count_finding(ctx, readings, ports)
         if not problems:
             return found
@@ -403,7 +371,7 @@ class IbCheck(Check):
         return self.finding(NODE, found.severity, f"{found.message}; {text}", found.action, **evidence)
 
     def _count_finding(self, ctx: CheckContext, readings: dict[str, IbPort | HwCondition | None],
-                       ports: dict[str, _Port]) -> Finding:
+                       ports: dict[str, Port]) -> Finding:
         read = {k: r for k, r in readings.items() if isinstance(r, IbPort)}
         ib = sorted(k for k, r in read.items() if r.is_infiniband)
         active = [k for k in ib if read[k].up]
@@ -455,7 +423,7 @@ class IbCheck(Check):
 # -- details ------------------------------------------------------------------
 
 
-def _read(ctx: CheckContext, wanted: list[tuple[str, int]], ports: dict[str, _Port],
+def _read(ctx: CheckContext, wanted: list[tuple[str, int]], ports: dict[str, Port],
           now: float) -> dict[str, IbPort | HwCondition | None]:
     """key "dev/port" -> reading, what stopped it, or None when the port folder (or its state
     file) is gone: every port in one bounded call, each in full or state-only (see _DETAIL_S)."""
@@ -469,13 +437,13 @@ def _read(ctx: CheckContext, wanted: list[tuple[str, int]], ports: dict[str, _Po
     return {f"{dev}/{port}": None if isinstance(r, NotSupported) else r for (dev, port), r in got.items()}
 
 
-def _steady(pst: _Port, reading: IbPort | HwCondition | None) -> tuple[Any, ...] | None:
+def _steady(pst: Port, reading: IbPort | HwCondition | None) -> tuple[Any, ...] | None:
     """Everything a port's finding depends on but its details_age_s, when that is all: the
     port is up, with no outage open or in the window and no error in the rate window, so
     that neither its downtime nor its hourly error rates depend on the time. None otherwise."""
     if (not isinstance(reading, IbPort) or not reading.up or pst.down_since is not None
             or pst.missing_since is not None or pst.outages
-            or any(pst.buckets[c] for c in _RATE_COUNTERS)):
+            or any(pst.buckets[c] for c in RATE_COUNTERS)):
         return None
     return (reading.state, reading.phys_state, reading.rate, reading.link_layer,
             tuple(reading.counters.items()), tuple(reading.errors.items()), pst.resets)
@@ -490,12 +458,12 @@ def _aged(found: Finding, age: float) -> Finding:
     return Finding(found.check, found.component, found.severity, found.message, found.action, evidence)
 
 
-def _with_details(pst: _Port, port: IbPort, now: float) -> IbPort:
+def _with_details(pst: Port, port: IbPort, now: float) -> IbPort:
     """A complete reading: a full one is remembered, a state-only one is completed from
     the last full one (rate, link layer, error counters and why any were unreadable)."""
     if port.complete:
         rate = port.rate
-        pst.detail = _Detail(now, (rate.gbps, rate.lanes, rate.speed) if rate else None, port.link_layer,
+        pst.detail = Detail(now, (rate.gbps, rate.lanes, rate.speed) if rate else None, port.link_layer,
                              dict(port.counters), dict(port.errors))
         return port
     d = pst.detail
@@ -508,227 +476,10 @@ def _with_details(pst: _Port, port: IbPort, now: float) -> IbPort:
         complete=True)
 
 
-# -- state -------------------------------------------------------------------
-
-
-@dataclass
-class _Record:
-    """Outages of one port: one measured outage, those seen only through link_downed between two
-    samples (``n`` of them, each at most the gap long), or older records merged (``_cap``)."""
-
-    start: float
-    end: float
-    down_s: float
-    max_s: float
-    longest_s: float
-    n: int
-    kind: str
-
-
-@dataclass
-class _Detail:
-    """The last full reading of a port (see _DETAIL_S): what a state-only reading is completed from."""
-
-    t: float
-    rate: tuple[float, int | None, str | None] | None
-    link_layer: str
-    counters: dict[str, int]
-    errors: dict[str, str]
-
-    def __post_init__(self) -> None:
-        if any(v < 0 for v in self.counters.values()):
-            raise ValueError("a negative counter")
-
-
-@dataclass
-class _Port:
-    seen_up: bool = False
-    last_t: float | None = None
-    last_up: bool | None = None
-    down_since: float | None = None
-    down_prev_up: float | None = None
-    last_down_t: float | None = None
-    missing_since: float | None = None
-    outages: list[_Record] = field(default_factory=list)
-    counters: dict[str, int] = field(default_factory=dict)
-    resets: int = 0
-    # per rate counter, [minute start, count] buckets of the rate window
-    buckets: dict[str, list[list[float]]] = field(default_factory=lambda: {c: [] for c in _RATE_COUNTERS})
-    detail: _Detail | None = None
-
-    def __post_init__(self) -> None:
-        if any(v < 0 for v in self.counters.values()):
-            raise ValueError("a negative counter")
-        if sorted(self.buckets) != sorted(_RATE_COUNTERS):
-            raise ValueError(f"buckets for {sorted(self.buckets)}, not {sorted(_RATE_COUNTERS)}")
-        if any(len(b) != 2 for c in _RATE_COUNTERS for b in self.buckets[c]):
-            raise ValueError("a bucket that is not [start, count]")
-
-
-@dataclass
-class _Layout:
-    """The ports of each device as last listed, and when (None: list again at the next sample)."""
-
-    t: float | None = None
-    ports: dict[str, list[int]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not all(0 < n < 256 for ports in self.ports.values() for n in ports):
-            raise ValueError("a port number outside 1..255")
-
-
-@dataclass
-class _IbState:
-    """The check's persisted state (``ctx.state``, as JSON through gpumon.bootstate)."""
-
-    version: int = _STATE_VERSION
-    boot_id: str | None = None
-    ports: dict[str, _Port] = field(default_factory=dict)  # "dev/port" -> its state
-    layout: _Layout = field(default_factory=_Layout)
-
-    def __post_init__(self) -> None:
-        if self.version != _STATE_VERSION:
-            raise ValueError(f"version {self.version}, this release writes {_STATE_VERSION}")
-        bad = [k for k in self.ports if _KEY_RE.fullmatch(k) is None]
-        if bad:
-            raise ValueError(f"port key(s) {', '.join(map(repr, bad))} are not device/port")
-
-    def new_boot(self) -> bool:
-        """Counters restart with the driver and an open outage cannot be followed across the
-        reboot: close it at the last sample that saw it, forget ports that are gone. True when
-        an outage was closed or a port forgotten."""
-        ports = self.ports
-        changed = False
-        for key in list(ports):
-            p = ports[key]
-            if p.missing_since is not None:
-                del ports[key]
-                changed = True
-                continue
-            if p.down_since is not None:
-                _close(p, end=p.last_down_t or p.down_since, kind="state (closed by reboot)")
-                changed = True
-            p.last_t = p.last_up = p.detail = None
-            p.counters = {}
-        self.layout = _Layout()
-        return changed
-
-
-def _drop_bad_ports(raw: MutableMapping[str, Any], check: str) -> None:
-    """Forget the saved ports that do not read back (each logged), before the state is read as a
-    whole: one damaged port record must not cost every other port its outage window."""
-    ports = raw.get("ports")
-    if not isinstance(ports, dict):
-        return  # the whole state is then refused, as it should
-    for key in list(ports):
-        try:
-            if _KEY_RE.fullmatch(str(key)) is None:
-                raise StateError(f"state.ports[{key!r}]: not device/port")
-            load_state(_Port, ports[key])
-        except StateError as exc:
-            log.warning("saved state of check %s: port %s forgotten: %s", check, key, exc)
-            del ports[key]
-
-
-def _record(start: float, end: float, down_s: float, max_s: float, kind: str, n: int = 1) -> _Record:
-    # clamped: a wall clock stepped back (NTP) must not make a negative outage
-    down_s, max_s = max(0.0, down_s), max(0.0, max_s)
-    return _Record(start, max(start, end), down_s, max(down_s, max_s), down_s, n, kind)
-
-
-def _close(p: _Port, *, end: float, kind: str) -> None:
-    start = p.down_since
-    assert start is not None  # only an open outage is closed
-    prev_up = p.down_prev_up
-    p.outages.append(_record(start, end, end - start, end - (prev_up if prev_up is not None else start),
-                                kind))
-    p.down_since = p.down_prev_up = p.last_down_t = None
-    _cap(p.outages)
-
-
-def _cap(records: list[_Record]) -> None:
-    while len(records) > _MAX_RECORDS:
-        a, b = records[0], records.pop(1)
-        records[0] = _Record(min(a.start, b.start), max(a.end, b.end), a.down_s + b.down_s, a.max_s + b.max_s,
-                             max(a.longest_s, b.longest_s), a.n + b.n, "merged")
-
-
-def _sample(p: _Port, up: bool, now: float, port: IbPort | None) -> bool:
-    """Fold one sample (or a missing port, ``port`` None, counted as down) into the port's state.
-    True when an outage opened or closed, or one was seen through link_downed: what a crash
-    must not lose (the caller saves the state at once)."""
-    prev_t = p.last_t
-    opened = closed = counted = False
-    if up:
-        if p.down_since is not None:
-            kind = "missing" if p.missing_since is not None else "state"
-            _close(p, end=now, kind=kind if p.seen_up else f"{kind} (down at first reading)")
-            closed = True
-        p.seen_up = True
-    else:
-        # A port down at its first reading (at boot, at daemon start) is timed from that
-        # reading: it has been down at least that long.
-        if p.down_since is None:
-            opened = True
-            p.down_since = now
-            p.down_prev_up = prev_t if p.last_up else None
-        p.last_down_t = now
-    if port is not None:
-        deltas = _counter_deltas(p, port)
-        extra = deltas.get("link_downed", 0) - (1 if opened else 0)
-        if extra > 0 and prev_t is not None:
-            # Outages that began and ended between two samples: the counter saw them,
-            # the state never did. Their length is unknown, at most the gap.
-            p.outages.append(_record(prev_t, now, 0.0, (now - prev_t) * extra, "link_downed", extra))
-            _cap(p.outages)
-            counted = True
-        for counter in _RATE_COUNTERS:
-            if deltas.get(counter, 0) > 0:
-                _add_bucket(p.buckets[counter], now, deltas[counter])
-    p.last_t = now
-    p.last_up = up
-    return opened or closed or counted
-
-
-def _counter_deltas(p: _Port, port: IbPort) -> dict[str, int]:
-    """Increase of each counter since the last sample; the first reading is a baseline and a
-    counter that went backwards was reset (driver reload, perfquery -R): no delta either way."""
-    out: dict[str, int] = {}
-    last: dict[str, int] = p.counters
-    for name, value in port.counters.items():
-        prev = last.get(name)
-        if prev is not None and value >= prev:
-            out[name] = value - prev
-        elif prev is not None:
-            p.resets += 1
-        last[name] = value
-    return out
-
-
-def _add_bucket(buckets: list[list[float]], now: float, count: int) -> None:
-    start = math.floor(now / _BUCKET_S) * _BUCKET_S
-    if buckets and buckets[-1][0] == start:
-        buckets[-1][1] += count
-    else:
-        buckets.append([start, float(count)])
-
-
-def _prune(p: _Port, now: float, params: IbConfig) -> None:
-    p.outages = [r for r in p.outages if r.end > now - params.window_s]
-    for counter in _RATE_COUNTERS:
-        p.buckets[counter] = [b for b in p.buckets[counter]
-                                 if b[0] + _BUCKET_S > now - params.rate_window_s]
-
-
-def _per_hour(p: _Port, counter: str, now: float, params: IbConfig) -> float:
-    total = sum(b[1] for b in p.buckets[counter] if b[0] + _BUCKET_S > now - params.rate_window_s)
-    return float(total * 3600.0 / params.rate_window_s)
-
-
 # -- judgement ---------------------------------------------------------------
 
 
-def _downtime_evidence(p: _Port, now: float, params: IbConfig) -> dict[str, Any]:
+def _downtime_evidence(p: Port, now: float, params: IbConfig) -> dict[str, Any]:
     records = p.outages
     ongoing = max(0.0, now - p.down_since) if p.down_since is not None else None
     measured = sum(r.down_s for r in records) + (ongoing or 0.0)
