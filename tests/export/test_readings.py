@@ -325,3 +325,16 @@ def test_the_daemon_exports_the_help_its_loaded_checks_declare(tmp_path: Path) -
     assert err.count("reading gpu_temperature_celsius: check zz_fans declares it differently (meaning, unit, "
                      "source) from check thermal; /metrics uses thermal's declaration") == 1, err
     assert err.count("ERROR check zz_broken did not load") == 1, err
+
+
+def test_the_readme_examples_declaration_is_its_readings_help() -> None:
+    from test_readme_check import _example
+
+    fans = _example()
+    f = Finding("fans", "node", Severity.OK, "m", evidence={"readings": [reading("site_fan_rpm", 6200)]})
+    snap = Snapshot("n", "p", "v", {"fans": CheckRun("fans", [f], 0, 0, "completed")})
+    family = _families(snap, ReadingCatalog.of([fans]))["gpumon_site_fan_rpm"]
+    assert family.documentation == (
+        "Speed of the node's chassis fan 1. Unit: revolutions per minute. Source: sysfs <hwmon>/fan1_input "
+        "(checks.fans.hwmon). Below checks.fans.min_rpm the node needs its hardware inspected.")
+    assert family.type == "gauge"
