@@ -15,7 +15,8 @@ ending in ``_total`` is a counter, every other name a gauge: ``gpumon.model.read
 Two checks may declare the same reading (a check that extends another, as the bootstrap's
 ``memory_headroom`` extends ``memory``); two that declare it differently are a mistake of one of
 them: the catalog keeps the declaration of the check that comes first by name and logs a warning
-that names both (so a site check cannot silently re-document a built-in reading by loading later).
+that names both: a check never changes another's HELP silently, and which one wins does not depend
+on the order the checks were installed or found in.
 """
 
 from __future__ import annotations
