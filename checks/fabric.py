@@ -19,7 +19,7 @@ from typing import Any
 
 from gpumon.check import Check, CheckContext
 from gpumon.fabric.settings import FabricConfig
-from gpumon.model import NODE, Finding, Severity
+from gpumon.model import NODE, UNIT_BYTES_PER_SECOND, Finding, ReadingSpec, Severity
 
 LATEST = Path("fabric") / "latest.json"
 MAX_BYTES = 1 << 20  # a result file is a few KiB; anything larger is not ours
@@ -30,6 +30,37 @@ RENAMED = {"fabric_busbw_gbps": ("fabric_busbw_bytes_per_second", 1e9)}
 class FabricCheck(Check):
     name = "fabric"
     description = "last multi-node fabric probe's verdict on this node (gpumon probe-fabric)"
+    readings = (
+        ReadingSpec(
+            "fabric_busbw_bytes_per_second", "gauge",
+            "Bus bandwidth in the last multi-node fabric probe (gpumon probe-fabric) that judged this node: "
+            "per collective (label op: all_reduce, all_gather, reduce_scatter, alltoall; sendrecv = the "
+            "median of this node's pair exchanges) and size class (label size_class: small, mid, large), "
+            "the best over the class's sizes.",
+            unit=UNIT_BYTES_PER_SECOND,
+            source="gpumon's own timing of the collectives (the slowest rank's median), busbw as nccl-tests "
+                   "defines it",
+            labels=("op", "size_class")),
+        ReadingSpec(
+            "fabric_latency_p95_seconds", "gauge",
+            "95th-percentile time of one operation in the last fabric probe that judged this node, the "
+            "worst over the size class's sizes and ranks (labels op and size_class as "
+            "fabric_busbw_bytes_per_second; sendrecv: the median of this node's pair exchanges, small "
+            "messages).",
+            unit="seconds",
+            source="gpumon's own timing of the probe's operations",
+            labels=("op", "size_class")),
+        ReadingSpec(
+            "fabric_last_probe_timestamp_seconds", "gauge",
+            "When the last fabric probe that judged this node ran.",
+            unit="Unix time in seconds",
+            source="the probe's group report (gpumon probe-fabric, rank 0)"),
+        ReadingSpec(
+            "fabric_last_probe_passed", "gauge",
+            "1 if the last fabric probe completed and found nothing wrong with this node, else 0 (a flag).",
+            unit=None,
+            source="gpumon's judgement of the probe (gpumon probe-fabric, rank 0)"),
+    )
     interval = 60.0
     timeout = 10.0
     Config = FabricConfig

@@ -42,7 +42,7 @@ from gpumon.check import Check, CheckContext, each_gpu
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvml import EccCounts, GpuInfo, RemapHistogram, RemappedRows, RetiredPages
-from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
+from gpumon.model import Action, Finding, Phase, ReadingSpec, Severity, gpu, reading
 from gpumon.profiles import GENERIC
 
 T = TypeVar("T")
@@ -96,6 +96,50 @@ class MemoryCheck(Check):
     name = "memory"
     phase = Phase.CONTINUOUS
     description = "GPU memory errors: volatile DBE, row remapping, bank remap histogram, retired pages"
+    readings = (
+        ReadingSpec(
+            "ecc_volatile_errors_total", "counter",
+            "ECC errors counted by this GPU's memory since the last GPU reset or driver load (label kind: "
+            "corrected, uncorrected); the reset or driver load sets it back to 0, an ordinary counter reset "
+            "for rate() and increase().",
+            unit="errors",
+            source="NVML nvmlDeviceGetTotalEccErrors (NVML_VOLATILE_ECC)",
+            labels=("kind",),
+            note="A volatile uncorrected error fails the GPU (reset_gpu). Published by the memory check "
+                 "(and the bootstrap's memory_headroom)."),
+        ReadingSpec(
+            "ecc_aggregate_errors_total", "counter",
+            "ECC errors counted by this GPU's memory over its life, kept in its InfoROM across resets and "
+            "reboots (label kind: corrected, uncorrected); includes the volatile count's errors, so never "
+            "add the two.",
+            unit="errors",
+            source="NVML nvmlDeviceGetTotalEccErrors (NVML_AGGREGATE_ECC)",
+            labels=("kind",),
+            note="Evidence only in the memory check; the bootstrap's memory_headroom fails a GPU above its "
+                 "aggregate_errors_fail."),
+        ReadingSpec(
+            "remapped_rows", "gauge",
+            "HBM rows of this GPU replaced by spare rows over its life (label kind: correctable, "
+            "uncorrectable = remapped after a correctable or an uncorrectable error); kept in the InfoROM, "
+            "survives resets and reboots.",
+            unit="rows",
+            source="NVML nvmlDeviceGetRemappedRows (Ampere and later)",
+            labels=("kind",)),
+        ReadingSpec(
+            "remapped_rows_pending", "gauge",
+            "1 while a row remap of this GPU waits for a GPU reset to take effect, else 0 (a flag, not a "
+            "count of rows).",
+            unit=None,
+            source="NVML nvmlDeviceGetRemappedRows isPending",
+            note="Fails the GPU (reset_gpu)."),
+        ReadingSpec(
+            "remapped_rows_failure", "gauge",
+            "1 once a row remap of this GPU has failed (NVIDIA's RMA criterion for GPU memory), else 0 (a "
+            "flag).",
+            unit=None,
+            source="NVML nvmlDeviceGetRemappedRows failureOccurred",
+            note="Fails the GPU (inspect_hardware)."),
+    )
     interval = 60.0
     timeout = 30.0
     Config = MemoryConfig

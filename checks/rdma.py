@@ -41,7 +41,7 @@ from gpumon.hw import infiniband as ibhw
 from gpumon.hw import pci as pcihw
 from gpumon.hw import perftest
 from gpumon.hw.inventory import Inventory
-from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, gpu, reading
 
 from .pcie_topology import GpuNicPair, gpu_nic_pairs
 
@@ -118,6 +118,19 @@ class RdmaCheck(Check):
     phase = Phase.BOOTSTRAP
     description = ("RDMA NIC loopback bandwidth with perftest ib_write_bw: host memory per port, "
                    "GPUDirect RDMA per GPU-NIC pair on one PCIe switch")
+    readings = (
+        ReadingSpec(
+            "rdma_loopback_bytes_per_second", "gauge",
+            "RDMA write bandwidth of a loopback through one NIC port in the last rdma run, perftest's "
+            "average at message_size (default 8 MiB) (label kind: host = host memory to host memory, on "
+            "component ib/<dev>/<port>; gdr = GPUDirect RDMA to and from this GPU's memory through a NIC "
+            "below its PCIe switch, on component gpu/<i>; labels device and port: the NIC's RDMA device and "
+            "port, which tell apart the NICs that share a GPU's switch).",
+            unit="bytes per second (the check's evidence and messages say Gbit/s, as perftest: 1 Gbit/s = "
+                 "1.25e8 bytes per second)",
+            source="perftest ib_write_bw --report_gbits",
+            labels=("kind", "device", "port")),
+    )
     timeout = 180.0
     cost = 30.0
     Config = RdmaConfig

@@ -36,7 +36,7 @@ from typing import Any
 from gpumon.check import Check, CheckContext, each_gpu
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
-from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
+from gpumon.model import Action, Finding, Phase, ReadingSpec, Severity, gpu, reading
 
 # Bounds of a believable limit (the profile schema's thermal.* bounds): a threshold outside them
 # (0 from a driver that does not fill it in) would fail or pass every GPU, so it is not used.
@@ -91,6 +91,20 @@ class ThermalCheck(Check):
     name = "thermal"
     phase = Phase.CONTINUOUS
     description = "GPU core and HBM temperature against NVML's limits; HBM-core gradient"
+    readings = (
+        ReadingSpec(
+            "gpu_temperature_celsius", "gauge",
+            "GPU core (die) temperature at the thermal check's last run.",
+            unit="degrees Celsius",
+            source="NVML nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU); judged against the GPU's own "
+                   "nvmlDeviceGetTemperatureThreshold limits"),
+        ReadingSpec(
+            "hbm_temperature_celsius", "gauge",
+            "GPU memory (HBM) temperature at the thermal check's last run; absent on GPUs without an HBM "
+            "sensor.",
+            unit="degrees Celsius",
+            source="NVML field NVML_FI_DEV_MEMORY_TEMP (nvmlDeviceGetFieldValues)"),
+    )
     interval = 30.0
     timeout = 20.0
     Config = ThermalConfig

@@ -43,7 +43,7 @@ from gpumon.check import Check, CheckContext, each_gpu
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvml import CLOCK_EVENT_REASONS, PERF_POLICIES, GpuInfo
-from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
+from gpumon.model import Action, Finding, Phase, ReadingSpec, Severity, gpu, reading
 
 # NVIDIA documents HW slowdown as engaged by the board for thermal or power
 # protection (nvmlClocksEventReasonHwSlowdown in the NVML API reference), so
@@ -222,6 +222,17 @@ class ThrottleCheck(Check):
     name = "throttle"
     phase = Phase.CONTINUOUS
     description = "NVML clock event reasons over a window: HW slowdown, HW thermal slowdown, HW power brake"
+    readings = (
+        ReadingSpec(
+            "throttle_active_ratio", "gauge",
+            "Share of the throttle check's window (window_s, default 600 s) during which a clock-event "
+            "(throttle) reason held this GPU's clocks (label reason, by default: hw_slowdown, "
+            "hw_thermal_slowdown, hw_power_brake_slowdown, sw_thermal_slowdown, sw_power_cap).",
+            unit="ratio 0..1",
+            source="NVML nvmlDeviceGetCurrentClocksEventReasons sampled on every run, time-weighted, and "
+                   "the thermal violation counter of nvmlDeviceGetViolationStatus",
+            labels=("reason",)),
+    )
     interval = 10.0
     timeout = 20.0
     Config = ThrottleConfig

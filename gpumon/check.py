@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_chec
 
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported, ToolMissing
 from gpumon.hw.kernellog import KernelLog as KernelLog  # what a check is handed: part of the protocol
-from gpumon.model import Action, Finding, Phase, Severity, gpu
+from gpumon.model import Action, Finding, Phase, ReadingSpec, Severity, gpu
 
 if TYPE_CHECKING:
     from gpumon.bootstate import BootState
@@ -191,6 +191,9 @@ class Check:
     name: ClassVar[str] = ""
     phase: ClassVar[Phase] = Phase.CONTINUOUS
     description: ClassVar[str] = ""
+    # What each reading the check publishes (``gpumon.model.reading``) means, in which unit, from
+    # where: the HELP and TYPE of its family on /metrics (gpumon.export.readings)
+    readings: ClassVar[tuple[ReadingSpec, ...]] = ()
     # seconds between runs of a continuous check (the daemon's schedule); other phases ignore it
     interval: ClassVar[float] = 60.0
     timeout: ClassVar[float] = 30.0

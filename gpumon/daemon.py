@@ -37,6 +37,7 @@ from gpumon.daemon_report import ReportWriter
 from gpumon.errors import StartupError
 from gpumon.export.api import HistoryApi, identity_of
 from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder
+from gpumon.export.readings import ReadingCatalog
 from gpumon.export.webserver import load_web_config, serve_metrics
 from gpumon.health import Health, HealthView
 from gpumon.kernel_pump import WATERMARK_STATE, KernelLogPump
@@ -209,7 +210,8 @@ class Daemon:
         host, port = split_listen(settings.listen)
         try:
             holder = self.snapshots or SnapshotHolder(self._snapshot())
-            self._exposition = CachedExposition(holder)
+            # the HELP of each reading: what the checks this daemon loaded declare
+            self._exposition = CachedExposition(holder, ReadingCatalog.of(self.agent.checks.values()))
             self._server, _ = serve_metrics(self._exposition, host, port, web, api=self._history_api(holder))
             threading.Thread(target=self._prerender, name="gpumon-render", daemon=True).start()
         except OSError as exc:

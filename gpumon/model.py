@@ -11,7 +11,7 @@ import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @functools.total_ordering
@@ -236,3 +236,64 @@ def reading(name: str, value: float | int | bool, **labels: str | int) -> list[A
         if not _READING_NAME.match(key) or key in _RESERVED_LABELS:
             raise ValueError(f"bad reading label {key!r}")
     return [name, float(value), {k: str(v) for k, v in labels.items()}]
+
+
+ReadingKind = Literal["gauge", "counter"]
+
+# The unit of a bandwidth reading on /metrics is the base unit; a check's evidence and messages keep
+# GB/s (Grafana's unit "Bps" shows it).
+UNIT_BYTES_PER_SECOND = ("bytes per second (the check's evidence and messages say GB/s: 1 GB/s = 1e9 "
+                         "bytes per second)")
+
+
+@dataclass(frozen=True)
+class ReadingSpec:
+    """What a check declares about a reading it publishes with :func:`reading` (``Check.readings``),
+    which ``/metrics`` shows as the family's HELP and TYPE, so that an operator reading it or building
+    a dashboard needs nothing else.
+
+    ``meaning``: what the number counts or measures, and of what (its labels); ``unit``: its unit,
+    None for a flag or an enumeration (``meaning`` then says "a flag" or what the values stand for);
+    ``source``: where gpumon got it (NVML function, sysfs file, kernel log, an external tool, or
+    gpumon's own measurement or judgement); ``note``: what the check makes of it, if worth saying.
+    ``labels``: the reading's own labels (``check`` and ``component`` come with every reading).
+    A counter's name ends in ``_total`` and only a counter's does (the exporter drops the suffix
+    from the family name, as Prometheus does). A bad declaration raises ``ValueError`` when the
+    check's module is imported, so that the check is reported as not loaded.
+    """
+
+    name: str
+    kind: ReadingKind
+    meaning: str
+    unit: str | None
+    source: str
+    labels: tuple[str, ...] = ()
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not _READING_NAME.match(self.name) or self.name.startswith("gpumon_"):
+            raise ValueError(f"bad reading name {self.name!r}")
+        if self.kind not in ("gauge", "counter"):
+            raise ValueError(f"reading {self.name}: kind {self.kind!r} is neither gauge nor counter")
+        if (self.kind == "counter") != self.name.endswith("_total"):
+            raise ValueError(f"reading {self.name}: a counter's name ends in _total, and only a counter's "
+                             f"(this one is declared a {self.kind})")
+        for key in self.labels:
+            if not _READING_NAME.match(key) or key in _RESERVED_LABELS:
+                raise ValueError(f"reading {self.name}: bad label {key!r}")
+        if not self.meaning.strip() or not self.source.strip() or self.unit == "":
+            raise ValueError(f"reading {self.name}: a declaration says its meaning, unit and source")
+        texts = (self.meaning, self.unit or "", self.source, self.note)
+        if any("\n" in t for t in texts):
+            raise ValueError(f"reading {self.name}: HELP is one line")
+
+    @property
+    def help(self) -> str:
+        """The family's HELP text: meaning, unit, source, note."""
+        parts = [self.meaning]
+        if self.unit is not None:
+            parts.append(f"Unit: {self.unit}.")
+        parts.append(f"Source: {self.source}.")
+        if self.note:
+            parts.append(self.note)
+        return " ".join(parts)

@@ -41,7 +41,7 @@ from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw import placement
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.nvml import CLOCK_EVENT_REASONS
-from gpumon.model import NODE, Action, Finding, Phase, Severity, reading
+from gpumon.model import NODE, UNIT_BYTES_PER_SECOND, Action, Finding, Phase, ReadingSpec, Severity, reading
 
 from . import kernels
 
@@ -235,6 +235,21 @@ class BurninCheck(Check):
     phase = Phase.BOOTSTRAP
     description = ("sustained GEMM on all GPUs at once: TFLOP/s vs node median and profile, bit-identical "
                    "results across GPUs and runs, fp64 reference, device memory copy bandwidth")
+    readings = (
+        ReadingSpec(
+            "burnin_gemm_flop_per_second", "gauge",
+            "GEMM throughput this device sustained in the last burn-in, per data type (label dtype): 2n^3 "
+            "floating-point operations per n x n GEMM over the GEMMs' device time.",
+            unit="floating-point operations per second (FLOP/s; 1e12 = 1 TFLOP/s)",
+            source="gpumon's burn-in workers (torch GEMMs on each GPU; CPU stand-ins on a simulated node)",
+            labels=("dtype",)),
+        ReadingSpec(
+            "burnin_memory_copy_bytes_per_second", "gauge",
+            "Device-to-device memory copy bandwidth of this GPU in the last burn-in, bytes read plus "
+            "written (as CUDA's bandwidthTest counts), the better of two measurements.",
+            unit=UNIT_BYTES_PER_SECOND,
+            source="gpumon's burn-in workers (a torch copy within the GPU's memory)"),
+    )
     # seconds a healthy run takes (suite order and ETA), an estimate, not measured:
     # 3 dtypes x 15 s + ~30 s start-up, operands and references on 8 GPUs
     cost = 75.0

@@ -31,7 +31,7 @@ from typing import Any
 from gpumon.check import Check, CheckContext
 from gpumon.errors import GpuLost, HwCondition, HwTimeout
 from gpumon.hw.inventory import Inventory
-from gpumon.model import Action, Finding, Phase, Severity, gpu, reading
+from gpumon.model import Action, Finding, Phase, ReadingSpec, Severity, gpu, reading
 
 from .state import CollectiveHangState, Run
 
@@ -104,6 +104,30 @@ class CollectiveHangCheck(Check):
     phase = Phase.CONTINUOUS
     description = ("GPU ~100 % utilized at low power, no memory or PCIe traffic, with a compute process, "
                    "for 60 s: spinning in a collective that will not complete")
+    readings = (
+        ReadingSpec(
+            "gpu_collective_hang", "gauge",
+            "1 while this GPU has shown the hung-collective signature without a break for at least hold_s "
+            "(default 60 s), else 0 (a flag): a compute process on it, utilization above "
+            "min_utilization_pct (95 %), board power below max_power_w (the SKU profile's: 160 W on "
+            "H100/H200 SXM, 100 W on A100 and H100 PCIe), memory utilization below 5 % and PCIe below 300 "
+            "MB/s each way, i.e. a kernel spinning in a collective that will not complete (scitix/sichek's "
+            "GPUHang rule).",
+            unit=None,
+            source="NVML nvmlDeviceGetUtilizationRates, nvmlDeviceGetPowerUsage, "
+                   "nvmlDeviceGetComputeRunningProcesses, nvmlDeviceGetPcieThroughput, sampled every run of "
+                   "the collective_hang check (10 s)",
+            note="The GPUs showing it wait; a node of the same job whose GPUs show 0 meanwhile is the one "
+                 "to look at."),
+        ReadingSpec(
+            "gpu_collective_hang_seconds", "gauge",
+            "How long this GPU's current unbroken run of hung-collective signature samples had lasted at "
+            "the collective_hang check's last run: 0 when that sample did not show it; gpu_collective_hang "
+            "turns 1 when it reaches hold_s (default 60 s).",
+            unit="seconds",
+            source="gpumon's timing of the check's NVML samples (any sample without the signature, or a gap "
+                   "over max_sample_gap_s, starts it again from 0)"),
+    )
     interval = 10.0
     timeout = 20.0
     Config = CollectiveHangConfig

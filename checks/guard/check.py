@@ -38,7 +38,7 @@ from gpumon.check import Check, CheckContext
 from gpumon.guard import verdict as vf
 from gpumon.hw.nvml import CLOCK_EVENT_REASONS
 from gpumon.hw.placement import normalize_uuid
-from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, gpu, reading
 
 JUDGED = "judged"
 # One token per daemon process: a file reported by an earlier run of THIS process is in health.db.
@@ -69,6 +69,24 @@ class GuardCheck(Check):
     name = "guard"
     phase = Phase.CONTINUOUS
     description = "verdicts of the in-job SDC checks (gpumon.guard) of jobs on this node"
+    readings = (
+        ReadingSpec(
+            "guard_pace_score", "gauge",
+            "In-job pace of this node's GPU (label gpu: its index) in the latest window of a guarded "
+            "training job (gpumon.guard): the job's median compute per step over all ranks divided by this "
+            "GPU's rank's own (forward to its last gradient bucket, plus optimizer.step(); waiting for "
+            "other ranks excluded). 1 is the group's pace, 0.5 half speed; below 0.75 (NVIDIA Resiliency "
+            "Extension's straggler threshold) in 3 of 5 windows the job names it a straggler.",
+            unit="ratio",
+            source="the job's pace file in the guard spool, exported while under pace_max_age_s (15 min) old",
+            labels=("gpu",)),
+        ReadingSpec(
+            "guard_pace_slowest_score", "gauge",
+            "The lowest guard_pace_score of this node's GPUs: how far the slowest GPU of this node holds "
+            "back its guarded training job (1: at the group's pace).",
+            unit="ratio",
+            source="as guard_pace_score"),
+    )
     interval = 10.0
     timeout = 30.0
     Config = GuardConfig

@@ -26,7 +26,17 @@ from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition
 from gpumon.hw import placement
 from gpumon.hw.inventory import Inventory
-from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+from gpumon.model import (
+    NODE,
+    UNIT_BYTES_PER_SECOND,
+    Action,
+    Finding,
+    Phase,
+    ReadingSpec,
+    Severity,
+    gpu,
+    reading,
+)
 
 from . import kernels
 
@@ -77,6 +87,16 @@ class HostBandwidthCheck(Check):
     name = "host_bandwidth"
     phase = Phase.BOOTSTRAP
     description = "pinned host-to-device and device-to-host copy bandwidth per GPU vs the profile"
+    readings = (
+        ReadingSpec(
+            "host_bandwidth_bytes_per_second", "gauge",
+            "Pinned host memory <-> this GPU copy bandwidth in the last host_bandwidth run (label "
+            "direction: h2d, d2h), one direction's bytes, the best of the attempts, from CPUs local to the "
+            "GPU.",
+            unit=UNIT_BYTES_PER_SECOND,
+            source="gpumon's CUDA copy worker (torch), as nvbandwidth's memcpy_ce tests measure",
+            labels=("direction",)),
+    )
     # seconds a healthy run takes (suite order and ETA), an estimate, not measured:
     # 8 GPUs x ~0.5 s plus start-up
     cost = 15.0

@@ -60,7 +60,7 @@ from gpumon.hw.infiniband import (
     read_ports,
 )
 from gpumon.hw.inventory import Inventory
-from gpumon.model import NODE, Action, Finding, Phase, Severity, reading
+from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, reading
 
 from .outages import RATE_COUNTERS, per_hour, prune, sample
 from .state import Detail, IbState, Layout, Port
@@ -139,10 +139,36 @@ class _Issue:
     text: str
 
 
+IB_READINGS = (
+    ReadingSpec(
+        "ib_downtime_seconds", "gauge",
+        "Time this InfiniBand/RoCE port was down within the ib check's sliding window (window_s, default 24 "
+        "h), an ongoing outage included.",
+        unit="seconds",
+        source="gpumon's timing of sysfs /sys/class/infiniband/<dev>/ports/<port>/state and phys_state, "
+               "sampled every second by default"),
+    ReadingSpec(
+        "ib_outages", "gauge",
+        "Outages of this InfiniBand/RoCE port within the ib check's sliding window (window_s, default 24 "
+        "h), an ongoing one included; falls as outages leave the window, so a gauge, not a counter.",
+        unit="outages",
+        source="sysfs /sys/class/infiniband/<dev>/ports/<port>/state and phys_state samples, plus "
+               "link_downed counter rises for outages shorter than the sampling interval"),
+    ReadingSpec(
+        "ib_longest_outage_seconds", "gauge",
+        "Longest single outage of this InfiniBand/RoCE port within the ib check's sliding window (window_s, "
+        "default 24 h), an ongoing one included; above outage_fail_s the port fails (check_cables).",
+        unit="seconds",
+        source="gpumon's timing of sysfs /sys/class/infiniband/<dev>/ports/<port>/state and phys_state "
+               "samples"),
+)
+
+
 class IbCheck(Check):
     name = "ib"
     phase = Phase.CONTINUOUS
     description = "InfiniBand/RoCE ports: cumulative downtime, link_downed, rate, symbol/link-recovery errors"
+    readings = IB_READINGS
     # Downtime is measured between samples: 1 s is the resolution the issue asks for.
     interval = 1.0
     timeout = 10.0

@@ -44,7 +44,17 @@ from gpumon.check import Check, CheckContext, condition_finding
 from gpumon.errors import HwTimeout
 from gpumon.hw import nccltests, placement
 from gpumon.hw.inventory import Inventory
-from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+from gpumon.model import (
+    NODE,
+    UNIT_BYTES_PER_SECOND,
+    Action,
+    Finding,
+    Phase,
+    ReadingSpec,
+    Severity,
+    gpu,
+    reading,
+)
 
 from . import kernels
 
@@ -299,6 +309,16 @@ class NcclCheck(Check):
     phase = Phase.BOOTSTRAP
     description = ("intra-node all-reduce over every GPU (NCCL; gloo on CPU): exact integer sums checked "
                    "element by element, algbw/busbw per size, busbw vs the profile")
+    readings = (
+        ReadingSpec(
+            "nccl_allreduce_busbw_bytes_per_second", "gauge",
+            "All-reduce bus bandwidth over every local GPU at the largest size of the last nccl run (label "
+            "message_bytes: that message size in bytes); busbw = algbw x 2(n-1)/n as nccl-tests defines it.",
+            unit=UNIT_BYTES_PER_SECOND,
+            source="gpumon's torch.distributed all-reduce sweep, or nccl-tests' all_reduce_perf where it is "
+                   "used",
+            labels=("message_bytes",)),
+    )
     # seconds a healthy run takes (suite order and ETA), an estimate, not measured:
     # a 1 MiB..16 GiB sweep on 8 GPUs plus start-up
     cost = 30.0

@@ -34,7 +34,17 @@ from gpumon.check import NOT_TESTED, Check, CheckContext
 from gpumon.errors import HwCondition
 from gpumon.hw import placement
 from gpumon.hw.inventory import Inventory
-from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, reading
+from gpumon.model import (
+    NODE,
+    UNIT_BYTES_PER_SECOND,
+    Action,
+    Finding,
+    Phase,
+    ReadingSpec,
+    Severity,
+    gpu,
+    reading,
+)
 
 from . import kernels
 
@@ -169,6 +179,15 @@ class P2pCheck(Check):
     phase = Phase.BOOTSTRAP
     description = ("all ordered GPU pairs: NVML P2P status and topology vs the profile (NVLink expected on "
                    "NVLink SKUs), peer copy bandwidth per pair and direction vs the profile")
+    readings = (
+        ReadingSpec(
+            "p2p_copy_bytes_per_second", "gauge",
+            "Copy bandwidth from this GPU to GPU <peer> (label peer: the peer's NVML index) in the last p2p "
+            "run, one direction's bytes.",
+            unit=UNIT_BYTES_PER_SECOND,
+            source="gpumon's CUDA peer-copy worker (torch), one ordered pair at a time",
+            labels=("peer",)),
+    )
     # seconds a healthy run takes (suite order and ETA), an estimate, not measured:
     # 56 ordered pairs x ~0.1 s plus start-up
     cost = 20.0

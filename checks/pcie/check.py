@@ -61,7 +61,7 @@ from gpumon.check import Check, CheckContext
 from gpumon.errors import HwCondition
 from gpumon.hw import pci as pcihw
 from gpumon.hw.inventory import Inventory
-from gpumon.model import NODE, Action, Finding, Phase, Severity, pci, reading
+from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, pci, reading
 
 from .state import PcieState
 
@@ -133,6 +133,16 @@ class PcieCheck(Check):
     phase = Phase.CONTINUOUS
     description = ("PCIe AER errors (sysfs counters, kernel log) and link width/speed of GPUs, RDMA NICs, "
                    "NVSwitches and the ports above them")
+    readings = (
+        ReadingSpec(
+            "pcie_aer_errors_total", "counter",
+            "PCIe AER errors reported by this PCI function (a GPU, RDMA NIC, NVSwitch, or a bridge or "
+            "switch port above them) since boot (label aer_severity: correctable, nonfatal, fatal).",
+            unit="errors",
+            source="sysfs /sys/bus/pci/devices/<bdf>/aer_dev_correctable, aer_dev_nonfatal, aer_dev_fatal "
+                   "(TOTAL_ERR_*), which the kernel resets only at boot",
+            labels=("aer_severity",)),
+    )
     interval = 60.0
     timeout = 30.0
     Config = PcieConfig

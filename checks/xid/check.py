@@ -60,7 +60,7 @@ from gpumon.hw.inventory import Inventory
 from gpumon.hw.kernellog import SavedKernelLog
 from gpumon.hw.nvml import XidEventSet
 from gpumon.hw.nvrm import FallenOffBus, GpuIdentity, XidEvent
-from gpumon.model import NODE, Action, Finding, Phase, Severity, gpu, nvlink, pci, reading
+from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, gpu, nvlink, pci, reading
 
 from .catalog import UNKNOWN, decode_nvlink5, decode_xid74, lookup, xid74_repeats
 from .state import XidDetail, XidGroup, XidState
@@ -138,6 +138,18 @@ class XidCheck(Check):
     name = "xid"
     phase = Phase.CONTINUOUS
     description = "NVIDIA Xid errors (kernel log and NVML events), with NVIDIA's catalog actions"
+    readings = (
+        ReadingSpec(
+            "xid_events_total", "counter",
+            "NVIDIA Xid error events on this component since boot, per root Xid code (label code; an Xid 45 "
+            "counts under the Xid it cleans up after; component: the GPU, nvlink/<gpu>/<link> for NVLink "
+            "Xids, node when the GPU is unknown).",
+            unit="events",
+            source="the kernel log's NVRM Xid lines and NVML Xid events (nvmlEventSetWait), one event when "
+                   "both report it",
+            labels=("code",),
+            note="Resets at reboot; an application Xid's series ends recent_window_s after its last event."),
+    )
     interval = 60.0
     timeout = 10.0
     Config = XidConfig

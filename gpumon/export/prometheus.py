@@ -23,10 +23,10 @@ what it means, its unit and where the number comes from):
 - ``remediation_*`` when remediation is configured
 - readings that checks publish in a finding's ``evidence["readings"]`` as
   ``[name, value, {labels}]``: ``gpumon_<name>{check,component,labels...}``, with the HELP
-  text and type of ``gpumon.export.readings.READINGS`` (a name not in it, a site's own
-  check's, gets a HELP that names the check); a name ending in ``_total`` is a counter
-  (the check keeps it monotonic in its persisted state, so it neither resets on scrape
-  nor on restart).
+  text and type that the loaded checks declare (``Check.readings``, gathered in a
+  ``gpumon.export.readings.ReadingCatalog``; a name no check declares gets a HELP that
+  names the check); a name ending in ``_total`` is a counter (the check keeps it monotonic
+  in its persisted state, so it neither resets on scrape nor on restart).
 
 A fault's series returns to healthy/ok when the state does: every family is
 rebuilt from the current snapshot, nothing is latched in the exporter.
@@ -45,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from gpumon.export.readings import help_for, kind_of
+from gpumon.export.readings import ReadingCatalog, installed
 from gpumon.model import Action, CheckRun, Severity
 
 OUTCOMES = ("completed", "skipped", "error", "hung", "still-hung", "not-loaded")
@@ -56,7 +56,7 @@ _NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 _STATES = ", ".join(HEALTH_STATES)
 _ACTIONS = ", ".join(a.value for a in Action)
-# HELP of every family that is not a reading (readings: gpumon.export.readings): meaning, unit, source.
+# HELP of every family that is not a reading (readings: Check.readings): meaning, unit, source.
 FAMILIES: Mapping[str, str] = {
     "gpumon_build_info":
         "Always 1: the gpumon build serving these metrics (label version), the SKU profile its checks "
@@ -150,11 +150,15 @@ class Snapshot:
 
 class GpumonCollector(Collector):
     """``part``: "all"; "content" (what changes only when a finding, reading or state does) or
-    "fast" (per-run timestamps and durations, which change on every run of a 1 s check)."""
+    "fast" (per-run timestamps and durations, which change on every run of a 1 s check).
+    ``readings``: the declarations of the checks that were loaded (None: those of the installed
+    checks, :func:`gpumon.export.readings.installed`)."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot], part: str = "all") -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot], part: str = "all",
+                 readings: ReadingCatalog | None = None) -> None:
         self._snapshot = snapshot
         self._part = part
+        self._catalog = readings
         self.skipped_readings = 0
 
     def describe(self) -> Iterable[Metric]:
@@ -222,13 +226,18 @@ class GpumonCollector(Collector):
 
     def _reading_families(self, readings: Mapping[str, list[tuple[list[str], dict[str, str], float]]]
                           ) -> Iterable[Metric]:
+        if not readings:
+            return
+        if self._catalog is None:
+            self._catalog = installed()
+        catalog = self._catalog
         for name in sorted(readings):
             samples = readings[name]
             extra = sorted({k for _, labels, _ in samples for k in labels})
             label_names = ["check", "component", *extra]
-            text = help_for(name, (base[0] for base, _, _ in samples))
+            text = catalog.help_for(name, (base[0] for base, _, _ in samples))
             family: GaugeMetricFamily | CounterMetricFamily
-            if kind_of(name) == "counter":
+            if catalog.kind_of(name) == "counter":
                 family = CounterMetricFamily(f"gpumon_{name.removesuffix('_total')}", text,
                                              labels=label_names)
             else:
@@ -369,9 +378,9 @@ class SnapshotHolder:
             return self._snap
 
 
-def make_registry(holder: SnapshotHolder) -> CollectorRegistry:
+def make_registry(holder: SnapshotHolder, readings: ReadingCatalog | None = None) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GpumonCollector(holder.get))
+    registry.register(GpumonCollector(holder.get, readings=readings))
     return registry
 
 
@@ -382,15 +391,15 @@ class CachedExposition:
     8-GPU node) is rendered once per change of the snapshot's content and per
     format; the small fast part (run times) is rendered on each scrape. Gzip
     members may be concatenated (RFC 1952 section 2.2), so each part is
-    compressed on its own.
+    compressed on its own. ``readings``: as :class:`GpumonCollector`'s.
     """
 
-    def __init__(self, holder: SnapshotHolder) -> None:
+    def __init__(self, holder: SnapshotHolder, readings: ReadingCatalog | None = None) -> None:
         self.holder = holder
         self._fast = CollectorRegistry(auto_describe=False)
         self._fast.register(GpumonCollector(holder.get, part="fast"))
         self._content = CollectorRegistry(auto_describe=False)
-        self._content.register(GpumonCollector(holder.get, part="content"))
+        self._content.register(GpumonCollector(holder.get, part="content", readings=readings))
         self._cache: dict[tuple[int, str, bool], bytes] = {}
         self._lock = threading.Lock()
 
