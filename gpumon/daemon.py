@@ -206,6 +206,7 @@ class Daemon:
 
     @property
     def _exposition(self) -> CachedExposition | None:
+        """The exporter sink's cached /metrics (tests set it on a daemon that never started)."""
         return self.exporter.exposition
 
     @_exposition.setter
