@@ -7,9 +7,10 @@ at once with :data:`FORCED_EXIT` (uvicorn's force exit). A start-up that fails p
 it had started before the error goes on. Checks that read the kernel log run
 as soon as a new record arrives (``gpumon.kernel_pump``); the others run every ``interval_s`` +-
 jitter. A check still running from its previous turn is not started twice; a hung one is reported
-by the runner. What the daemon found goes to ``/metrics`` (``gpumon.export``), the health state
-(``gpumon.health``) and ``report.json`` (``gpumon.daemon_report``); the remediation loop is woken
-when the node's state changes.
+by the runner. The daemon's middle only hands each run to its sinks (``gpumon.daemon_sinks``), in
+order: the health state (``gpumon.health``), the remediation loop's wake-ups, the log of severity
+changes, a site's own sinks, ``/metrics`` (``gpumon.export``) and ``report.json``
+(``gpumon.daemon_report``); a sink that raises is logged and counted, and the others go on.
 """
 
 from __future__ import annotations
@@ -24,33 +25,29 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from gpumon import __version__
 from gpumon.agent import Agent
-from gpumon.check import GPU_LOST, Check, KernelLog
+from gpumon.check import Check, KernelLog
 from gpumon.config import split_listen
-from gpumon.daemon_report import ReportWriter
+from gpumon.daemon_report import ReportSink, ReportWriter
+from gpumon.daemon_sinks import PRERENDER_COUNTS_S as PRERENDER_COUNTS_S
+from gpumon.daemon_sinks import ChangeLog, ExporterSink, HealthSink, RemediationSink, Sink, Sinks
 from gpumon.errors import StartupError
 from gpumon.export.api import HistoryApi, identity_of
 from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder
 from gpumon.export.readings import ReadingCatalog
 from gpumon.export.webserver import load_web_config, serve_metrics
-from gpumon.health import Health, HealthView
+from gpumon.health import Health
 from gpumon.kernel_pump import WATERMARK_STATE, KernelLogPump
-from gpumon.model import CheckRun, Finding, Phase, Severity
+from gpumon.model import CheckRun, Phase
 from gpumon.remediate.runner import RemediationLoop
 from gpumon.runner import CheckThread
 
 log = logging.getLogger("gpumon.daemon")
-# /metrics: the content part is re-rendered off the scrape path at once (after a second) when the
-# health state or a finding's severity changed, and at most every PRERENDER_COUNTS_S when only
-# counts and readings did (a storm changes an Xid count at every run). A scrape of content that
-# changed since the last render renders it itself: it never sees stale figures.
-PRERENDER_COUNTS_S = 10.0
 # How often the main loop looks for health events another process stored (gpumon set-healthy),
 # so that /metrics says what gpumon status says within that, however seldom the checks run.
 FOREIGN_S = 1.0
@@ -78,30 +75,16 @@ def sd_notify(message: str) -> bool:
         return False
 
 
-def _health_map(view: HealthView) -> dict[str, tuple[str, str]]:
-    """component -> (state, recommended action), for the exporter's snapshot."""
-    health = {name: (comp.level.value, comp.action.value) for name, comp in view.components.items()}
-    # last: the components map has a "node" entry for findings filed on the node
-    # itself, which is not the node's overall state
-    health["node"] = (view.node.level.value, view.node.action.value)
-    return health
-
-
-def _accepted(view: HealthView) -> frozenset[tuple[str, str]]:
-    """(check, component) of the findings the health state accepted that checks still repeat."""
-    return frozenset((a.check, a.component) for comp in view.components.values() for a in comp.accepted)
-
-
 class Daemon:
-    def __init__(self, agent: Agent, *, rng: random.Random | None = None) -> None:
+    """``sinks``: a site's own sinks (gpumon.daemon_sinks.Sink), each handed every run after the
+    health state has it and before the exporter publishes it."""
+
+    def __init__(self, agent: Agent, *, rng: random.Random | None = None, sinks: Sequence[Sink] = ()) -> None:
         self.agent = agent
         self.rng = rng or random.Random()
         self.stop = threading.Event()
         self.wake = threading.Event()
         self.latest: dict[str, CheckRun] = {}
-        self._last_severity: dict[tuple[str, str], Severity] = {}
-        # component -> the checks whose latest finding says the GPU is lost, first first (see _say)
-        self._lost: dict[str, dict[str, None]] = {}
         self._lock = threading.Lock()
         # per check, the thread that runs it (waits for it within its deadline) and records
         # what it found, kept between runs (see gpumon.runner.CheckThread)
@@ -111,19 +94,15 @@ class Daemon:
         # per kernel-log check, the watermark of its last completed run (see _store_watermark)
         self._marks: dict[str, dict[str, Any]] = {}
         self._marks_lock = threading.Lock()
-        # per check, the severities of its findings (what makes /metrics re-render at once)
-        self._severities: dict[str, tuple[tuple[str, Severity], ...]] = {}
-        self._render_now = threading.Event()
         self.remediation: RemediationLoop | None = None
-        self._exposition: CachedExposition | None = None
-        self._content_changed = threading.Event()
-        self._check_names: set[str] = set()
-        self._node_said: tuple[str, str] | None = None
-        self._health_of: tuple[HealthView, Mapping[str, tuple[str, str]],
-                               frozenset[tuple[str, str]]] | None = None
         self.health: Health | None = None
-        self.snapshots: SnapshotHolder | None = None
         self.report: ReportWriter | None = None
+        self._extra_sinks = tuple(sinks)
+        self._changes = ChangeLog()
+        self.exporter = ExporterSink(lambda: (agent.node, agent.profile.name), self.latest,
+                                     lambda: self._pump.stats() if self._pump is not None else None)
+        # until startup has the health state and the rest (a test may record runs before it)
+        self.sinks = Sinks([self._changes, self.exporter])
         self._server: Any = None
         self._nvhcd: Any = None  # gpumon.export.nvhcd.NvhcdServer when exporter.nvhcd_socket is set
         # set by startup
@@ -164,14 +143,16 @@ class Daemon:
         self.health = Health.open(agent.state_dir, boot_id=agent.hw.fs.boot_id(), recover=True)
         self.remediation = RemediationLoop.build(agent.config.remediation, self.health,
                                                  agent.config.node_name, agent.hw.tools)
-        self._check_names = {c.name for c in self._checks if c.phase is Phase.CONTINUOUS}
         if self.remediation is not None:
             self.remediation.start()
+        self.exporter.health, self.exporter.remediation = self.health, self.remediation
         self.snapshots = SnapshotHolder(self._snapshot())
         self._start_exporter()
         self._start_nvhcd()
         self.report = ReportWriter(agent.state_dir, agent.node, agent.profile.name, self._latest_runs,
                                    self.health, self.remediation)
+        self.sinks = self._sinks(self.health, self.remediation, self.report)
+        self.exporter.sink_errors = self.sinks.errors
         self.report.start()
         # a check that did not load is reported once, as it stays: /metrics (gpumon_check_outcome
         # {outcome="not-loaded"}, its unknown finding), the health state and report.json
@@ -192,7 +173,7 @@ class Daemon:
         /metrics, the NVRx socket, the report writer, remediation, the health state, NVML): the
         process that goes on, or exits, keeps no thread, port or socket of it."""
         self.stop.set()
-        self._content_changed.set()  # the render thread waits on it: it sees the stop at once
+        self.exporter.content_changed.set()  # the render thread waits on it: it sees the stop at once
         try:
             if self._pump is not None and self._pump.thread.ident is not None:
                 self._pump.close()
@@ -201,6 +182,37 @@ class Daemon:
             self.shutdown()
         except Exception:  # the start-up's own error is the one to report
             log.exception("while stopping a failed start-up")
+
+    def _sinks(self, health: Health, remediation: RemediationLoop | None, report: ReportWriter) -> Sinks:
+        """The daemon's sinks in their order (gpumon.daemon_sinks): the health state first
+        (remediation reads the node's state from it, the exporter publishes it), the exporter
+        after a site's own sinks (its snapshot counts their failures in the same run), the
+        report after the exporter (report.json follows what /metrics exports)."""
+        order: list[Sink] = [HealthSink(health)]
+        if remediation is not None:
+            continuous = {c.name for c in self._checks if c.phase is Phase.CONTINUOUS}
+            order.append(RemediationSink(remediation, health, continuous))
+        order += [self._changes, *self._extra_sinks, self.exporter,
+                  ReportSink(report, lambda: self.snapshots.version if self.snapshots is not None else None)]
+        return Sinks(order)
+
+    @property
+    def snapshots(self) -> SnapshotHolder | None:
+        """What /metrics and the query API serve (the exporter sink's)."""
+        return self.exporter.holder
+
+    @snapshots.setter
+    def snapshots(self, holder: SnapshotHolder | None) -> None:
+        self.exporter.holder = holder
+
+    @property
+    def _exposition(self) -> CachedExposition | None:
+        """The exporter sink's cached /metrics (tests set it on a daemon that never started)."""
+        return self.exporter.exposition
+
+    @_exposition.setter
+    def _exposition(self, exposition: CachedExposition | None) -> None:
+        self.exporter.exposition = exposition
 
     def _start_exporter(self) -> None:
         settings = self.agent.config.exporter
@@ -211,8 +223,9 @@ class Daemon:
         try:
             holder = self.snapshots or SnapshotHolder(self._snapshot())
             # the HELP of each reading: what the checks this daemon loaded declare
-            self._exposition = CachedExposition(holder, ReadingCatalog.of(self.agent.checks.values()))
-            self._server, _ = serve_metrics(self._exposition, host, port, web, api=self._history_api(holder))
+            readings = ReadingCatalog.of(self.agent.checks.values())
+            self.exporter.exposition = exposition = CachedExposition(holder, readings)
+            self._server, _ = serve_metrics(exposition, host, port, web, api=self._history_api(holder))
             threading.Thread(target=self._prerender, name="gpumon-render", daemon=True).start()
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on {settings.listen}: {exc.strerror or exc}") from None
@@ -245,47 +258,10 @@ class Daemon:
                           lambda: self.health.view() if self.health is not None else None, findings)
 
     def _prerender(self) -> None:
-        # Scrapes must stay fast even right after the node's state changed: render the new
-        # content here instead of in the scrape that first sees it: at most once a second, and
-        # at most every PRERENDER_COUNTS_S while only counts change (an Xid storm changes a count
-        # at every run of xid; rendering each was a fifth of the daemon's CPU in bench/storm.py).
-        # A scrape in between renders what changed itself (CachedExposition renders on a new
-        # snapshot version).
-        rendered, at = -1, -math.inf
-        while not self.stop.is_set():
-            self._content_changed.wait(5.0)
-            if self.stop.wait(1.0) or self._exposition is None or self.snapshots is None:
-                continue
-            self._content_changed.clear()
-            if self.snapshots.version == rendered:
-                continue
-            wait = at + PRERENDER_COUNTS_S - time.monotonic()
-            if wait > 0 and not self._render_now.wait(wait) and self.stop.is_set():
-                return
-            self._render_now.clear()
-            rendered, at = self.snapshots.version, time.monotonic()
-            self._exposition.prerender()
+        self.exporter.prerender(self.stop)
 
     def _snapshot(self) -> Snapshot:
-        health: Mapping[str, tuple[str, str]] = {}
-        accepted: frozenset[tuple[str, str]] = frozenset()
-        if self.health is not None:
-            view = self.health.view()
-            # the view is a new object only when the health state changed (most runs leave
-            # it as it was): the same view, the same map, which the snapshot holder then
-            # need not compare item by item
-            if self._health_of is None or self._health_of[0] is not view:
-                self._health_of = (view, _health_map(view), _accepted(view))
-            health, accepted = self._health_of[1], self._health_of[2]
-        runs = dict(self.latest)
-        if self.health is not None:
-            # a store that cannot write is a finding like any other (read-only or full state dir)
-            store = self.health.store_finding()
-            runs[store.check] = CheckRun(store.check, [store], time.time(), 0.0, "completed")
-        return Snapshot(node=self.agent.node, profile=self.agent.profile.name, version=__version__,
-                        runs=runs, health=health, accepted=accepted,
-                        remediation=self.remediation.snapshot() if self.remediation else None,
-                        kernel_log=self._pump.stats() if self._pump is not None else None)
+        return self.exporter.snapshot()
 
     # -- main loop -------------------------------------------------------------------
 
@@ -419,101 +395,22 @@ class Daemon:
                 self.agent.check_state.save(WATERMARK_STATE)
 
     def _record(self, run: CheckRun) -> None:
+        """The daemon's middle: the run is the check's newest, and goes to every sink, in order
+        (gpumon.daemon_sinks), one run at a time."""
         with self._lock:
             self.latest[run.check] = run
-            changed = False
-            for f in run.findings:
-                key = (f.check, f.component)
-                before = self._last_severity.get(key)
-                if before != f.severity:
-                    changed = True
-                    self._last_severity[key] = f.severity
-                    if before is not None or f.severity is not Severity.OK:
-                        self._say(f, before)
-                self._lost_by(f)
-            if self.health is not None:
-                # A 1 s check (ib) repeats itself every second: fold it only when what it
-                # says changed, or once a minute so the store's last_seen stays fresh.
-                said = tuple((f.component, f.severity, f.action, f.message) for f in run.findings)
-                now_m = time.monotonic()
-                last_said, last_at = self._folded.get(run.check, ((), 0.0))
-                if said != last_said or run.outcome != "completed" or now_m - last_at >= 60.0:
-                    self.health.record_run(run)
-                    self._folded[run.check] = (said, now_m)
-                if said != last_said or self.health.view() is not (self.report.view if self.report else None):
-                    self._report_due()
-            if self.remediation is not None and self.health is not None:
-                view = self.health.view()
-                node_said = (view.node.level.value, view.node.action.value)
-                if self._check_names <= set(self.latest):
-                    self.remediation.ready.set()
-                if node_said != self._node_said:
-                    self._node_said = node_said
-                    self.remediation.wake.set()
-            if self.snapshots is not None:
-                version = self.snapshots.version
-                health = self._health_of[1] if self._health_of is not None else None
-                self.snapshots.set(self._snapshot())
-                if self.snapshots.version != version:
-                    severities = tuple((f.component, f.severity) for f in run.findings)
-                    # (a new health view need not be a new health state: a standing fault's
-                    # newest words are refreshed in place, a new view each time)
-                    if (severities != self._severities.get(run.check)
-                            or (self._health_of[1] if self._health_of is not None else None) != health):
-                        self._render_now.set()  # not only counts: render at once
-                    self._severities[run.check] = severities
-                    self._content_changed.set()
-                    self._report_due()
-            if changed:
-                self._report_due()
-
-    def _say(self, f: Finding, before: Severity | None) -> None:
-        """Log a change of a finding's severity: at WARNING, but a GPU's loss once (its first
-        finding that says the GPU is lost, gpumon.check.GPU_LOST); the other checks' findings of
-        the same loss at INFO, naming the check that reported it."""
-        level, note = logging.WARNING, ""
-        if f.severity is Severity.SKIPPED and before in (None, Severity.OK):
-            # a check that does not apply here (no fabric probe yet, no IB) is no problem: said
-            # once at INFO, its reason stays in the finding
-            level = logging.INFO
-        elif f.severity is Severity.FAIL and f.evidence.get(GPU_LOST) is True:
-            others = [c for c in self._lost.get(f.component, {}) if c != f.check]
-            if others:
-                level, note = logging.INFO, f"; the loss of {f.component} was reported by {others[0]}"
-        log.log(level, "%s %s: %s -> %s: %s (action %s%s)", f.check, f.component,
-                before.value if before else "new", f.severity.value, f.message, f.action.value, note)
-
-    def _lost_by(self, f: Finding) -> None:
-        """Keep, per component, the checks whose latest finding says the GPU is lost, in the order
-        they first said it."""
-        if f.severity is Severity.FAIL and f.evidence.get(GPU_LOST) is True:
-            self._lost.setdefault(f.component, {}).setdefault(f.check, None)
-        elif f.component in self._lost:
-            self._lost[f.component].pop(f.check, None)
+            self.sinks.record(run)
 
     def _foreign_events(self) -> None:
+        """Fold what another process stored (gpumon set-healthy) and tell the sinks."""
         if self.health is None or not self.health.sync():
             return
         with self._lock:
-            if self.remediation is not None:
-                view = self.health.view()
-                node_said = (view.node.level.value, view.node.action.value)
-                if node_said != self._node_said:
-                    self._node_said = node_said
-                    self.remediation.wake.set()
-            if self.snapshots is not None:
-                self.snapshots.set(self._snapshot())
-                self._render_now.set()
-                self._content_changed.set()
-            self._report_due()
+            self.sinks.health_changed()
 
     def _latest_runs(self) -> list[CheckRun]:
         with self._lock:
             return list(self.latest.values())
-
-    def _report_due(self) -> None:
-        if self.report is not None:
-            self.report.due()
 
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:

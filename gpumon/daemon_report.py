@@ -3,7 +3,7 @@ on its own thread so that a slow or full disk never holds up a check run.
 
 Rewritten when that changes (or a finding's words, or the health state), at most once per
 REPORT_MIN_INTERVAL_S, at least once per REPORT_MAX_AGE_S (its "time" says the daemon is alive),
-and at exit.
+and at exit. :class:`ReportSink` is the daemon's sink (gpumon.daemon_sinks) that says when.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumon.atomic import write_atomic
+from gpumon.daemon_sinks import Said, Sink, said_of
 from gpumon.health import Health, HealthView
 from gpumon.model import CheckRun
 from gpumon.remediate.runner import RemediationLoop
@@ -115,3 +116,31 @@ class ReportWriter:
         if self.error is not None:
             log.info("%s written again", self.path)
         self.error = None
+
+
+class ReportSink(Sink):
+    """Asks ``writer`` for a new report.json when a run said something new, when the exporter's
+    content changed (``version``: the exporter's snapshot version) or when the health state did."""
+
+    name = "report"
+    after = ("exporter",)  # report.json follows what /metrics exports: read after it is published
+
+    def __init__(self, writer: ReportWriter, version: Callable[[], int | None]) -> None:
+        self.writer = writer
+        self.version = version
+        self._seen = version()
+        self._said: dict[str, Said] = {}
+
+    def record(self, run: CheckRun) -> None:
+        said = said_of(run)
+        due = said != self._said.get(run.check, ())
+        self._said[run.check] = said
+        version = self.version()
+        if version != self._seen:
+            self._seen, due = version, True
+        health = self.writer.health
+        if due or (health is not None and health.view() is not self.writer.view):
+            self.writer.due()
+
+    def health_changed(self) -> None:
+        self.writer.due()

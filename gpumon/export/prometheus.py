@@ -21,6 +21,7 @@ what it means, its unit and where the number comes from):
   ``gpumon set-healthy`` (or a passing retest) accepted: ``finding_severity`` still says what
   the check found, the health series leave it out (as ``gpumon status`` does)
 - ``remediation_*`` when remediation is configured
+- ``sink_errors_total{sink}`` in the daemon: failures of each of its sinks (gpumon.daemon_sinks)
 - readings that checks publish in a finding's ``evidence["readings"]`` as
   ``[name, value, {labels}]``: ``gpumon_<name>{check,component,labels...}``, with the HELP
   text and type that the loaded checks declare (``Check.readings``, gathered in a
@@ -128,6 +129,13 @@ FAMILIES: Mapping[str, str] = {
     "gpumon_remediation_errors":
         "Remediation steps that failed since the daemon started (resets when it restarts). Unit: "
         "steps. Source: gpumon's remediation loop.",
+    "gpumon_sink_errors":
+        "Times one of the daemon's consumers of check runs raised since the daemon started (resets "
+        "when it restarts; label sink: health = folding runs into the health state, remediation = "
+        "waking the remediation loop, log = logging severity changes, exporter = this exposition's "
+        "snapshot, report = report.json, any other = a site's own sink). The other sinks still got "
+        "the run, and the daemon goes on; the error and its traceback are in the daemon's log. Unit: "
+        "failures. Source: gpumon daemon (gpumon.daemon_sinks). Anything above 0 is a bug to report.",
 }
 
 
@@ -146,6 +154,8 @@ class Snapshot:
     accepted: frozenset[tuple[str, str]] = frozenset()
     # gpumon.kernel_pump.KernelLogPump.stats(), in the daemon
     kernel_log: Mapping[str, Any] | None = None
+    # failures per sink of the daemon (gpumon.daemon_sinks.Sinks.errors), in the daemon
+    sinks: Mapping[str, int] | None = None
 
 
 class GpumonCollector(Collector):
@@ -202,6 +212,7 @@ class GpumonCollector(Collector):
             yield from (last, duration, outcome)
             yield from self._remediation(snap)
             yield from self._kernel_log(snap)
+            yield from self._sinks(snap)
         if content:
             yield severity
             if snap.accepted:  # none on most nodes: no family at all
@@ -286,6 +297,14 @@ class GpumonCollector(Collector):
         for check, n in sorted((k.get("merged") or {}).items()):
             merged.add_metric([check], float(n))
         yield merged
+
+    def _sinks(self, snap: Snapshot) -> Iterable[Metric]:
+        if snap.sinks is None:
+            return
+        errors = CounterMetricFamily("gpumon_sink_errors", FAMILIES["gpumon_sink_errors"], labels=["sink"])
+        for sink, n in sorted(snap.sinks.items()):
+            errors.add_metric([sink], float(n))
+        yield errors
 
     def _health(self, snap: Snapshot) -> Iterable[Metric]:
         state = _gauge("gpumon_health_state", ["component", "state"])
