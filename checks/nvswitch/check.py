@@ -64,7 +64,7 @@ from datetime import timezone, tzinfo
 from typing import Any
 
 from gpumon.bootstate import REPEAT_WINDOW_S, REPEAT_WINDOW_SOURCE, RepeatHistory, enter_boot, restore
-from gpumon.check import Check, CheckContext
+from gpumon.check import Check, CheckContext, KernelLogNeeds
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.fabricmanager import (
     DEFAULT_LOG_PATH,
@@ -172,10 +172,8 @@ class NvswitchCheck(Check):
     interval = 60.0
     timeout = 20.0
     Config = NvswitchConfig
-    uses_kernel_log = True
     # SXid lines only: other kernel noise must not re-read NVML and the FM log
-    kernel_log_events = (SXidEvent,)
-    kernel_log_records = False
+    kernel_log = KernelLogNeeds(events=(SXidEvent,))
 
     def __init__(self) -> None:
         # The typed state and the mapping it was read from (see _typed_state)

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon.bootstate import enter_boot, restore
-from gpumon.check import Check, CheckContext
+from gpumon.check import Check, CheckContext, KernelLogFold, KernelLogNeeds
 from gpumon.errors import HwCondition
 from gpumon.hw import pci as pcihw
 from gpumon.hw.inventory import Inventory
@@ -137,19 +137,14 @@ class PcieCheck(Check):
     interval = 60.0
     timeout = 30.0
     Config = PcieConfig
-    uses_kernel_log = True
     # AER lines are folded as they arrive (AerFold); only an uncorrectable report runs the check
     # at once, corrected ones are counted and reach it at its regular run
-    kernel_log_events = ()
-    kernel_log_records = False
+    kernel_log = KernelLogNeeds(events=(), fold=lambda: AerFold())
 
     def __init__(self) -> None:
         # The typed state and the mapping it was read from (see _typed_state)
         self._state = PcieState()
         self._state_of: MutableMapping[str, Any] | None = None
-
-    def kernel_log_fold(self) -> AerFold:
-        return AerFold()
 
     def supported(self, inventory: Inventory) -> str | None:
         if not inventory.pci_devices:
@@ -439,7 +434,7 @@ class AerDelta:
 _FOLD_MEMO_MAX = 4096
 
 
-class AerFold:
+class AerFold(KernelLogFold):
     """pcie's kernel-log lines folded into an :class:`AerDelta` as they arrive (the daemon's
     kernel-log pump calls :meth:`add` per record, see gpumon.check.KernelLogFold; the check's own
     run does the same with the records it is handed). A storm of corrected-error reports then
