@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpumon.check import Check, KernelLog
+from gpumon.check import Check
 from gpumon.checkstate import CheckStateStore
 from gpumon.config import Config, with_profile
 from gpumon.errors import NvmlUnavailable, StartupError
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory, collect
-from gpumon.hw.kernellog import KernelLogSource, read_saved, snapshot
+from gpumon.hw.kernellog import KernelLogFeed, KernelLogSource, ReadOnce, read_saved, snapshot
 from gpumon.machine import Machine
 from gpumon.model import CheckRun, Phase
 from gpumon.profiles import Profile, all_profiles, select_profile
@@ -94,13 +94,14 @@ class Agent:
         return KernelLogSource(self.kmsg_path, self.hw.fs, poll_interval=self.config.daemon.kernel_log_poll_s,
                                bounded=bounded)
 
-    def kernel_log_snapshot(self, saved: Path | None = None, *, all_boots: bool = False) -> KernelLog:
-        """Everything the kernel log holds for the current boot, parsed (``available`` False, with
-        the reason, when it cannot be read); ``saved``: judge this saved log instead
-        (``gpumon check --kmsg-file``, see ``gpumon.hw.kernellog.read_saved``)."""
+    def kernel_log_snapshot(self, saved: Path | None = None, *, all_boots: bool = False) -> KernelLogFeed:
+        """For one run of checks: everything the kernel log holds for the current boot, parsed
+        (``available`` False, with the reason, when it cannot be read), read when the first check
+        that reads it asks; ``saved``: judge this saved log instead (``gpumon check --kmsg-file``,
+        see ``gpumon.hw.kernellog.read_saved``)."""
         if saved is not None:
-            return read_saved(saved, all_boots=all_boots)
-        return snapshot(self.kernel_log_source())
+            return ReadOnce(lambda: read_saved(saved, all_boots=all_boots))
+        return ReadOnce(lambda: snapshot(self.kernel_log_source()))
 
     def selected(self, phase: Phase, names: Sequence[str] = ()) -> list[Check]:
         chosen = []
@@ -117,5 +118,4 @@ class Agent:
         return [bad.run() for name, bad in self.not_loaded.items() if not names or name in names]
 
     def run_once(self, checks: Sequence[Check]) -> list[CheckRun]:
-        log = self.kernel_log_snapshot() if any(c.uses_kernel_log for c in checks) else None
-        return self.runner.run(checks, log)
+        return self.runner.run(checks, self.kernel_log_snapshot())

@@ -23,10 +23,10 @@ a node that just passed it, so the suite is thorough but bounded, and says where
 - ``--fail-fast``: stop after the first check with a ``fail``; the checks not run are reported as
   ``skipped`` "not run" (outcome ``not-run``), never as ok.
 - **Before/after the whole suite**: a check may define ``after_suite(ctx) -> list[Finding]``
-  (:class:`~gpumon.check.AfterSuite`); the
-  suite calls it (with the same check state) once every check has run, and adds its findings to that
-  check's. ``pcie_topology`` uses it to compare PCIe AER counters from before the first load to
-  after the last. Why a hook rather than a snapshot taken by this runner: the framework knows no
+  (``Check.after_suite``; ``Check.has_after_suite``); the suite calls it through the runner (its
+  deadline, its error handling, the same check state) once every check has run, and adds its
+  findings to that check's. ``pcie_topology`` uses it to compare PCIe AER counters from before the
+  first load to after the last. Why a hook rather than a snapshot taken by this runner: the framework knows no
   individual check or reading (DESIGN.md), and any check can use the hook (Xid counts, ECC counts);
   and rather than "run that check last": it would then have no reading from before the load.
 - **Report**: the JSON document of the contract (``report.json_report``, every finding, plus a
@@ -68,7 +68,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 from rich.table import Table
 
 from gpumon.atomic import write_atomic
-from gpumon.check import NOT_TESTED, RETRY_ID, RETRYABLE, AfterSuite, Check, CheckContext, RetryRequest
+from gpumon.check import NOT_TESTED, RETRY_ID, RETRYABLE, Check, RetryRequest
 from gpumon.errors import ConfigError
 from gpumon.model import (
     NODE,
@@ -479,19 +479,6 @@ def _not_run(check: Check, why: str, now: float) -> CheckRun:
     return CheckRun(check.name, [f], now, 0.0, NOT_RUN)
 
 
-def _after_suite_variant(check: AfterSuite) -> Check:
-    """The same check whose ``run`` is its ``after_suite`` step, so that the runner gives it its
-    deadline, its error handling and the same state (keyed by name)."""
-    cls = type(check)
-
-    def run(self: AfterSuite, ctx: CheckContext) -> list[Finding]:
-        return self.after_suite(ctx)
-
-    variant = type(f"{cls.__name__}AfterSuite", (cls,), {"run": run, "__module__": cls.__module__})
-    made: Check = variant()
-    return made
-
-
 class _Suite:
     def __init__(self, agent: Agent, console: Console | None,
                  on_progress: Callable[[ProgressEvent], None] | None, retries: int) -> None:
@@ -513,12 +500,11 @@ class _Suite:
     def run_one(self, check: Check, display: _Display, expected: float,
                 retry: RetryRequest | None = None) -> CheckRun:
         """One bounded run through the Runner, on a worker thread so that the bar moves meanwhile."""
-        kernel_log = self.agent.kernel_log_snapshot() if check.uses_kernel_log else None
         box: dict[str, Any] = {}
 
         def work() -> None:
             try:
-                box["runs"] = self.agent.runner.run([check], kernel_log, retry=retry)
+                box["runs"] = self.agent.runner.run([check], self.agent.kernel_log_snapshot(), retry=retry)
             except BaseException as exc:  # the runner guards checks; this guards the runner
                 box["error"] = exc
 
@@ -555,9 +541,10 @@ class _Suite:
             outcome.retried = sorted(set(outcome.retried) | set(components))
         return outcome
 
-    def after_suite(self, outcome: SuiteCheck, check: AfterSuite) -> None:
-        variant = _after_suite_variant(check)
-        runs = self.agent.runner.run([variant])
+    def after_suite(self, outcome: SuiteCheck, check: Check) -> None:
+        """``check``'s after-suite step through the runner, on a new instance as a retry is: its
+        deadline, its error handling and the same state (keyed by name) as its run."""
+        runs = self.agent.runner.run([type(check)()], after_suite=True)
         extra = runs[0]
         run = outcome.run
         outcome.run = CheckRun(run.check, [*run.findings, *extra.findings], run.started,
@@ -599,7 +586,7 @@ def run_suite(agent: Agent, checks: Sequence[Check], *, fail_fast: bool = False,
                 if fail_fast and outcome.severity is Severity.FAIL:
                     result.stopped_after = check.name
             for outcome, check in ran:
-                if isinstance(check, AfterSuite) and outcome.run.outcome in ("completed", "error"):
+                if check.has_after_suite() and outcome.run.outcome in ("completed", "error"):
                     index = result.checks.index(outcome) + 1
                     display.note(f"[{index}/{total}] {check.name}: comparing with the start of the suite")
                     suite.after_suite(outcome, check)

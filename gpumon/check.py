@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from gpumon.errors import GpuLost, HwCondition, HwTimeout, NotSupported, ToolMissing
 from gpumon.hw.kernellog import KernelLog as KernelLog  # what a check is handed: part of the protocol
@@ -25,30 +25,55 @@ if TYPE_CHECKING:
     from gpumon.hw import Hardware
     from gpumon.hw.inventory import Inventory
     from gpumon.profiles import Profile
+    from gpumon.sdc.runner import Report as CanaryReport
 
 
-class KernelLogFold(Protocol):
+class KernelLogFold:
     """A check's own summary of its kernel-log lines, kept up to date by the daemon's kernel-log
-    pump as records arrive (``Check.kernel_log_fold``), so that a storm of lines the check only
+    pump as records arrive (``KernelLogNeeds.fold``), so that a storm of lines the check only
     counts costs a dictionary update per line, not a run of the check per batch.
 
-    The pump calls ``add`` for every record of the current boot not yet seen by the check (in
-    order, on its own thread) and ``take`` when the check runs; the check gets what ``take``
-    returned in ``KernelLog.folded``. Both are called under the pump's lock, never at once."""
+    The pump calls ``add_many`` with each read's records of the current boot not yet seen by the
+    check (in order, on its own thread) and ``take`` when the check runs; the check gets what
+    ``take`` returned in ``KernelLog.folded``. Both are called under the pump's lock, never at
+    once. A fold defines ``add`` and ``take``; ``add_many`` is ``add`` for each record unless the
+    fold does better (one that skips most lines need not have each dated first)."""
 
     def add(self, record: Any, when: float) -> Iterable[Hashable]:
         """Fold one record (logged at ``when``, epoch seconds); return the keys of what in it
         should run the check at once (e.g. an uncorrectable error on a device): none for a
         record the check only counts, which waits for its regular run."""
-        ...
+        raise NotImplementedError
+
+    def add_many(self, records: Iterable[Any], time_of: Callable[[Any], float]) -> Sequence[Hashable]:
+        """``add`` for each of one read's records, ``time_of(record)`` its ``when``; the keys."""
+        keys: list[Hashable] = []
+        for record in records:
+            keys.extend(self.add(record, time_of(record)))
+        return keys
 
     def take(self) -> Any:
         """What was folded since the last take (None: nothing), and start afresh."""
-        ...
+        raise NotImplementedError
 
-    # Optional: ``add_many(records, time_of) -> keys``, ``add`` for each of one read's records,
-    # which the pump then calls instead (``time_of(record)`` is ``when``): a fold that skips most
-    # lines need not have each dated first.
+
+@dataclass(frozen=True)
+class KernelLogNeeds:
+    """What a check reads of the kernel log (``Check.kernel_log``). In the daemon that is all the
+    pump keeps for it between its runs, and what arrives of it runs the check at once (at most
+    every 0.5 s unless it is new: gpumon.kernel_pump). Outside the daemon (``gpumon check``, the
+    bootstrap suite, a saved log) the check is handed every event and record of the log."""
+
+    # the NVRM event types (gpumon.hw.nvrm) it reads in KernelLog.events. None: every event and
+    # every raw record (gpumon.hw.kmsg.KernelRecord, in KernelLog.records), any of which runs it
+    events: tuple[type, ...] | None = None
+    # makes the fold of the records that the pump keeps for it, handed over in KernelLog.folded
+    # (a new one for each pump: a daemon start, a restart of the pump's reader)
+    fold: Callable[[], KernelLogFold] | None = None
+    # it counts XidEvent.repeats (and dates the last of them by XidEvent.last_record), so the
+    # pump may hand it the same Xid line logged many times within a second as one event (a storm
+    # of one line costs the check one event, not thousands)
+    repeats: bool = False
 
 
 P = TypeVar("P")
@@ -205,28 +230,14 @@ class Check:
     # The dataclass of the check's saved state (a gpumon.bootstate.BootState: read with
     # ctx.state_as), or None: the framework loads, checks, saves and resets it at a reboot.
     State: ClassVar[type[BootState] | None] = None
-    # Checks fed by the kernel log run as soon as something they read arrives (in the daemon,
-    # at most every 0.5 s unless it is new: gpumon.kernel_pump.KernelLogPump). What they read,
-    # which is all that the daemon keeps for them between runs:
-    uses_kernel_log: ClassVar[bool] = False
-    # - these NVRM event types (gpumon.hw.nvrm) in KernelLog.events (None: every event);
-    kernel_log_events: ClassVar[tuple[type, ...] | None] = None
-    # - the raw records (gpumon.hw.kmsg.KernelRecord) in KernelLog.records; the check then
-    #   runs for a record that contains one of kernel_log_match (empty: any record). Kernel
-    #   noise (network, USB) must not re-run a check that reads sysfs on every turn;
-    kernel_log_records: ClassVar[bool] = True
-    kernel_log_match: ClassVar[tuple[str, ...]] = ()
-    # - a fold of the records (kernel_log_fold), handed over in KernelLog.folded.
-    # kernel_log_repeats: the check counts XidEvent.repeats (and dates the last of them by
-    # XidEvent.last_record), so the pump may hand it the same Xid line logged many times within
-    # a second as one event (a storm of one line costs the check one event, not thousands).
-    kernel_log_repeats: ClassVar[bool] = False
-    # Outside the daemon (gpumon check, a saved log) a check gets every event and record.
+    # What it reads of the kernel log (KernelLogNeeds); None: it reads none, and is handed an
+    # unavailable KernelLog.
+    kernel_log: ClassVar[KernelLogNeeds | None] = None
 
     def kernel_log_fold(self) -> KernelLogFold | None:
-        """A fold of this check's kernel-log records for the daemon's pump to keep (see
-        KernelLogFold); None: the pump queues events and records as declared above."""
-        return None
+        """A new fold of this check's kernel-log records (``KernelLogNeeds.fold``), None without one."""
+        needs = self.kernel_log
+        return needs.fold() if needs is not None and needs.fold is not None else None
 
     def supported(self, inventory: Inventory) -> str | None:
         """None if the check applies to this node, else the reason it does not."""
@@ -234,6 +245,27 @@ class Check:
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         raise NotImplementedError
+
+    def after_suite(self, ctx: CheckContext) -> list[Finding]:
+        """A bootstrap check's second look once the whole suite has run (e.g. counters from before
+        the first load to after the last): the suite calls it, with the same state as its run,
+        under the same deadline, and adds what it finds to that run's findings. A check that does
+        not define it has no after-suite step (``has_after_suite``)."""
+        return []
+
+    @classmethod
+    def has_after_suite(cls) -> bool:
+        return cls.after_suite is not Check.after_suite
+
+    def canary_verdict(self, report: CanaryReport) -> list[Finding]:
+        """A canary check's findings on a canary run (``gpumon.sdc.runner.Report``): what its own
+        run returns and what ``gpumon canary`` judges a run by, so that both judge alike. A check
+        that does not define it judges no canary run (``judges_canaries``)."""
+        raise NotImplementedError(f"{self.name} does not judge canary runs")
+
+    @classmethod
+    def judges_canaries(cls) -> bool:
+        return cls.canary_verdict is not Check.canary_verdict
 
     # Helpers so that every check words common outcomes the same way.
 
@@ -256,17 +288,6 @@ class Check:
                              Action.REBOOT_NODE if why.lost else Action.RESET_GPU, nvml=why.reason,
                              **({GPU_LOST: True} if why.lost else {}))
                 for index, why in sorted(inventory.unreadable_gpus.items())]
-
-
-@runtime_checkable
-class AfterSuite(Protocol):
-    """A bootstrap check that also looks once more when the whole suite has run (e.g. counters
-    from before the first load to after the last): the suite calls ``after_suite`` with the
-    same state as its run and adds what it finds to that run's findings. Optional: a check
-    without it has no after-suite step."""
-
-    def after_suite(self, ctx: CheckContext) -> list[Finding]:
-        ...
 
 
 def condition_finding(check: str, cond: HwCondition, component: str | None = None) -> Finding:

@@ -24,6 +24,7 @@ from gpumon.config import Config, load_config
 from gpumon.errors import ConfigError, GpumonError, StartupError
 from gpumon.fabric import cli as fabric_cli
 from gpumon.guard import cli as guard_cli
+from gpumon.hw.kernellog import ReadOnce
 from gpumon.machine import Machine
 from gpumon.model import CheckRun, Phase, Status
 from gpumon.registry import NotLoaded, load_registry
@@ -352,11 +353,10 @@ def _check(agent: Agent, args: argparse.Namespace) -> int:
     if args.kmsg_file:  # a saved log judged on purpose, as its own boot (Agent.kernel_log_snapshot)
         if not args.names:
             # the log's checks only: this machine's live readings say nothing about the log's node
-            checks = [c for c in checks if c.uses_kernel_log]
+            checks = [c for c in checks if c.kernel_log is not None]
         if not args.kmsg_file.is_file():
             raise ConfigError("kernel log file not found", file=str(args.kmsg_file))
-        log = (agent.kernel_log_snapshot(args.kmsg_file, all_boots=args.all_boots)
-               if any(c.uses_kernel_log for c in checks) else None)
+        log = agent.kernel_log_snapshot(args.kmsg_file, all_boots=args.all_boots)
         # no NVML here (a laptop): this machine's inventory cannot say whether the log's node had
         # GPUs or NVSwitches, so the log's checks are not gated on it; lines name PCI bus ids
         no_gpus_here = agent.inventory.nvml_error is not None and not agent.inventory.gpus
@@ -372,16 +372,15 @@ def _replay(agent: Agent, checks: list[Check]) -> list[CheckRun]:
     run, each run handed the kernel-log records logged since the one before; the last run's
     findings are the report (see ``check --help``)."""
     agent.runner.clock = agent.machine.clock
-    source = agent.kernel_log_source() if any(c.uses_kernel_log for c in checks) else None
+    source = agent.kernel_log_source()  # opened at its first read
 
     def step() -> list[CheckRun]:
-        return agent.runner.run(checks, source.read_log() if source is not None else None)
+        return agent.runner.run(checks, ReadOnce(source.read_log))
 
     try:
         return agent.machine.replay(step)
     finally:
-        if source is not None:
-            source.close()
+        source.close()
 
 
 def _split(value: str | None) -> list[str]:

@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Any
 
 from gpumon.agent import Agent
-from gpumon.check import Check, KernelLog
+from gpumon.check import Check
 from gpumon.config import split_listen
 from gpumon.daemon_report import ReportSink, ReportWriter
 from gpumon.daemon_sinks import PRERENDER_COUNTS_S as PRERENDER_COUNTS_S
@@ -158,8 +158,7 @@ class Daemon:
         # {outcome="not-loaded"}, its unknown finding), the health state and report.json
         for run in agent.not_loaded_runs():
             self._record(run)
-        self._pump = KernelLogPump(lambda: agent.kernel_log_source(bounded=True), self.wake,
-                                   [c for c in self._checks if c.uses_kernel_log],
+        self._pump = KernelLogPump(lambda: agent.kernel_log_source(bounded=True), self.wake, self._checks,
                                    boot=agent.hw.fs.boot_id(), marks=agent.check_state.get(WATERMARK_STATE))
         self._background = self._start_background()
         start = time.monotonic()
@@ -304,12 +303,11 @@ class Daemon:
                 if self.health is not None:
                     self.health.tick()
             for check in self._checks:
-                event_driven = check.uses_kernel_log and pump.has_pending(check.name)
+                event_driven = pump.has_pending(check.name)
                 if (now >= due[check.name] or event_driven) and self._idle(check.name):
                     interval = self.agent.config.settings(type(check)).interval_s
                     due[check.name] = now + self.next_delay(interval)
-                    klog, mark = pump.take(check.name) if check.uses_kernel_log else (None, None)
-                    self._launch(check, klog, mark)
+                    self._launch(check)
             soonest = min(min(due.values(), default=now + 1.0), pump.next_due() or math.inf)
             wait = soonest - time.monotonic()
             self.wake.wait(timeout=max(0.01, min(wait, 1.0)))
@@ -361,16 +359,20 @@ class Daemon:
         worker = self._workers.get(name)
         return worker is None or not worker.busy
 
-    def _launch(self, check: Check, klog: KernelLog | None, mark: dict[str, Any] | None = None) -> None:
+    def _launch(self, check: Check) -> None:
+        pump = self._pump
+
         def work() -> None:
-            for run in self.agent.runner.run([check], klog):
+            runs = self.agent.runner.run([check], pump)
+            mark = pump.handed_mark(check.name) if pump is not None else None
+            for run in runs:
                 now = time.monotonic()
                 if run.outcome == "completed" and mark is not None:
                     self._marks[run.check] = mark  # what this run was handed is counted in its state
                 # A 1 s check (ib) changes its state every second; fsyncing that every
                 # second is most of the daemon's I/O. At most every 10 s, and at exit.
                 if run.outcome == "completed" and now - self._saved_at.get(run.check, 0.0) >= 10.0:
-                    if self.agent.check_state.save(run.check) and check.uses_kernel_log:
+                    if self.agent.check_state.save(run.check) and check.kernel_log is not None:
                         self._store_watermark(run.check)
                     self._saved_at[run.check] = now
                 self._record(run)

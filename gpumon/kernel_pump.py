@@ -2,7 +2,7 @@
 thread and hands each check that reads it what it declared, once, with a watermark per check.
 
 The source (open, follow, parse) is the hw layer's; what is here is the distribution: per-check
-queues (:class:`_Feed`) bounded in size, the minimum gap between two runs of a check for what the
+queues (:class:`_Queue`) bounded in size, the minimum gap between two runs of a check for what the
 log brings (a new key runs it at once), and the marks that say how far each check has been handed
 the log, so that a restarted daemon neither skips nor repeats lines.
 """
@@ -19,9 +19,9 @@ from dataclasses import fields, replace
 from operator import attrgetter
 from typing import Any
 
-from gpumon.check import Check, KernelLog
+from gpumon.check import Check, KernelLog, KernelLogNeeds
 from gpumon.errors import HwCondition
-from gpumon.hw.kernellog import KernelLogSource
+from gpumon.hw.kernellog import KernelLogFeed, KernelLogSource
 from gpumon.hw.nvrm import XidEvent
 
 log = logging.getLogger("gpumon.daemon")
@@ -40,7 +40,7 @@ KERNEL_LOG_NEW_KEY_S = 60.0
 # that the oldest go, counted in the check's lost_records (a check stuck until its timeout in a
 # storm). 20,000 Xid events with their records are ~12 MB.
 KERNEL_LOG_QUEUE_MAX = 20_000
-# For a check that counts repeats (Check.kernel_log_repeats), an Xid line whose text is already
+# For a check that counts repeats (KernelLogNeeds.repeats), an Xid line whose text is already
 # queued for it, logged at most this long (kernel time) after the queued one, is counted on it
 # (XidEvent.repeats) instead of queued: a storm of the same few lines is a few events per run.
 KERNEL_LOG_REPEAT_US = 1_000_000
@@ -96,22 +96,21 @@ def _event_key(event: Any) -> Hashable:
     return (type(event).__name__, getattr(event, "pci", None), getattr(event, "code", None))
 
 
-class _Feed:
+class _Queue:
     """What the pump keeps for one check between its runs: only what the check reads
-    (``Check.kernel_log_events`` / ``kernel_log_records`` / ``kernel_log_fold``)."""
+    (``Check.kernel_log``: its event types, else every event and record; its fold)."""
 
-    def __init__(self, check: Check, mark: Mapping[str, Any] | None, cap: int) -> None:
-        self.types = check.kernel_log_events
-        self.want_records = check.kernel_log_records
-        self.words = check.kernel_log_match
+    def __init__(self, check: Check, needs: KernelLogNeeds, mark: Mapping[str, Any] | None, cap: int) -> None:
+        self.types = needs.events
+        self.want_records = needs.events is None
         self.fold = check.kernel_log_fold()
         self.events: deque[Any] = deque()
         self.records: deque[Any] = deque(maxlen=cap)
         self.cap = cap
         self.dropped = 0  # lines this check reads that were pushed out before its run (cumulative)
-        # repeats (Check.kernel_log_repeats): text -> the queued Xid event that later copies of the
+        # repeats (KernelLogNeeds.repeats): text -> the queued Xid event that later copies of the
         # same line are counted on; id(event) -> [lines it stands for, the last of them]
-        self.repeats = check.kernel_log_repeats
+        self.repeats = needs.repeats
         self.merge: dict[str, list[Any]] = {}
         self.extra: dict[int, list[Any]] = {}  # id(event) -> its merge entry, once a line is counted on it
         self.calls = 0
@@ -232,11 +231,12 @@ class _Feed:
         return False
 
 
-class KernelLogPump:
-    """Follows the kernel log on its own thread and hands each subscribed check what it reads.
+class KernelLogPump(KernelLogFeed):
+    """Follows the kernel log on its own thread and hands each subscribed check what it reads:
+    the daemon's :class:`~gpumon.hw.kernellog.KernelLogFeed` (``for_check`` at each run).
 
-    Every subscriber gets what it declared (``Check.kernel_log_events``, ``kernel_log_records``,
-    ``kernel_log_fold``; see gpumon.check), once: two checks reading the kernel log (xid,
+    Every check that reads the kernel log gets what it declared (``Check.kernel_log``, see
+    gpumon.check.KernelLogNeeds), once: two checks reading the kernel log (xid,
     nvswitch) do not steal each other's lines, and a check keeps nothing it does not read until
     its next run (nvswitch, run every 60 s, kept every record of a storm). A check runs for what
     it reads at most every KERNEL_LOG_GAP_S, at once for a key it has not seen lately.
@@ -247,7 +247,8 @@ class KernelLogPump:
     the daemon.
 
     Watermarks: ``take`` also returns the mark of the last record handled for the check (what it
-    hands over includes everything of interest up to it). The daemon stores it beside the
+    hands over includes everything of interest up to it; after ``for_check``, ``handed_mark``
+    gives it). The daemon stores it beside the
     check's state once a run that used it has completed and that state is saved, never before,
     so a daemon that dies mid-run reads those lines again rather than skipping them; a new pump
     drops what is at or before the stored mark.
@@ -256,18 +257,24 @@ class KernelLogPump:
     def __init__(self, source: Callable[[], KernelLogSource], wake: threading.Event,
                  subscribers: Sequence[Check], *, boot: str | None, marks: Mapping[str, Any],
                  queue_max: int = KERNEL_LOG_QUEUE_MAX) -> None:
-        """``source`` makes a new source of the log (again after a failure of the pump); ``boot``:
-        this boot's id; ``marks``: the watermarks stored by the daemon (check name -> mark)."""
+        """``source`` makes a new source of the log (again after a failure of the pump);
+        ``subscribers``: the checks, of which those that declare ``kernel_log`` are subscribed;
+        ``boot``: this boot's id; ``marks``: the watermarks stored by the daemon (check name -> mark)."""
         self._new_source = source
         self.wake = wake
         self.lock = threading.Lock()
         self.boot = boot
-        self.feeds: dict[str, _Feed] = {}
+        self.queues: dict[str, _Queue] = {}
         for check in subscribers:
+            needs = check.kernel_log
+            if needs is None:
+                continue
             mark = marks.get(check.name)
             if not isinstance(mark, dict) or mark.get("boot") != self.boot:
                 mark = None
-            self.feeds[check.name] = _Feed(check, mark, queue_max)
+            self.queues[check.name] = _Queue(check, needs, mark, queue_max)
+        # check name -> the watermark of what for_check last handed it (see handed_mark)
+        self._handed: dict[str, dict[str, Any] | None] = {}
         self.records = 0
         self.error: str | None = None
         self.source: KernelLogSource | None = None
@@ -315,8 +322,8 @@ class KernelLogPump:
         if batch.reopened:
             # (re)opened: read from its start again, what each check was handed is dropped
             with self.lock:
-                for feed in self.feeds.values():
-                    feed.floor_seq, feed.floor_us = feed.seq, feed.us
+                for queue in self.queues.values():
+                    queue.floor_seq, queue.floor_us = queue.seq, queue.us
         if batch.error is not None:
             if self.error is None:
                 log.warning("kernel log unreadable: %s", batch.error)
@@ -337,21 +344,21 @@ class KernelLogPump:
             kinds = frozenset(map(type, events))
             with self.lock:
                 self.records += len(records)
-                for feed in self.feeds.values():
-                    woken = self._hand(feed, records, events, dating, wall, now, last_seq, last_us,
+                for queue in self.queues.values():
+                    woken = self._hand(queue, records, events, dating, wall, now, last_seq, last_us,
                                        kinds) or woken
         self.first_read.set()
         if woken:
             self.wake.set()
 
-    def _hand(self, feed: _Feed, records: list[Any], events: list[Any], dating: KernelLog, wall: float,
+    def _hand(self, queue: _Queue, records: list[Any], events: list[Any], dating: KernelLog, wall: float,
               now: float, last_seq: int | None, last_us: int | None,
               kinds: frozenset[type] = frozenset()) -> bool:
         """One turn's records and events for one check (under the lock); True: it is due sooner.
         ``kinds``: the types of ``events`` (or more), to take or leave them whole when the check
         reads all of those types or none (a storm's batch is one or two types)."""
-        if feed.floor_seq is not None or feed.floor_us is not None:
-            fresh = [r for r in records if not feed.seen(r)]
+        if queue.floor_seq is not None or queue.floor_us is not None:
+            fresh = [r for r in records if not queue.seen(r)]
             if len(fresh) != len(records):
                 kept = {id(r) for r in fresh}
                 events = [e for e in events if getattr(e, "record", None) is None or id(e.record) in kept]
@@ -359,7 +366,7 @@ class KernelLogPump:
                 last_seq, last_us = _last_stamps(records)
         keys: list[Hashable] = []
         relevant = False
-        types = feed.types
+        types = queue.types
         if types is None:
             mine = events
         elif not types or not events:
@@ -373,55 +380,45 @@ class KernelLogPump:
             else:
                 mine = [e for e in events if isinstance(e, types)]
         if mine:
-            keys.extend(feed.push_events(mine, counts=not feed.want_records))
-            # a check that reads every record runs for the records it matches (below)
-            relevant = feed.types is not None or not feed.want_records
-        if feed.want_records and records:
-            feed.push(feed.records, records)
-            words = feed.words
-            if not words or any(w in r.text for r in records for w in words):
+            keys.extend(queue.push_events(mine, counts=not queue.want_records))
+            # a check that reads every record runs for the records (below)
+            relevant = not queue.want_records
+        if queue.want_records and records:
+            queue.push(queue.records, records)
+            relevant = True
+        if queue.fold is not None:
+            said = queue.fold.add_many(records, _dater(dating, wall))
+            if said:
+                keys.extend(said)
                 relevant = True
-        if feed.fold is not None:
-            many = getattr(feed.fold, "add_many", None)
-            if many is not None:
-                said = many(records, _dater(dating, wall))
-                if said:
-                    keys.extend(said)
-                    relevant = True
-            else:
-                for rec in records:
-                    said = feed.fold.add(rec, dating.time_of(rec, wall))
-                    if said:
-                        keys.extend(said)
-                        relevant = True
         if last_seq is not None:
-            feed.seq = last_seq
+            queue.seq = last_seq
         if last_us is not None:
-            feed.us = last_us
-        return relevant and feed.schedule(keys, now)
+            queue.us = last_us
+        return relevant and queue.schedule(keys, now)
 
     def take(self, name: str) -> tuple[KernelLog, dict[str, Any] | None]:
         """What the check ``name`` reads of the log since its last take, and the watermark to
         store once a run that used it has completed (None: nothing to store)."""
         # the first read is one non-blocking pass over what the log holds: normally milliseconds;
-        # waited for once (this runs on the daemon's main loop), not at every take
+        # waited for once (by the first run of a check that reads the log), not at every take
         waited, self._waited = self._waited, True
         source = str(self.path)
         if not self.first_read.wait(0.0 if waited else _FIRST_READ_WAIT_S):
             return KernelLog(available=False, source=source,
                              error=f"{self.path} not read yet (still reading it after "
                                    f"{_FIRST_READ_WAIT_S:g} s)"), None
-        feed = self.feeds.get(name)
-        if feed is None:
+        queue = self.queues.get(name)
+        if queue is None:
             return KernelLog(available=False, source=source, error="not subscribed to the kernel log"), None
         with self.lock:
-            events, records = feed.take_events(), list(feed.records)
-            feed.records.clear()
-            folded = feed.fold.take() if feed.fold is not None else None
-            mark = {"boot": self.boot, "seq": feed.seq, "us": feed.us}
-            feed.due_at = None
-            feed.last_take = time.monotonic()
-            dropped = feed.dropped
+            events, records = queue.take_events(), list(queue.records)
+            queue.records.clear()
+            folded = queue.fold.take() if queue.fold is not None else None
+            mark = {"boot": self.boot, "seq": queue.seq, "us": queue.us}
+            queue.due_at = None
+            queue.last_take = time.monotonic()
+            dropped = queue.dropped
             total = self.records
         reader = self.source
         lost = (reader.lost_records if reader is not None else 0) + dropped
@@ -435,6 +432,18 @@ class KernelLogPump:
                          records_read=total, lost_records=lost, boot_time=self.boot_anchor,
                          folded=folded), mark
 
+    def for_check(self, check: Check) -> KernelLog:
+        """``take`` for the check at the start of its run; its watermark is kept for ``handed_mark``."""
+        log, mark = self.take(check.name)
+        self._handed[check.name] = mark
+        return log
+
+    def handed_mark(self, name: str) -> dict[str, Any] | None:
+        """The watermark of what ``for_check`` last handed the check ``name`` (None: nothing, or
+        nothing to store), forgotten once asked: the daemon stores it once that run has completed.
+        Asked on the thread of the check's run, one run of a check at a time."""
+        return self._handed.pop(name, None)
+
     def stats(self) -> dict[str, Any]:
         """Counters since the pump started, for /metrics: records read; per check, lines it
         reads that did not reach it, by reason (DROP_*), and lines counted on an earlier
@@ -442,22 +451,22 @@ class KernelLogPump:
         reader = self.source
         ring = reader.lost_records if reader is not None else 0
         with self.lock:
-            dropped = {(name, reason): n for name, feed in self.feeds.items()
-                       for reason, n in ((DROP_QUEUE_FULL, feed.dropped), (DROP_RING_OVERRUN, ring))}
-            merged = {name: feed.merged for name, feed in self.feeds.items()}
+            dropped = {(name, reason): n for name, queue in self.queues.items()
+                       for reason, n in ((DROP_QUEUE_FULL, queue.dropped), (DROP_RING_OVERRUN, ring))}
+            merged = {name: queue.merged for name, queue in self.queues.items()}
             return {"read": self.records, "dropped": dropped, "merged": merged}
 
     def has_pending(self, name: str) -> bool:
         """Something this check reads has arrived since its last run, and it is time to run it."""
         with self.lock:
-            feed = self.feeds.get(name)
-            return feed is not None and feed.due_at is not None and feed.due_at <= time.monotonic()
+            queue = self.queues.get(name)
+            return queue is not None and queue.due_at is not None and queue.due_at <= time.monotonic()
 
     def next_due(self) -> float | None:
         """The soonest monotonic time at which a check that waits out KERNEL_LOG_GAP_S is due."""
         now = time.monotonic()
         with self.lock:
-            return min((f.due_at for f in self.feeds.values() if f.due_at is not None and f.due_at > now),
+            return min((f.due_at for f in self.queues.values() if f.due_at is not None and f.due_at > now),
                        default=None)
 
     def close(self) -> None:

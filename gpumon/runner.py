@@ -31,6 +31,7 @@ from gpumon.config import Config
 from gpumon.errors import HwCondition
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory
+from gpumon.hw.kernellog import KernelLogFeed
 from gpumon.model import NODE, Action, CheckRun, Finding, Severity
 from gpumon.profiles import Profile
 
@@ -100,6 +101,7 @@ class CheckThread:
 @dataclass
 class _Slot:
     check: Check
+    after_suite: bool = False  # run its after_suite step, not its run
     thread: threading.Thread | None = None
     result: list[Finding] | None = None
     error: BaseException | None = None
@@ -138,25 +140,31 @@ class Runner:
                             kernel_log=kernel_log, clock=self.clock, node=self.node,
                             state_dir=self.state_dir, retry=retry)
 
-    def run(self, checks: Sequence[Check], kernel_log: KernelLog | None = None,
+    def run(self, checks: Sequence[Check], kernel_log: KernelLogFeed | None = None,
             on_done: Callable[[CheckRun], None] | None = None, *,
-            retry: RetryRequest | None = None, gate: bool = True) -> list[CheckRun]:
-        """Run ``checks`` at once, each within its deadline. ``retry``: the bootstrap suite's
+            retry: RetryRequest | None = None, gate: bool = True,
+            after_suite: bool = False) -> list[CheckRun]:
+        """Run ``checks`` at once, each within its deadline. ``kernel_log``: where each check that
+        declares ``kernel_log`` gets its log (asked before its gate, so that a check not run
+        this time still takes what the daemon's pump kept for it, as its run would); None: not
+        read in this run. ``retry``: the bootstrap suite's
         second run of a check (handed to each as ``ctx.retry``). ``gate=False``: no capability
         gate (``supported``): a saved kernel log judged on another machine is about the log's
-        node, not about this one's GPUs."""
-        kernel_log = kernel_log or KernelLog(available=False, error="kernel log not read in this run")
+        node, not about this one's GPUs. ``after_suite``: each check's ``after_suite`` step instead
+        of its ``run`` (the bootstrap suite's look once every check has run)."""
         runs: list[CheckRun] = []
         slots: list[tuple[_Slot, float]] = []
         for check in checks:
+            log = (kernel_log.for_check(check) if kernel_log is not None and check.kernel_log is not None
+                   else KernelLog(available=False, error="kernel log not read in this run"))
             early = self._precheck(check, gate)
             if early is not None:
                 runs.append(early)
                 if on_done:
                     on_done(early)
                 continue
-            slot = _Slot(check)
-            ctx = self._context(check, kernel_log, retry)
+            slot = _Slot(check, after_suite=after_suite)
+            ctx = self._context(check, log, retry)
             slot.started = time.monotonic()
             self._inflight[check.name] = slot
             self._start(slot, ctx)
@@ -215,7 +223,8 @@ class Runner:
 
     def _body(self, slot: _Slot, ctx: CheckContext) -> None:
         try:
-            slot.result = list(slot.check.run(ctx))
+            check = slot.check
+            slot.result = list(check.after_suite(ctx) if slot.after_suite else check.run(ctx))
         except BaseException as exc:
             slot.error = exc
             slot.tb = traceback.format_exc(limit=6)

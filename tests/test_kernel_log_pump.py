@@ -14,13 +14,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpumon.check import Check, CheckContext
+from gpumon.check import Check, CheckContext, KernelLogNeeds
 from gpumon.checkstate import CheckStateStore
 from gpumon.export.prometheus import FAMILIES, Snapshot, SnapshotHolder, make_registry
 from gpumon.hw import Hardware
@@ -81,8 +81,7 @@ class _Everything(Check):
     """A kernel-log check that declares nothing more (a third party's): it gets every event and record."""
 
     name = "everything"
-    uses_kernel_log = True
-    kernel_log_match: ClassVar[tuple[str, ...]] = ("NVRM",)
+    kernel_log = KernelLogNeeds()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         return []

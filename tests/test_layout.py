@@ -51,8 +51,7 @@ def test_the_framework_imports_no_check() -> None:
 
 def test_protocol_members_are_not_looked_up_by_name() -> None:
     members = ("cost", "after_suite", "interval", "timeout", "phase", "Config", "supported", "extras",
-               "uses_kernel_log", "kernel_log_events", "kernel_log_records", "kernel_log_match",
-               "kernel_log_fold", "retry", "params")
+               "kernel_log", "kernel_log_fold", "add_many", "canary_verdict", "verdict", "retry", "params")
     pattern = re.compile(r"getattr\([^)]*,\s*[\"'](" + "|".join(members) + r")[\"']")
     found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in _sources("gpumon", "checks")
              for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
@@ -97,3 +96,19 @@ def test_readme_layout_names_nothing_that_is_gone() -> None:
         if not (ROOT / "checks" / pkg / "__init__.py").exists():
             gone.append(f"checks/{pkg}/")
     assert not gone, "README Layout names what the tree does not hold: " + ", ".join(gone)
+
+
+def test_optional_members_are_not_discovered_at_run_time() -> None:
+    """Issue 22 point 3: a check's optional members (after-suite step, canary judging, kernel-log
+    needs) are declared with defaults on ``Check``: no runtime-checkable protocol to test a check
+    against, no class made at run time (``type(name, bases, namespace)``) to run a member of it."""
+    found = []
+    for path in _sources("gpumon", "checks"):
+        text = path.read_text()
+        found += [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+                  for n, line in enumerate(text.splitlines(), 1) if "runtime_checkable" in line]
+        found += [f"{path.relative_to(ROOT)}:{node.lineno}: type() with 3 arguments"
+                  for node in ast.walk(ast.parse(text, str(path)))
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id == "type" and len(node.args) == 3]
+    assert not found, "\n".join(found)

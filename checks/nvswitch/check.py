@@ -64,7 +64,7 @@ from datetime import timezone, tzinfo
 from typing import Any
 
 from gpumon.bootstate import REPEAT_WINDOW_S, REPEAT_WINDOW_SOURCE, RepeatHistory
-from gpumon.check import Check, CheckContext
+from gpumon.check import Check, CheckContext, KernelLogNeeds
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.fabricmanager import (
     DEFAULT_LOG_PATH,
@@ -172,10 +172,8 @@ class NvswitchCheck(Check):
     timeout = 20.0
     Config = NvswitchConfig
     State = NvswitchState
-    uses_kernel_log = True
     # SXid lines only: other kernel noise must not re-read NVML and the FM log
-    kernel_log_events = (SXidEvent,)
-    kernel_log_records = False
+    kernel_log = KernelLogNeeds(events=(SXidEvent,))
 
     def supported(self, inventory: Inventory) -> str | None:
         if any(d.is_nvswitch for d in inventory.pci_devices):

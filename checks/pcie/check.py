@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumon.check import Check, CheckContext
+from gpumon.check import Check, CheckContext, KernelLogFold, KernelLogNeeds
 from gpumon.errors import HwCondition
 from gpumon.hw import pci as pcihw
 from gpumon.hw.inventory import Inventory
@@ -147,14 +147,9 @@ class PcieCheck(Check):
     timeout = 30.0
     Config = PcieConfig
     State = PcieState
-    uses_kernel_log = True
     # AER lines are folded as they arrive (AerFold); only an uncorrectable report runs the check
     # at once, corrected ones are counted and reach it at its regular run
-    kernel_log_events = ()
-    kernel_log_records = False
-
-    def kernel_log_fold(self) -> AerFold:
-        return AerFold()
+    kernel_log = KernelLogNeeds(events=(), fold=lambda: AerFold())
 
     def supported(self, inventory: Inventory) -> str | None:
         if not inventory.pci_devices:
@@ -422,7 +417,7 @@ class AerDelta:
 _FOLD_MEMO_MAX = 4096
 
 
-class AerFold:
+class AerFold(KernelLogFold):
     """pcie's kernel-log lines folded into an :class:`AerDelta` as they arrive (the daemon's
     kernel-log pump calls :meth:`add` per record, see gpumon.check.KernelLogFold; the check's own
     run does the same with the records it is handed). A storm of corrected-error reports then

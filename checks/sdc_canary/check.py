@@ -177,15 +177,13 @@ class SdcCanaryCheck(Check):
             report = runner.run(options)
         except (runner.CanaryError, BundleError, workers.DevicesBusy) as exc:
             return [self.finding(NODE, Severity.UNKNOWN, f"canary could not run: {exc}")]
-        return self.verdict(report, self.name)
+        return self.canary_verdict(report)
 
-    @staticmethod
-    def verdict(report: Report, check: str) -> list[Finding]:
-        """One finding per GPU from a canary run (``gpumon.sdc.runner.CanaryJudge``, also what
-        ``gpumon canary`` judges by)."""
+    def canary_verdict(self, report: Report) -> list[Finding]:
+        """One finding per GPU from a canary run (also what ``gpumon canary`` judges by)."""
         from . import verdict
 
-        return verdict.findings(report, check)
+        return verdict.findings(report, self.name)
 
 
 def with_idle_gate(findings: list[Finding], gates: dict[int, dict[str, Any]]) -> list[Finding]:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from gpumon.check import GPU_LOST, Check, CheckContext
+from gpumon.check import GPU_LOST, Check, CheckContext, KernelLogNeeds
 from gpumon.errors import HwCondition, NotSupported
 from gpumon.hw.inventory import Inventory
 from gpumon.hw.kernellog import SavedKernelLog
@@ -154,10 +154,7 @@ class XidCheck(Check):
     timeout = 10.0
     Config = XidConfig
     State = XidState
-    uses_kernel_log = True
-    kernel_log_events = (XidEvent, FallenOffBus, GpuIdentity)
-    kernel_log_records = False
-    kernel_log_repeats = True
+    kernel_log = KernelLogNeeds(events=(XidEvent, FallenOffBus, GpuIdentity), repeats=True)
 
     def __init__(self) -> None:
         self._nvml: _NvmlSource | None = None

@@ -2,7 +2,14 @@
 
 One pipeline for every reader: the daemon's kernel-log pump (``gpumon.kernel_pump``) follows it
 in bounded turns, ``gpumon check`` and the bootstrap suite take a snapshot of it, ``gpumon check
---kmsg-file`` judges a saved log, and the tests read a simulated node's log the same way.
+--kmsg-file`` judges a saved log, ``gpumon check --simulate`` follows it from run to run, and the
+tests read a simulated node's log the same way.
+
+- :class:`KernelLogFeed` is the one way the log reaches a check: the runner asks it for each
+  check's :class:`KernelLog` at the start of the check's run (``for_check``). :class:`ReadOnce`
+  (one read made when the first check of a run asks, handed to each: a snapshot, a saved log, a
+  followed log's next step) and the daemon's ``gpumon.kernel_pump.KernelLogPump`` (what each
+  check declared, since its last run) implement it.
 
 - :class:`KernelLogSource` opens the log (``/dev/kmsg`` or a file, :class:`KernelLogFollower`),
   dates records that carry only kernel time (/proc/stat btime, else /proc/uptime, else the newest
@@ -16,15 +23,18 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumon.errors import HwCondition
 from gpumon.hw.hostfs import HostFs
 from gpumon.hw.kmsg import KernelLogFollower, KernelRecord
 from gpumon.hw.nvrm import NvrmParser
+
+if TYPE_CHECKING:
+    from gpumon.check import Check
 
 
 @dataclass
@@ -74,6 +84,34 @@ class SavedKernelLog(KernelLog):
 
     judged_at: float = 0.0
     all_boots: bool = False
+
+
+class KernelLogFeed:
+    """Where the checks of a run get their kernel log. The runner calls ``for_check`` once per run
+    of each check that declares ``Check.kernel_log`` (a check that does not is handed an
+    unavailable log without asking), before its capability gate and on the thread that starts
+    the runs, the checks of one run one after the other."""
+
+    def for_check(self, check: Check) -> KernelLog:
+        """The log ``check`` is handed for this run (``available`` False, with the reason, when it
+        could not be read)."""
+        raise NotImplementedError
+
+
+class ReadOnce(KernelLogFeed):
+    """One read of the log, made when the first check of a run asks, and handed to every check of
+    that run: ``gpumon check``'s snapshot, the bootstrap suite's (one per check run), a saved log
+    (``--kmsg-file``), a followed log's next step (``gpumon check --simulate``). Nothing is read
+    when no check asks."""
+
+    def __init__(self, read: Callable[[], KernelLog]) -> None:
+        self._read = read
+        self._log: KernelLog | None = None
+
+    def for_check(self, check: Check) -> KernelLog:
+        if self._log is None:
+            self._log = self._read()
+        return self._log
 
 
 def kernel_log_error(path: Path, exc: OSError) -> str:

@@ -93,7 +93,7 @@ class XidEvent:
     register_words: tuple[int, ...] = ()
     # the same line (same text) logged this many times within a second, counted instead of
     # handed over one by one (the daemon's pump does it for a check that reads ``repeats``:
-    # gpumon.check.Check.kernel_log_repeats); ``last_record`` is the last of them. 1 and None:
+    # gpumon.check.KernelLogNeeds.repeats); ``last_record`` is the last of them. 1 and None:
     # the event is the line ``record`` alone.
     repeats: int = 1
     last_record: KernelRecord | None = None

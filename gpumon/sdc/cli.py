@@ -287,15 +287,16 @@ def _emit(args: argparse.Namespace, findings: list[Finding], summary: dict[str, 
 
 # -- subcommands -----------------------------------------------------------------------------------
 
-def _judge(agent: Agent) -> Callable[[Report, str], list[Finding]]:
-    """The canary check's verdict, through the registry (the daemon's check judges the same way)."""
-    from gpumon.sdc.runner import CHECK, CanaryJudge
+def _judge(agent: Agent) -> Callable[[Report], list[Finding]]:
+    """The canary check's verdict (``Check.canary_verdict``), through the registry, so that a run
+    is judged as the daemon's check judges it without importing any check module."""
+    from gpumon.sdc.runner import CHECK
 
     check = agent.checks.get(CHECK)
-    if check is None or not isinstance(check, CanaryJudge):
+    if check is None or not check.judges_canaries():
         raise GpumonError(f"the {CHECK} check is not installed (entry-point group gpumon.checks), "
                           "and it is what judges a canary run")
-    return check.verdict
+    return check().canary_verdict
 
 
 def _record(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
@@ -307,7 +308,7 @@ def _record(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     options = _options(args, node, iterations=args.iterations, workloads=tuple(args.workload),
                        bundles=tuple(args.bundle), keep_tensors=False)
     report = runner.run(options)
-    findings = _judge(agent)(report, runner.CHECK)
+    findings = _judge(agent)(report)
     problems = [f for f in findings if f.severity is not Severity.OK]
     # every run of every worker must agree, with itself across iterations and with the others
     disagree: list[str] = []
@@ -371,7 +372,7 @@ def _run(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
         raise ConfigError(f"worker {inject.worker} does not exist ({options.workers} workers)",
                           key="--inject")
     report = runner.run(options)
-    findings = _judge(agent)(report, runner.CHECK)
+    findings = _judge(agent)(report)
     summary = runner.summary_json(report)
     if inject is not None:
         summary["injected_fault"] = inject.to_text()
@@ -435,7 +436,7 @@ def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     if where:
         head += f"\n  {where}"
     report = runner.run(options)
-    findings = _judge(agent)(report, runner.CHECK)
+    findings = _judge(agent)(report)
     summary = runner.summary_json(report)
     summary["bundle"] = {"path": str(args.bundle), "kind": manifest.get("kind"),
                          "workload": manifest.get("workload") or manifest.get("name")}

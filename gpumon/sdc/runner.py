@@ -28,12 +28,11 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from gpumon import workers as pool
-from gpumon.model import Finding
 from gpumon.sdc.bundle import workload_from_bundle, workload_name, write_failure_manifest
 from gpumon.sdc.golden import DeviceKey, Diff, Golden, GoldenKey, device_key, first_difference, majority
 from gpumon.sdc.inject import FaultInjector, FaultSpec
@@ -49,16 +48,6 @@ from gpumon.sdc.workloads import (
 log = logging.getLogger("gpumon.sdc")
 
 CHECK = "sdc_canary"
-
-
-@runtime_checkable
-class CanaryJudge(Protocol):
-    """The verdict on a canary run: what the canary check (``CHECK``) implements, found through
-    the check registry so that ``gpumon canary`` judges a run as the daemon's check does without
-    importing any check module."""
-
-    @staticmethod
-    def verdict(report: Report, check: str) -> list[Finding]: ...
 
 
 class CanaryError(Exception):
