@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import configparser
 import email.parser
+import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import sysconfig
+import time
+import urllib.request
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -69,14 +75,62 @@ def _build(src: Path, out: Path) -> Path:
 
 
 # A check package a newcomer adds to checks/, and a subpackage of gpumon: in the one wheel the tests
-# build (a build costs ~15 s), with nothing else edited
+# build, with nothing else edited
 NEW_CHECK = "zz_new_check"
+NEW_CHECK_SOURCE = '''"""A widget watcher a newcomer writes: options, state, readings, kernel-log use."""
+
+from dataclasses import dataclass, field
+
+from gpumon.bootstate import BootState
+from gpumon.check import Check, CheckContext, KernelLogNeeds
+from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, reading
+
+
+@dataclass(frozen=True)
+class ZzConfig:  # checks.zz_new_check.* in gpumon.yaml
+    marker: str = "zz-widget"
+    max_lines: int = field(default=0, metadata={"min": 0, "source": "the test's choice"})
+
+
+@dataclass
+class ZzState(BootState):
+    runs: int = 0
+    lines: int = 0
+    keep_across_boots = ("runs",)
+
+
+class ZzNewCheck(Check):
+    name = "zz_new_check"
+    phase = Phase.CONTINUOUS
+    description = "widget lines in the kernel log"
+    readings = (
+        ReadingSpec("zz_new_runs_total", "counter",
+                    "Runs of the zz_new_check test check, kept across restarts.", unit="runs",
+                    source="the check's own saved state"),
+        ReadingSpec("zz_new_marker_lines_total", "counter", "Kernel-log lines with the configured marker.",
+                    unit="lines", source="the kernel log (checks.zz_new_check.marker)"),
+    )
+    interval = 1.0
+    timeout = 5.0
+    Config = ZzConfig
+    State = ZzState
+    kernel_log = KernelLogNeeds()
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        params = ctx.params_as(ZzConfig)
+        state = ctx.state_as(ZzState)
+        state.runs += 1
+        state.lines += sum(params.marker in r.text for r in ctx.kernel_log.records)
+        readings = [reading("zz_new_runs_total", state.runs),
+                    reading("zz_new_marker_lines_total", state.lines)]
+        if state.lines > params.max_lines:
+            return [self.finding(NODE, Severity.WARN, f"{state.lines} lines with {params.marker}",
+                                 Action.INSPECT_HARDWARE, readings=readings)]
+        return [self.ok(NODE, f"no line with {params.marker}", readings=readings)]
+'''
 NEW_CHECK_FILES = {
     "__init__.py": '"""a check package of the test"""\n\nfrom .check import ZzNewCheck\n',
-    "check.py": ('from gpumon.check import Check, CheckContext\nfrom gpumon.model import NODE, Finding\n\n\n'
-                 'class ZzNewCheck(Check):\n    name = "zz_new_check"\n\n'
-                 '    def run(self, ctx: CheckContext) -> list[Finding]:\n'
-                 '        return [self.ok(NODE, "fine")]\n'),
+    "check.py": NEW_CHECK_SOURCE,
     "parts/__init__.py": '"""a subpackage of the check"""\n',
     "parts/logic.py": "VALUE = 1\n",
 }
@@ -103,6 +157,28 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _dist_info(whl: zipfile.ZipFile, name: str) -> str:
     (member,) = [n for n in whl.namelist() if n.endswith(f".dist-info/{name}") and n.count("/") == 1]
     return whl.read(member).decode()
+
+
+def _site(venv: Path) -> Path:
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(_run(venv / "bin" / "python", "-c", purelib).stdout.strip())
+
+
+def _venv(venv: Path, wheel: Path) -> Path:
+    """The README's venv with the wheel in it (offline: the dependencies lent by a .pth line naming
+    the test interpreter's site-packages, after the venv's own)."""
+    proc = _run(sys.executable, "-m", "venv", venv)
+    assert proc.returncode == 0, proc.stderr
+    proc = _run(venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (_site(venv) / "zz_test_dependencies.pth").write_text("".join(f"{d}\n" for d in sorted(deps)))
+    return venv
+
+
+def _clean_env() -> dict[str, str]:
+    # away from the checkout: `python -c` puts the working directory first on sys.path
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
 
 
 def test_the_wheel_is_gpumon_node_with_the_gpumon_command(wheel: Path) -> None:
@@ -175,11 +251,7 @@ def test_units_verify_on_the_documented_layout_and_not_without_it(wheel: Path, t
         assert f"{name}: Command /opt/gpumon/bin/gpumon is not executable" in before.stderr, before.stderr
 
     # the README's commands, under the root tree (and offline: --no-index, dependencies below)
-    venv = root / VENV
-    proc = _run(sys.executable, "-m", "venv", venv)
-    assert proc.returncode == 0, proc.stderr
-    proc = _run(venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    venv = _venv(root / VENV, wheel)
     (root / "usr" / "local" / "bin").mkdir(parents=True)
     (root / "usr" / "local" / "bin" / "gpumon").symlink_to("/opt/gpumon/bin/gpumon")
 
@@ -196,12 +268,8 @@ def test_units_verify_on_the_documented_layout_and_not_without_it(wheel: Path, t
     script = venv / "bin" / "gpumon"
     shebang = script.read_text().splitlines()[0]
     assert shebang.startswith("#!") and Path(shebang[2:]).parent == venv / "bin", shebang
-    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = Path(_run(venv / "bin" / "python", "-c", purelib).stdout.strip())
-    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    (site / "zz_test_dependencies.pth").write_text("".join(f"{d}\n" for d in sorted(deps)))
-    # away from the checkout: `python -c` puts the working directory first on sys.path
-    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    site = _site(venv)
+    clean = _clean_env()
     proc = _run(script, "--version", cwd=tmp_path, env=clean)
     assert proc.returncode == 0 and proc.stdout.strip() == f"gpumon {VERSION}", proc.stdout + proc.stderr
     probe = ("import gpumon, gpumon_checks; from gpumon.registry import load_checks; "
@@ -344,3 +412,81 @@ print("\\n".join(bad))
     assert proc.returncode == 0, proc.stderr
     count, _, bad = proc.stdout.partition("\n")
     assert int(count) >= 20 and not bad.strip(), proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return str(resp.read().decode())
+    except OSError:
+        return ""
+
+
+def _value(text: str, family: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(f"gpumon_{family}{{"):
+            return float(line.rpartition(" ")[2])
+    return None
+
+
+def _daemon_until(venv: Path, tmp_path: Path, want: Callable[[str], bool]) -> str:
+    """The wheel's ``gpumon daemon`` on a simulated node (its widget line 1 s in) until its
+    /metrics satisfy ``want``; then SIGTERM, which saves every check's state on the way out."""
+    port = _free_port()
+    scenario = tmp_path / "widget.yaml"
+    scenario.write_text("name: widget\nsku: h100-sxm\nfaults:\n"
+                        "  - {at_s: 1, kind: kernel_line, text: 'zz-gadget 3: stuck'}\n")
+    config = tmp_path / "gpumon.yaml"
+    config.write_text(f"checks:\n  {NEW_CHECK}:\n    marker: zz-gadget\n")
+    cmd = [venv / "bin" / "gpumon", "daemon", "--config", config, "--simulate", scenario,
+           "--sim-dir", tmp_path / "sim", "--listen", f"127.0.0.1:{port}"]
+    with subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, env=_clean_env(), text=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        try:
+            text, deadline = "", time.monotonic() + 60
+            while time.monotonic() < deadline and not want(text) and proc.poll() is None:
+                time.sleep(0.3)
+                text = _metrics(port)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            proc.kill()
+            assert proc.stderr is not None
+            err = proc.stderr.read()
+    assert want(text), err[-3000:]
+    return text
+
+
+def test_a_new_check_folder_loads_runs_exports_and_keeps_its_state_from_the_wheel(
+        wheel: Path, tmp_path: Path) -> None:
+    """The issue's acceptance: a continuous check package added to checks/ (options, saved state,
+    readings, kernel-log use; NEW_CHECK_SOURCE) and nothing else edited; installed from the wheel,
+    the daemon loads it, hands it its option and the kernel line it declared, exports its readings
+    with their declared HELP, saves its state and reads it back after a restart."""
+    venv = _venv(tmp_path / "venv", wheel)
+
+    def seen(text: str) -> bool:
+        return (_value(text, "zz_new_marker_lines_total") == 1.0
+                and (_value(text, "zz_new_runs_total") or 0) >= 3)
+
+    text = _daemon_until(venv, tmp_path, seen)
+    lines = text.splitlines()
+    assert ("# HELP gpumon_zz_new_runs_total Runs of the zz_new_check test check, kept across restarts. "
+            "Unit: runs. Source: the check's own saved state.") in lines
+    assert "# TYPE gpumon_zz_new_marker_lines_total counter" in lines
+    assert f'gpumon_finding_severity{{check="{NEW_CHECK}",component="node"}} 3.0' in lines  # warn
+    saved = json.loads((tmp_path / "sim" / "state" / "checks" / f"{NEW_CHECK}.json").read_text())
+    assert saved["lines"] == 1 and saved["runs"] >= 3, saved
+
+    # restarted: the state read back (runs go on from the saved count, the line is not counted again)
+    def resumed(text: str) -> bool:
+        return (_value(text, "zz_new_runs_total") or 0) > saved["runs"]
+
+    text = _daemon_until(venv, tmp_path, resumed)
+    assert _value(text, "zz_new_marker_lines_total") == 1.0, text
