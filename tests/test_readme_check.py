@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from gpumon.check import Check
+from gpumon.checkstate import CheckStateStore
 from gpumon.config import load_config
 from gpumon.errors import ConfigError
 from gpumon.hw import Hardware
@@ -69,3 +70,25 @@ def test_a_bad_key_in_its_section_names_file_line_and_key(tmp_path: Path) -> Non
     with pytest.raises(ConfigError) as err:
         _run(tmp_path, "checks:\n  fans:\n    min_rmp: 5000\n", "6200\n")
     assert "gpumon.yaml" in str(err.value) and "min_rmp" in str(err.value) and ":3" in str(err.value)
+
+
+def test_its_declared_state_is_kept_by_the_framework_across_runs_and_restarts(tmp_path: Path) -> None:
+    cls = _example()
+    hwmon = tmp_path / "host/sys/class/hwmon/hwmon0"
+    hwmon.mkdir(parents=True)
+    conf = tmp_path / "gpumon.yaml"
+    conf.write_text("checks: {}\n")
+    config = load_config(conf, {cls.name: cls})
+
+    def run_at(rpm: int, store: CheckStateStore) -> str:
+        (hwmon / "fan1_input").write_text(f"{rpm}\n")
+        runner = Runner(Hardware(tmp_path / "host"), Inventory(), GENERIC, config, node="test", states=store)
+        (run,) = runner.run([cls()])
+        store.save(cls.name)
+        return run.findings[0].message
+
+    states = tmp_path / "state"
+    states.mkdir()
+    assert "slowest this boot 5100 rpm" in run_at(5100, CheckStateStore(states))
+    assert "slowest this boot 4800 rpm" in run_at(4800, CheckStateStore(states))  # a restart: read back
+    assert "slowest this boot 4800 rpm" in run_at(6000, CheckStateStore(states))
