@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from gpumon.sdc.runner import Report as CanaryReport
 
 
-class KernelLogFold:
+class KernelLogFold(ABC):
     """A check's own summary of its kernel-log lines, kept up to date by the daemon's kernel-log
     pump as records arrive (``KernelLogNeeds.fold``), so that a storm of lines the check only
     counts costs a dictionary update per line, not a run of the check per batch.
@@ -39,6 +40,7 @@ class KernelLogFold:
     once. A fold defines ``add`` and ``take``; ``add_many`` is ``add`` for each record unless the
     fold does better (one that skips most lines need not have each dated first)."""
 
+    @abstractmethod
     def add(self, record: Any, when: float) -> Iterable[Hashable]:
         """Fold one record (logged at ``when``, epoch seconds); return the keys of what in it
         should run the check at once (e.g. an uncorrectable error on a device): none for a
@@ -52,6 +54,7 @@ class KernelLogFold:
             keys.extend(self.add(record, time_of(record)))
         return keys
 
+    @abstractmethod
     def take(self) -> Any:
         """What was folded since the last take (None: nothing), and start afresh."""
         raise NotImplementedError

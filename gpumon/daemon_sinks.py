@@ -25,6 +25,7 @@ import logging
 import math
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -57,7 +58,7 @@ def said_of(run: CheckRun) -> Said:
     return tuple((f.component, f.severity, f.action, f.message) for f in run.findings)
 
 
-class Sink:
+class Sink(ABC):
     """One consumer of the daemon's check runs. ``record`` gets every run (under the daemon's
     lock: one at a time, in the order the runs ended); ``health_changed`` is called when another
     process changed the health state (``gpumon set-healthy``)."""
@@ -66,11 +67,13 @@ class Sink:
     # the sinks that must have had each run before this one (see Sinks)
     after: ClassVar[tuple[str, ...]] = ()
 
+    @abstractmethod
     def record(self, run: CheckRun) -> None:
         raise NotImplementedError
 
     def health_changed(self) -> None:
         """Nothing, unless the sink shows the health state."""
+        return None  # a default, not an abstract step: most sinks do not show it
 
 
 class Sinks:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,12 +87,13 @@ class SavedKernelLog(KernelLog):
     all_boots: bool = False
 
 
-class KernelLogFeed:
+class KernelLogFeed(ABC):
     """Where the checks of a run get their kernel log. The runner calls ``for_check`` once per run
     of each check that declares ``Check.kernel_log`` (a check that does not is handed an
     unavailable log without asking), before its capability gate and on the thread that starts
     the runs, the checks of one run one after the other."""
 
+    @abstractmethod
     def for_check(self, check: Check) -> KernelLog:
         """The log ``check`` is handed for this run (``available`` False, with the reason, when it
         could not be read)."""
