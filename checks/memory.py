@@ -67,10 +67,6 @@ class MemoryConfig:
                   "for the frame buffer'. Azure also requires a pending retirement; with 62 of 64 entries "
                   "used the table is full either way, so gpumon does not"})
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.retired_pages_limit <= 64:
-            raise ValueError(f"retired_pages_limit must be within 1..64, got {self.retired_pages_limit}")
-
 
 @dataclass
 class _Verdict:

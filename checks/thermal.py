@@ -67,12 +67,6 @@ class ThermalConfig:
     gradient_warn_c: float | None = field(default=None, metadata={
         "min": 0, "max": 100, "source": f"default {DEFAULT_GRADIENT_C:g} C: {_GRADIENT_SOURCE}"})
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.core_margin_c <= 50:
-            raise ValueError(f"core_margin_c must be within 0..50, got {self.core_margin_c}")
-        if self.gradient_warn_c is not None and not 0 <= self.gradient_warn_c <= 100:
-            raise ValueError(f"gradient_warn_c must be within 0..100, got {self.gradient_warn_c}")
-
 
 @dataclass
 class _Limit:

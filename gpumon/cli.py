@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from gpumon import __version__
 from gpumon.agent import Agent
 from gpumon.check import Check
-from gpumon.config import Config, load_config
+from gpumon.config import Config, load_config, with_profile
 from gpumon.errors import ConfigError, GpumonError, StartupError
 from gpumon.fabric import cli as fabric_cli
 from gpumon.guard import cli as guard_cli
@@ -104,6 +104,15 @@ def build_parser() -> UsageParser:
                    help="serve Prometheus metrics here (default: exporter.listen, 0.0.0.0:9426)")
 
     sub.add_parser("list-checks", parents=[common], help="list the registered checks")
+
+    p = sub.add_parser("config", parents=[common],
+                       help="print the configuration and where each value came from",
+                       description="Print the configuration a command would run with, as YAML a site "
+                       "file accepts, each value followed by where it came from: the declared "
+                       "default, the SKU profile (with --profile NAME: the profile is otherwise chosen "
+                       "from the GPUs at start), the site file and line, or a flag.")
+    p.add_argument("--defaults", action="store_true",
+                   help="the declared defaults alone (every option, with its meaning)")
 
     canary_cli.add_parser(sub, [common])
     fabric_cli.add_parser(sub, [common])
@@ -239,6 +248,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger().setLevel(config.log_level.upper())
         if args.command == "list-checks":
             return _list_checks(checks, config, not_loaded)
+        if args.command == "config":
+            return _config(args, config, checks, not_loaded)
         if args.command == "status":
             return _status(config, args, scenario)
         if args.command == "set-healthy":
@@ -311,6 +322,24 @@ def _list_checks(checks: dict[str, type[Check]], config: Config, not_loaded: dic
     console.print("gpumon checks")
     console.print(table)
     console.print("interval: how often the daemon runs the check; - : run on demand (gpumon run-bootstrap)")
+    return EXIT_OK
+
+
+def _config(args: argparse.Namespace, config: Config, checks: dict[str, type[Check]],
+            not_loaded: dict[str, NotLoaded]) -> int:
+    from gpumon.config_show import render
+    from gpumon.profiles import all_profiles, select_profile
+
+    if args.defaults:
+        config = load_config(None, checks, site_file=Path("/nonexistent/gpumon.yaml"))
+        print(render(config, checks, origins=False), end="")
+        return EXIT_OK
+    profile = None
+    if config.profile != "auto":
+        chosen = select_profile(all_profiles([Path(d) for d in config.profile_dirs]), [], config.profile)
+        config = with_profile(config, checks, chosen, not_loaded=not_loaded)
+        profile = chosen.name
+    print(render(config, checks, profile=profile), end="")
     return EXIT_OK
 
 

@@ -1,9 +1,11 @@
 """Layered, strict configuration.
 
-Layers, later wins: the defaults shipped in ``config/gpumon.yaml``, then the
-site file (``/etc/gpumon/gpumon.yaml``, or ``--config FILE`` instead), then
-command-line flags. Each file is validated on its own before merging, so an
-error names the file and line where the bad key was written.
+Layers, later wins: the defaults declared here (and, for a check's own options, on its ``Config``
+dataclass), the node's SKU profile for the options it tunes, the site file
+(``/etc/gpumon/gpumon.yaml``, or ``--config FILE`` instead), then command-line flags. Each value
+is built once from the merged layers (``gpumon.schema.LayeredSource``), and an error names the
+file and line of the layer that wrote the bad key. ``gpumon config`` prints the result and where
+each value came from.
 """
 
 from __future__ import annotations
@@ -12,14 +14,13 @@ import dataclasses
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from gpumon.check import Check
 from gpumon.errors import ConfigError
 from gpumon.profiles import Profile
-from gpumon.schema import Source, build, deep_merge, load_yaml, load_yaml_file
+from gpumon.schema import Layer, LayeredSource, Source, build, load_yaml_file
 
 SITE_CONFIG = Path("/etc/gpumon/gpumon.yaml")
 
@@ -28,16 +29,23 @@ SITE_CONFIG = Path("/etc/gpumon/gpumon.yaml")
 class Timeouts:
     # NVML answers in microseconds-to-milliseconds when healthy; 5 s is far
     # beyond that yet short enough that a hung call is reported within a cycle.
-    nvml_call_s: float = field(default=5.0, metadata={"min": 0.05, "max": 600})
-    sysfs_read_s: float = field(default=2.0, metadata={"min": 0.05, "max": 600})
-    tool_default_s: float = field(default=120.0, metadata={"min": 1, "max": 86400})
+    nvml_call_s: float = field(default=5.0, metadata={"min": 0.05, "max": 600,
+                                                      "help": "one NVML call"})
+    sysfs_read_s: float = field(default=2.0, metadata={"min": 0.05, "max": 600,
+                                                       "help": "one sysfs/procfs read"})
+    tool_default_s: float = field(default=120.0, metadata={"min": 1, "max": 86400,
+                                                           "help": "an external tool without its own limit"})
 
 
 @dataclass(frozen=True)
 class DaemonSettings:
-    jitter: float = field(default=0.1, metadata={"min": 0.0, "max": 0.5})
-    kernel_log_poll_s: float = field(default=0.2, metadata={"min": 0.01, "max": 5})
-    shutdown_grace_s: float = field(default=5.0, metadata={"min": 0, "max": 300})
+    jitter: float = field(default=0.1, metadata={
+        "min": 0.0, "max": 0.5,
+        "help": "+-10% on every periodic interval, so a fleet does not probe in lockstep"})
+    kernel_log_poll_s: float = field(default=0.2, metadata={
+        "min": 0.01, "max": 5, "help": "how often a regular-file kernel log is polled for new lines"})
+    shutdown_grace_s: float = field(default=5.0, metadata={
+        "min": 0, "max": 300, "help": "how long running checks get on SIGTERM"})
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -52,11 +60,12 @@ class ExporterSettings:
     enabled: bool = True
     # 9426: dcgm-exporter has 9400 and node_exporter 9100; 9426 is free on the
     # nodes we know of. Override when it is not.
-    listen: str = "0.0.0.0:9426"
-    web_config_file: str | None = None
-    # NVIDIA Resiliency Extension's node health check (nvhcd.proto) on this Unix socket; None: not
-    # served (ft_launcher --ft-node-health-check-endpoint names the same path; /var/run/nvhcd.sock)
-    nvhcd_socket: str | None = None
+    listen: str = field(default="0.0.0.0:9426", metadata={"help": "Prometheus /metrics"})
+    web_config_file: str | None = field(default=None, metadata={
+        "help": "exporter-toolkit web config: TLS and basic auth"})
+    # ft_launcher --ft-node-health-check-endpoint names the same path
+    nvhcd_socket: str | None = field(default=None, metadata={
+        "help": "NVRx node health check (gRPC, nvhcd.proto) on this Unix socket, e.g. /var/run/nvhcd.sock"})
 
     def __post_init__(self) -> None:
         split_listen(self.listen)
@@ -72,26 +81,33 @@ class BreakerSettings:
 
 @dataclass(frozen=True)
 class KubernetesSettings:
-    node_name: str | None = None  # default: $NODE_NAME, else node_name, else the host name
-    kubeconfig: str | None = None  # default: in-cluster, then $KUBECONFIG / ~/.kube/config
-    node_selector: str = ""  # label selector of the fleet the breaker counts
+    node_name: str | None = field(default=None, metadata={
+        "help": "default: $NODE_NAME, else node_name, else the host name"})
+    kubeconfig: str | None = field(default=None, metadata={
+        "help": "default: in-cluster, then $KUBECONFIG / ~/.kube/config"})
+    node_selector: str = field(default="", metadata={
+        "help": "label selector of the fleet the breaker counts"})
     request_timeout_s: float = field(default=10.0, metadata={"min": 0.1, "max": 300})
 
 
 @dataclass(frozen=True)
 class SlurmSettings:
-    node_name: str | None = None  # default: node_name, else the short host name
+    node_name: str | None = field(default=None, metadata={
+        "help": "default: node_name, else the short host name"})
     scontrol: str = "scontrol"
     sinfo: str = "sinfo"
     timeout_s: float = field(default=30.0, metadata={"min": 1, "max": 600})
-    slurm_conf: str | None = None  # SLURM_CONF for scontrol/sinfo (containers without /etc/slurm)
+    slurm_conf: str | None = field(default=None, metadata={
+        "help": "SLURM_CONF for scontrol/sinfo (containers without /etc/slurm)"})
 
 
 @dataclass(frozen=True)
 class RemediationSettings:
     backend: str = field(default="none", metadata={"choices": ("none", "kubernetes", "slurm")})
-    mode: str = field(default="observe", metadata={"choices": ("observe", "enforce")})
-    interval_s: float = field(default=60.0, metadata={"min": 1})
+    mode: str = field(default="observe", metadata={
+        "choices": ("observe", "enforce"), "help": "observe: report what would be done; enforce: do it"})
+    interval_s: float = field(default=60.0, metadata={
+        "min": 1, "help": "also stepped on every change of the node's health"})
     take_out_actions: list[str] = field(default_factory=lambda: [
         "check_cables", "reset_gpu", "reboot_node", "inspect_hardware"])
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
@@ -113,8 +129,10 @@ class BootstrapSettings:
     perftest or DCGM not installed, a site check not installed) leaves the suite INCOMPLETE (exit 3):
     the unit that gates kubelet and slurmd keeps the node out, and no fault is cleared."""
 
-    required: list[str] = field(default_factory=list)  # required here too (rdma, dcgm_diag, a site check)
-    optional: list[str] = field(default_factory=list)  # required by the profile, but not on this site
+    required: list[str] = field(default_factory=list, metadata={
+        "help": "required here too, e.g. [rdma, dcgm_diag] where perftest and DCGM are installed"})
+    optional: list[str] = field(default_factory=list, metadata={
+        "help": "e.g. [host_bandwidth]: required by the profile, not on this site"})
 
 
 @dataclass(frozen=True)
@@ -129,11 +147,12 @@ class CheckSettings:
 
 @dataclass(frozen=True)
 class Config:
-    node_name: str | None = None
-    host_root: str = "/"
-    kmsg_path: str | None = None
+    node_name: str | None = field(default=None, metadata={"help": "default: the host name"})
+    host_root: str = field(default="/", metadata={"help": "the host's /, e.g. /host in a container"})
+    kmsg_path: str | None = field(default=None, metadata={"help": "default: <host_root>/dev/kmsg"})
     state_dir: str = "/var/lib/gpumon"
-    profile: str = "auto"
+    profile: str = field(default="auto", metadata={
+        "help": "or a profile name (gpumon config --profile NAME)"})
     profile_dirs: list[str] = field(default_factory=lambda: ["/etc/gpumon/profiles"])
     log_level: str = field(default="info", metadata={"choices": ("debug", "info", "warning", "error")})
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -145,6 +164,8 @@ class Config:
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
     check_settings: dict[str, CheckSettings] = field(default_factory=dict, compare=False)
     files: list[str] = field(default_factory=list, compare=False)
+    # what each value was built from (``gpumon config`` says where each came from)
+    layers: LayeredSource = field(default_factory=lambda: LayeredSource(), compare=False, repr=False)
 
     def settings(self, check: type[Check]) -> CheckSettings:
         found = self.check_settings.get(check.name)
@@ -154,35 +175,25 @@ class Config:
                              params=check.Config() if check.Config is not None else None)
 
 
-_COMMON = {"enabled", "interval_s", "timeout_s"}
+# the settings every check has, beside its own options
+COMMON_SETTINGS = ("enabled", "interval_s", "timeout_s")
+_COMMON = frozenset(COMMON_SETTINGS)
 
 
 def _check_sections(data: Mapping[str, Any], src: Source, checks: Mapping[str, type[Check]],
                     not_loaded: Collection[str] = ()) -> None:
-    """Validate the ``checks:`` section of one file against the registered checks (the section of
-    a check that did not load is kept as written: there is no class to validate it with, and the
-    check is reported as not loaded rather than the config refused)."""
-    sections = data.get("checks") or {}
-    for name, section in sections.items():
+    """Refuse, where it is written, a section of the ``checks:`` mapping that names no registered
+    check or is not a mapping (the section of a check that did not load is kept as written: there
+    is no class to validate it with, and the check is reported as not loaded rather than the config
+    refused)."""
+    for name, section in (data.get("checks") or {}).items():
         path = ("checks", name)
         if name in not_loaded:
             continue
         if name not in checks:
             raise src.error(path, f"unknown check (registered: {', '.join(sorted(checks))})")
-        if section is None:
-            continue
-        if not isinstance(section, Mapping):
+        if section is not None and not isinstance(section, Mapping):
             raise src.error(path, "expected a mapping of settings")
-        cls = checks[name]
-        common = {k: v for k, v in section.items() if k in _COMMON}
-        own = {k: v for k, v in section.items() if k not in _COMMON}
-        _validate_common(common, src, path)
-        if own and cls.Config is None:
-            key = next(iter(own))
-            raise src.error((*path, key), f"unknown key (check {name} takes only "
-                                          f"{', '.join(sorted(_COMMON))})")
-        if cls.Config is not None:
-            build(cls.Config, own, src, path)
 
 
 # A check's timeout becomes a thread wait; past ~292 years of nanoseconds that wait raises
@@ -204,16 +215,6 @@ def _validate_common(common: Mapping[str, Any], src: Source, path: tuple[str, ..
             raise src.error((*path, key), f"must be <= {MAX_CHECK_TIMEOUT_S:g} s, got {value!r}")
 
 
-def _load_layer(data: Any, src: Source, checks: Mapping[str, type[Check]],
-                not_loaded: Collection[str] = ()) -> dict[str, Any]:
-    if not isinstance(data, Mapping):
-        raise src.error((), "the config file must be a mapping of settings")
-    build(Config, data, src)  # strict validation of every non-check key, with lines
-    _check_sections(data, src, checks, not_loaded)
-    _bootstrap_names(data, src, {**checks, **dict.fromkeys(not_loaded)})
-    return dict(data)
-
-
 def _bootstrap_names(data: Mapping[str, Any], src: Source, checks: Mapping[str, object]) -> None:
     """A misspelt name in ``bootstrap.optional`` would leave the check required, one in
     ``bootstrap.required`` would require nothing: both are refused where they are written."""
@@ -225,55 +226,82 @@ def _bootstrap_names(data: Mapping[str, Any], src: Source, checks: Mapping[str, 
                                                         f"{', '.join(sorted(checks))})")
 
 
-def with_profile(config: Config, checks: Mapping[str, type[Check]], profile: Profile, *,
-                 not_loaded: Collection[str] = ()) -> Config:
-    """Per-check options: the check's defaults <- the profile's SKU thresholds <- the site config."""
-    src = profile.origin or Source(f"profile {profile.name}")
-    for name in profile.checks:
-        if name not in checks and name not in not_loaded:
-            raise src.error(("checks", name), f"unknown check (registered: {', '.join(sorted(checks))})")
-    settings = dict(config.check_settings)
-    for name, cls in checks.items():
-        sku = {k: v["value"] for k, v in profile.checks.get(name, {}).items()}
-        if not sku or cls.Config is None:
-            if sku:
-                raise src.error(("checks", name), f"check {name} takes no options")
-            continue
-        build(cls.Config, sku, src, ("checks", name))  # report a bad profile value where it is written
-        site = {k: v for k, v in (config.checks.get(name) or {}).items() if k not in _COMMON}
-        params = build(cls.Config, {**sku, **site}, Source("<merged>"), ("checks", name))
-        settings[name] = dataclasses.replace(config.settings(cls), params=params)
-    return dataclasses.replace(config, check_settings=settings)
+def _check_options(cls: type[Check], layers: LayeredSource) -> Any:
+    """The check's options, built once from every layer that sets one (its defaults, the profile's
+    SKU values, the site file): a bad value is reported in the file and on the line that wrote it."""
+    if cls.Config is None:
+        for layer in layers.layers:
+            own = [k for k in (_section(layer.data, cls.name) or {}) if k not in _COMMON]
+            if own:
+                what = "takes no options" if layer.what == "profile" else \
+                    f"takes only {', '.join(sorted(_COMMON))}"
+                raise layer.source.error(("checks", cls.name, own[0]),
+                                         f"unknown key (check {cls.name} {what})")
+        return None
+    options = {k: v for k, v in (_section(layers.merged, cls.name) or {}).items() if k not in _COMMON}
+    return build(cls.Config, options, layers, ("checks", cls.name))
+
+
+def _section(data: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    section = (data.get("checks") or {}).get(name)
+    return section if isinstance(section, Mapping) else None
+
+
+def _settings(cls: type[Check], layers: LayeredSource) -> CheckSettings:
+    common = {k: v for k, v in (_section(layers.merged, cls.name) or {}).items() if k in _COMMON}
+    _validate_common(common, layers, ("checks", cls.name))
+    return CheckSettings(enabled=bool(common.get("enabled", True)),
+                         interval_s=float(common.get("interval_s", cls.interval)),
+                         timeout_s=float(common.get("timeout_s", cls.timeout)),
+                         params=_check_options(cls, layers))
 
 
 def load_config(path: Path | None, checks: Mapping[str, type[Check]], *,
                 overrides: Mapping[str, Any] | None = None, site_file: Path = SITE_CONFIG,
                 not_loaded: Collection[str] = ()) -> Config:
-    """Defaults <- site file (or ``path``) <- ``overrides`` (from CLI flags). ``not_loaded``: the
+    """The declared defaults <- the site file (``path``, else ``site_file`` when it exists) <-
+    ``overrides`` (from CLI flags), each option built once from those layers. ``not_loaded``: the
     checks that did not load (gpumon.registry), whose sections are not refused."""
-    text = resources.files("gpumon_config").joinpath("gpumon.yaml").read_text(encoding="utf-8")
-    data, src = load_yaml(text, "config/gpumon.yaml (built-in)")
-    merged = _load_layer(data, src, checks, not_loaded)
-    files = [src.file]
     chosen = path if path is not None else (site_file if site_file.is_file() else None)
     if path is not None and not path.is_file():
         raise ConfigError("config file not found", file=str(path))
+    layers = LayeredSource()
     if chosen is not None:
         data, src = load_yaml_file(chosen)
-        merged = deep_merge(merged, _load_layer(data, src, checks, not_loaded))
-        files.append(str(chosen))
+        if not isinstance(data, Mapping):
+            raise src.error((), "the config file must be a mapping of settings")
+        layers = layers.add(Layer("site", src, data))
     if overrides:
-        merged = deep_merge(merged, {k: v for k, v in overrides.items() if v is not None})
-    final = build(Config, merged, Source("<merged>"))
-    settings: dict[str, CheckSettings] = {}
-    for name, cls in checks.items():
-        section = dict(final.checks.get(name) or {})
-        common = {k: section.pop(k) for k in list(section) if k in _COMMON}
-        params = build(cls.Config, section, Source("<merged>"), ("checks", name)) if cls.Config else None
-        settings[name] = CheckSettings(
-            enabled=bool(common.get("enabled", True)),
-            interval_s=float(common.get("interval_s", cls.interval)),
-            timeout_s=float(common.get("timeout_s", cls.timeout)),
-            params=params,
-        )
-    return dataclasses.replace(final, check_settings=settings, files=files)
+        layers = layers.add(Layer("flags", Source("command line"),
+                                  {k: v for k, v in overrides.items() if v is not None}))
+    return _resolve(layers, checks, not_loaded, files=[layer.source.file for layer in layers.layers])
+
+
+def _resolve(layers: LayeredSource, checks: Mapping[str, type[Check]], not_loaded: Collection[str], *,
+             files: list[str]) -> Config:
+    config = build(Config, layers.merged, layers)
+    _check_sections(layers.merged, layers, checks, not_loaded)
+    _bootstrap_names(layers.merged, layers, {**checks, **dict.fromkeys(not_loaded)})
+    settings = {name: _settings(cls, layers) for name, cls in checks.items()}
+    return dataclasses.replace(config, check_settings=settings, files=files, layers=layers)
+
+
+def with_profile(config: Config, checks: Mapping[str, type[Check]], profile: Profile, *,
+                 not_loaded: Collection[str] = ()) -> Config:
+    """Each check's options again with the profile's SKU values beneath the site's: the check's
+    defaults <- the profile <- the site file <- flags. Only a check the profile tunes is built
+    again (the profile is known once the GPUs are; a bad site value was refused at load)."""
+    src = profile.origin or Source(f"profile {profile.name}")
+    for name in profile.checks:
+        if name not in checks and name not in not_loaded:
+            raise src.error(("checks", name), f"unknown check (registered: {', '.join(sorted(checks))})")
+    sku = {name: {k: v["value"] for k, v in options.items()}
+           for name, options in profile.checks.items() if name in checks and options}
+    if not sku:
+        return config
+    layers = config.layers.add(Layer("profile", src, {"checks": sku}), below=True)
+    settings = dict(config.check_settings)
+    for name in sku:
+        settings[name] = dataclasses.replace(config.settings(checks[name]),
+                                             params=_check_options(checks[name], layers))
+    return dataclasses.replace(config, check_settings=settings, layers=layers)

@@ -46,6 +46,70 @@ class Source:
         return ConfigError(message, file=self.file, line=self.line(path), key=dotted(path) or None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One document of a layered configuration: what it is (``site``, ``flags``, ``profile``),
+    where it came from, and what it sets."""
+
+    what: str
+    source: Source
+    data: Mapping[str, Any]
+
+
+@dataclasses.dataclass
+class LayeredSource(Source):
+    """Documents merged key by key, later wins, built into a dataclass once: an error names the
+    layer that wrote the key (its file and line), and ``origin`` says which layer set a value.
+    A value no layer sets is the declared default."""
+
+    file: str = "declared defaults"
+    layers: tuple[Layer, ...] = ()
+    merged: dict[str, Any] = dataclasses.field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for layer in self.layers:
+            self.merged = deep_merge(self.merged, layer.data)
+
+    def add(self, layer: Layer, *, below: bool = False) -> LayeredSource:
+        """These layers and ``layer``, on top (or, ``below``, beneath every other)."""
+        return LayeredSource(layers=(layer, *self.layers) if below else (*self.layers, layer))
+
+    def set_by(self, path: KeyPath) -> Layer | None:
+        """The layer whose value of ``path`` won; None: the declared default."""
+        return next((layer for layer in reversed(self.layers) if _holds(layer.data, path)), None)
+
+    def origin(self, path: KeyPath) -> Layer | None:
+        """The layer whose value of ``path`` won, else the top layer that set a key above it."""
+        for depth in range(len(path), 0, -1):
+            for layer in reversed(self.layers):
+                if _holds(layer.data, path[:depth]):
+                    return layer
+        return None
+
+    def line(self, path: KeyPath) -> int | None:
+        layer = self.origin(path)
+        return layer.source.line(path) if layer is not None else None
+
+    def error(self, path: KeyPath, message: str) -> ConfigError:
+        layer = self.origin(path)
+        if layer is None:
+            return ConfigError(message, file=self.file, key=dotted(path) or None)
+        return layer.source.error(path, message)
+
+
+def _holds(data: Any, path: KeyPath) -> bool:
+    for part in path:
+        if isinstance(data, Mapping):
+            if part not in data:
+                return False
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
+            data = data[part]
+        else:
+            return False
+    return True
+
+
 def dotted(path: KeyPath) -> str:
     out = ""
     for part in path:

@@ -20,7 +20,9 @@ from nvidia_smi_capture import (
     to_node_state,
 )
 
+from gpumon.errors import ConfigError
 from gpumon.model import Action, Finding, Severity
+from gpumon.schema import Source, build
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState, render_state
 from gpumon_checks.memory import MemoryCheck, MemoryConfig
 from gpumon_checks.thermal import ThermalCheck
@@ -149,8 +151,8 @@ def test_retired_pages_limit_is_configurable(nvml_state: Path, tmp_path: Path) -
     found = by_component(_run(path, nvml_state, tmp_path, params=MemoryConfig(retired_pages_limit=64)))
     assert found["gpu/1"][0].action is Action.RESET_GPU  # 63 pages: under 64, still pending
     assert found["gpu/0"][0].action is Action.INSPECT_HARDWARE  # 65 pages
-    with pytest.raises(ValueError, match="retired_pages_limit"):
-        MemoryConfig(retired_pages_limit=0)
+    with pytest.raises(ConfigError, match="retired_pages_limit: must be >= 1"):
+        build(MemoryConfig, {"retired_pages_limit": 0}, Source("site.yaml"), ("checks", "memory"))
 
 
 # ------------------------------------------------------------------------------- simulated faults

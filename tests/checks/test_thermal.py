@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 from nvidia_smi_capture import NOT_SUPPORTED, by_component, load, run_check
 
+from gpumon.errors import ConfigError
 from gpumon.model import Action, Finding, Severity
+from gpumon.schema import Source, build
 from gpumon.sim.nvml_state import GpuState, InjectedCall, NvmlNodeState
 from gpumon_checks.thermal import DEFAULT_GRADIENT_C, ThermalCheck, ThermalConfig
 
@@ -221,7 +223,10 @@ def test_core_temperature_not_supported(nvml_state: Path, tmp_path: Path) -> Non
 
 
 def test_config_rejects_bad_values() -> None:
-    with pytest.raises(ValueError, match="core_margin_c"):
-        ThermalConfig(core_margin_c=-1)
-    with pytest.raises(ValueError, match="gradient_warn_c"):
-        ThermalConfig(gradient_warn_c=500)
+    # the bounds are declared once, in the fields' metadata, and enforced where a file is read
+    src = Source("site.yaml", lines={("checks", "thermal", "core_margin_c"): 3})
+    with pytest.raises(ConfigError, match="must be >= 0") as err:
+        build(ThermalConfig, {"core_margin_c": -1}, src, ("checks", "thermal"))
+    assert (err.value.line, err.value.key) == (3, "checks.thermal.core_margin_c")
+    with pytest.raises(ConfigError, match="must be <= 100"):
+        build(ThermalConfig, {"gradient_warn_c": 500}, src, ("checks", "thermal"))
