@@ -331,7 +331,7 @@ def _config(args: argparse.Namespace, config: Config, checks: dict[str, type[Che
     from gpumon.profiles import all_profiles, select_profile
 
     if args.defaults:
-        config = load_config(None, checks, site_file=Path("/nonexistent/gpumon.yaml"))
+        config = load_config(None, checks, site_file=None)
         print(render(config, checks, origins=False), end="")
         return EXIT_OK
     profile = None

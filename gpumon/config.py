@@ -163,9 +163,8 @@ class Config:
     # raw per-check sections; validated against the registered checks by load_config
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
     check_settings: dict[str, CheckSettings] = field(default_factory=dict, compare=False)
-    files: list[str] = field(default_factory=list, compare=False)
-    # what each value was built from (``gpumon config`` says where each came from)
-    layers: LayeredSource = field(default_factory=lambda: LayeredSource(), compare=False, repr=False)
+    # what each value was built from: the site file, the flags, the profile (``gpumon config``)
+    layers: LayeredSource = field(default_factory=LayeredSource, compare=False, repr=False)
 
     def settings(self, check: type[Check]) -> CheckSettings:
         found = self.check_settings.get(check.name)
@@ -257,33 +256,29 @@ def _settings(cls: type[Check], layers: LayeredSource) -> CheckSettings:
 
 
 def load_config(path: Path | None, checks: Mapping[str, type[Check]], *,
-                overrides: Mapping[str, Any] | None = None, site_file: Path = SITE_CONFIG,
+                overrides: Mapping[str, Any] | None = None, site_file: Path | None = SITE_CONFIG,
                 not_loaded: Collection[str] = ()) -> Config:
-    """The declared defaults <- the site file (``path``, else ``site_file`` when it exists) <-
-    ``overrides`` (from CLI flags), each option built once from those layers. ``not_loaded``: the
-    checks that did not load (gpumon.registry), whose sections are not refused."""
-    chosen = path if path is not None else (site_file if site_file.is_file() else None)
-    if path is not None and not path.is_file():
+    """The declared defaults <- the site file (``path``, else ``site_file`` when it exists; None:
+    none) <- ``overrides`` (from CLI flags), each option built once from those layers.
+    ``not_loaded``: the checks that did not load (gpumon.registry), whose sections are not refused."""
+    if path is None and site_file is not None and site_file.is_file():
+        path = site_file
+    elif path is not None and not path.is_file():
         raise ConfigError("config file not found", file=str(path))
     layers = LayeredSource()
-    if chosen is not None:
-        data, src = load_yaml_file(chosen)
+    if path is not None:
+        data, src = load_yaml_file(path)
         if not isinstance(data, Mapping):
             raise src.error((), "the config file must be a mapping of settings")
         layers = layers.add(Layer("site", src, data))
     if overrides:
         layers = layers.add(Layer("flags", Source("command line"),
                                   {k: v for k, v in overrides.items() if v is not None}))
-    return _resolve(layers, checks, not_loaded, files=[layer.source.file for layer in layers.layers])
-
-
-def _resolve(layers: LayeredSource, checks: Mapping[str, type[Check]], not_loaded: Collection[str], *,
-             files: list[str]) -> Config:
     config = build(Config, layers.merged, layers)
     _check_sections(layers.merged, layers, checks, not_loaded)
     _bootstrap_names(layers.merged, layers, {**checks, **dict.fromkeys(not_loaded)})
     settings = {name: _settings(cls, layers) for name, cls in checks.items()}
-    return dataclasses.replace(config, check_settings=settings, files=files, layers=layers)
+    return dataclasses.replace(config, check_settings=settings, layers=layers)
 
 
 def with_profile(config: Config, checks: Mapping[str, type[Check]], profile: Profile, *,

@@ -6,6 +6,7 @@ written once, on the dataclasses (``gpumon.config`` and each check's ``Config``)
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ from gpumon.config import COMMON_SETTINGS, CheckSettings, Config
 from gpumon.schema import KeyPath, LayeredSource
 
 # fields of Config that are not settings a file writes (what was built from the checks: section)
-_INTERNAL = {"checks", "check_settings", "files", "layers"}
+_INTERNAL = {"checks", "check_settings", "layers"}
 
 HEADER = """\
 # gpumon configuration{what}.
@@ -101,7 +102,7 @@ def _scalar(value: Any) -> str:
 
 def _plain(value: Any) -> Any:
     """What YAML can write: enums by value, tuples and sets as lists."""
-    if hasattr(value, "value") and not isinstance(value, (int, float, str)):
+    if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (list, tuple, frozenset, set)):
         items = [_plain(v) for v in value]
