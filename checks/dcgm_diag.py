@@ -91,18 +91,18 @@ class DcgmDiagCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(DcgmDiagConfig)
+        options = ctx.options_as(DcgmDiagConfig)
         tools = ctx.hw.tools
         gpus = [g.index for g in ctx.inventory.gpus]
         notes: list[str] = []
         text: str | None = None
         result: ToolResult | None = None
         source = ""
-        bindings = dcgm.find_bindings(params.bindings_dirs) if params.use_bindings else None
+        bindings = dcgm.find_bindings(options.bindings_dirs) if options.use_bindings else None
         try:
             if bindings is not None:
-                result = dcgm.run_diag_bindings(tools, bindings, params.level, gpus=gpus,
-                                                timeout=params.diag_timeout_s)
+                result = dcgm.run_diag_bindings(tools, bindings, options.level, gpus=gpus,
+                                                timeout=options.diag_timeout_s)
                 if result.returncode == 0 and result.stdout.strip():
                     text, source = result.stdout, f"DCGM Python bindings ({bindings})"
                 else:
@@ -110,13 +110,13 @@ class DcgmDiagCheck(Check):
                                  f"{_last_line(result) or f'exit {result.returncode}'}")
             if text is None:
                 if tools.which("dcgmi") is None:
-                    where = ", ".join(params.bindings_dirs) if params.use_bindings else "(bindings off)"
+                    where = ", ".join(options.bindings_dirs) if options.use_bindings else "(bindings off)"
                     why = f"; {notes[0]}" if notes else f" and no Python bindings in {where}"
                     return [self.finding(NODE, Severity.UNKNOWN if notes else Severity.SKIPPED,
                                          f"DCGM is not installed: no dcgmi on PATH{why}", Action.NONE,
                                          notes=notes)]
-                result = dcgm.run_dcgmi(tools, params.level, timeout=params.diag_timeout_s)
-                text, source = result.stdout, f"dcgmi diag -r {params.level} -j"
+                result = dcgm.run_dcgmi(tools, options.level, timeout=options.diag_timeout_s)
+                text, source = result.stdout, f"dcgmi diag -r {options.level} -j"
         except HwTimeout as cond:
             return [self.finding(NODE, Severity.FAIL,
                                  f"DCGM diagnostic did not finish within {cond.seconds:g} s (killed): a hung "
@@ -124,7 +124,7 @@ class DcgmDiagCheck(Check):
                                  call=cond.call, timeout_s=cond.seconds)]
         except HwCondition as cond:
             return [self.from_condition(cond, NODE)]
-        base: dict[str, Any] = {"level": params.level, "source": source, "exit_code": result.returncode
+        base: dict[str, Any] = {"level": options.level, "source": source, "exit_code": result.returncode
                                 if result else None, "seconds": round(result.seconds, 1) if result else None}
         if notes:
             base["notes"] = notes

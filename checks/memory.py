@@ -144,10 +144,10 @@ class MemoryCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(MemoryConfig)
+        options = ctx.options_as(MemoryConfig)
         out = self.unreadable_gpus(ctx.inventory)
         # every GPU at once: a call that hangs on all of them costs one bound, not one per GPU
-        for info, got in each_gpu(ctx, ctx.inventory.gpus, lambda info: self._gpu(ctx, params, info)):
+        for info, got in each_gpu(ctx, ctx.inventory.gpus, lambda info: self._gpu(ctx, options, info)):
             if isinstance(got, HwCondition):
                 # a lost or hung GPU is the finding; asking it more would only wait again
                 out.append(self.from_condition(got, gpu(info.index)))
@@ -155,13 +155,13 @@ class MemoryCheck(Check):
                 out.extend(got)
         return out
 
-    def _gpu(self, ctx: CheckContext, params: MemoryConfig, info: GpuInfo) -> list[Finding]:
+    def _gpu(self, ctx: CheckContext, options: MemoryConfig, info: GpuInfo) -> list[Finding]:
         g = _Gpu(info.index, evidence={"architecture": info.architecture})
         self._ecc(ctx, g, info)
         arch = info.architecture
         remap_missing = self._remap(ctx, g, info) if arch not in PAGE_RETIREMENT_ARCHS else None
         if arch in PAGE_RETIREMENT_ARCHS or remap_missing is not None:
-            pages_missing = self._retired(ctx, params, g, info, expected=arch != "unknown")
+            pages_missing = self._retired(ctx, options, g, info, expected=arch != "unknown")
             if remap_missing is not None and pages_missing is not None and arch == "unknown":
                 # architecture unknown: either source would do, so only say so when neither answers
                 g.unread.append(("remapped rows", remap_missing, "row remapping not judged"))
@@ -281,7 +281,7 @@ class MemoryCheck(Check):
 
     # -- page retirement ---------------------------------------------------
 
-    def _retired(self, ctx: CheckContext, params: MemoryConfig, g: _Gpu, info: GpuInfo, *,
+    def _retired(self, ctx: CheckContext, options: MemoryConfig, g: _Gpu, info: GpuInfo, *,
                  expected: bool) -> NotSupported | None:
         """Judge page retirement; if it is not supported where it was only a guess, hand back why."""
         pages = _read(lambda: ctx.hw.nvml.retired_pages(info.index))
@@ -290,22 +290,22 @@ class MemoryCheck(Check):
         if isinstance(pages, HwCondition):
             g.unread.append(("retired pages", pages, "page retirement not judged"))
             return None
-        self._pages(params, g, pages)
+        self._pages(options, g, pages)
         return None
 
-    def _pages(self, params: MemoryConfig, g: _Gpu, p: RetiredPages) -> None:
+    def _pages(self, options: MemoryConfig, g: _Gpu, p: RetiredPages) -> None:
         total = p.single_bit + p.double_bit
         g.evidence["retired_pages"] = {"single_bit": p.single_bit, "double_bit": p.double_bit,
-                                       "pending": p.pending, "limit": params.retired_pages_limit}
-        if total >= params.retired_pages_limit:
+                                       "pending": p.pending, "limit": options.retired_pages_limit}
+        if total >= options.retired_pages_limit:
             g.add(Severity.FAIL, Action.INSPECT_HARDWARE,
                   f"{total} retired pages ({p.single_bit} single-bit, {p.double_bit} double-bit; "
-                  f"limit {params.retired_pages_limit}, NVIDIA's table holds 64): retirement table "
+                  f"limit {options.retired_pages_limit}, NVIDIA's table holds 64): retirement table "
                   "nearly or wholly used up")
         if p.pending:
             g.add(Severity.FAIL, Action.RESET_GPU,
                   "page retirement pending: takes effect at the next GPU reset")
-        if total < params.retired_pages_limit and not p.pending:
+        if total < options.retired_pages_limit and not p.pending:
             g.add(Severity.OK, Action.NONE, f"{total} retired pages, none pending")
 
     # -- findings ----------------------------------------------------------

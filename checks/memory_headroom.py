@@ -66,7 +66,7 @@ class MemoryHeadroomCheck(MemoryCheck):
         self._limits = MemoryHeadroomConfig()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        self._limits = ctx.params_as(MemoryHeadroomConfig)
+        self._limits = ctx.options_as(MemoryHeadroomConfig)
         return super().run(ctx)
 
     def _findings(self, g: _Gpu) -> list[Finding]:

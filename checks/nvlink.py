@@ -160,12 +160,12 @@ def counter_delta(prev: Sample | None, cur: Sample) -> Delta | None:
     return Delta(False, dt, inc, {c: inc[c] / dt for c in COUNTERS})
 
 
-def classify(counter: str, increase: int, rate: float, params: NvlinkConfig) -> Severity | None:
+def classify(counter: str, increase: int, rate: float, options: NvlinkConfig) -> Severity | None:
     if increase <= 0:
         return None
-    if rate >= params.fail_per_s(counter):
+    if rate >= options.fail_per_s(counter):
         return Severity.FAIL
-    if rate >= params.warn_per_s(counter):
+    if rate >= options.warn_per_s(counter):
         return Severity.WARN
     return None
 
@@ -219,7 +219,7 @@ class NvlinkCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(NvlinkConfig)
+        options = ctx.options_as(NvlinkConfig)
         inv = ctx.inventory
         expected = ctx.profile.nvlink.links_per_gpu or 0
         with_links = [g for g in inv.gpus if (g.nvlink_count or 0) > 0]
@@ -238,13 +238,13 @@ class NvlinkCheck(Check):
                 if expected > 0:
                     out.append(self._no_links(info, expected, every_gpu=len(linkless) == len(inv.gpus)))
                 continue
-            results[info.index] = self._gpu(ctx, info, expected, params, now, boot)
+            results[info.index] = self._gpu(ctx, info, expected, options, now, boot)
         if expected == 0:
             out.extend(self._unprofiled(ctx, results))
         else:
             for res in results.values():
                 out.extend(res.findings)
-        self._forget_history(ctx.state, now, params)
+        self._forget_history(ctx.state, now, options)
         return out
 
     # -- per GPU ---------------------------------------------------------
@@ -266,7 +266,7 @@ class NvlinkCheck(Check):
         return self.finding(gpu(info.index), Severity.FAIL, msg, action, active=0, expected=expected,
                             nvml_links=0, uuid=info.uuid, pci_bus_id=info.pci_bus_id)
 
-    def _gpu(self, ctx: CheckContext, info: GpuInfo, expected: int, params: NvlinkConfig, now: float,
+    def _gpu(self, ctx: CheckContext, info: GpuInfo, expected: int, options: NvlinkConfig, now: float,
              boot: str | None) -> _GpuResult:
         comp = gpu(info.index)
         count = info.nvlink_count or 0
@@ -289,7 +289,7 @@ class NvlinkCheck(Check):
                                    "uuid": info.uuid, "pci_bus_id": info.pci_bus_id}
         if not_reported:
             summary["links_not_reported_by_nvml"] = not_reported
-        counter_findings, counters_note = self._counters(ctx, info, active, params, now, boot)
+        counter_findings, counters_note = self._counters(ctx, info, active, options, now, boot)
         if counters_note:
             summary["error_counters"] = counters_note
         if expected and len(active) < expected:
@@ -297,7 +297,7 @@ class NvlinkCheck(Check):
             if len(active) + len(unread) < expected or not unread:
                 actions = []
                 for link in down:
-                    action = self._remedy(ctx.state, info, link, boot, now, params)
+                    action = self._remedy(ctx.state, info, link, boot, now, options)
                     actions.append(action)
                     why = "not reported by NVML" if link >= count else "inactive"
                     out.append(self.finding(nvlink(info.index, link), Severity.FAIL,
@@ -342,7 +342,7 @@ class NvlinkCheck(Check):
 
     # -- error counters --------------------------------------------------
 
-    def _counters(self, ctx: CheckContext, info: GpuInfo, links: list[int], params: NvlinkConfig,
+    def _counters(self, ctx: CheckContext, info: GpuInfo, links: list[int], options: NvlinkConfig,
                   now: float, boot: str | None) -> tuple[list[Finding], str | None]:
         samples = _dict_at(_dict_at(ctx.state, "samples"), info.uuid)
         breaches = _dict_at(_dict_at(ctx.state, "breaches"), info.uuid)
@@ -366,23 +366,23 @@ class NvlinkCheck(Check):
             if delta is not None and delta.reset:
                 held.clear()  # the counters were cleared: the remedy (reset, reload) happened
             elif delta is not None:
-                self._record(held, delta, params, now)
-            finding = self._held_finding(ctx, info, link, held, cur, params, now, boot)
+                self._record(held, delta, options, now)
+            finding = self._held_finding(ctx, info, link, held, cur, options, now, boot)
             if finding is not None:
                 out.append(finding)
         return out, None
 
     @staticmethod
-    def _record(held: dict[str, Any], delta: Delta, params: NvlinkConfig, now: float) -> None:
+    def _record(held: dict[str, Any], delta: Delta, options: NvlinkConfig, now: float) -> None:
         for name in COUNTERS:
-            sev = classify(name, delta.increase[name], delta.rate_per_s[name], params)
+            sev = classify(name, delta.increase[name], delta.rate_per_s[name], options)
             if sev is not None:
                 _dict_at(held, name)[sev.value] = {"last": now, "increase": delta.increase[name],
                                                    "rate_per_s": round(delta.rate_per_s[name], 6),
                                                    "over_s": round(delta.dt, 3)}
 
     def _held_finding(self, ctx: CheckContext, info: GpuInfo, link: int, held: dict[str, Any],
-                      cur: Sample, params: NvlinkConfig, now: float, boot: str | None) -> Finding | None:
+                      cur: Sample, options: NvlinkConfig, now: float, boot: str | None) -> Finding | None:
         worst: Severity | None = None
         parts: list[str] = []
         detail: dict[str, Any] = {}
@@ -393,7 +393,7 @@ class NvlinkCheck(Check):
                 continue
             for sev in (Severity.FAIL, Severity.WARN):
                 entry = per_sev.get(sev.value)
-                if not isinstance(entry, dict) or not _recent(entry.get("last"), now, params.hold_s):
+                if not isinstance(entry, dict) or not _recent(entry.get("last"), now, options.hold_s):
                     per_sev.pop(sev.value, None)
                     continue
                 detail[name] = {"severity": sev.value, **entry}
@@ -405,7 +405,7 @@ class NvlinkCheck(Check):
             return None
         action = Action.NONE
         if worst is Severity.FAIL:
-            action = self._remedy(ctx.state, info, link, boot, now, params)
+            action = self._remedy(ctx.state, info, link, boot, now, options)
         return self.finding(nvlink(info.index, link), worst,
                             f"NVLink {link} of GPU {info.index}: {'; '.join(parts)}", action,
                             counters=cur.values, breaches=detail, uuid=info.uuid, pci_bus_id=info.pci_bus_id,
@@ -415,15 +415,15 @@ class NvlinkCheck(Check):
 
     @staticmethod
     def _remedy(state: MutableMapping[str, Any], info: GpuInfo, link: int, boot: str | None, now: float,
-                params: NvlinkConfig) -> Action:
+                options: NvlinkConfig) -> Action:
         """reboot_node; inspect_hardware when the same link faulted in another boot recently."""
         repeated = RepeatHistory(_dict_at(state, "faults")).record(
-            f"{info.uuid}/{link}", boot, now, params.repeat_window_s)
+            f"{info.uuid}/{link}", boot, now, options.repeat_window_s)
         return Action.INSPECT_HARDWARE if repeated else Action.REBOOT_NODE
 
     @staticmethod
-    def _forget_history(state: MutableMapping[str, Any], now: float, params: NvlinkConfig) -> None:
-        RepeatHistory(_dict_at(state, "faults")).forget(now, params.repeat_window_s)
+    def _forget_history(state: MutableMapping[str, Any], now: float, options: NvlinkConfig) -> None:
+        RepeatHistory(_dict_at(state, "faults")).forget(now, options.repeat_window_s)
 
 
 def _recent(t: Any, now: float, window: float) -> bool:

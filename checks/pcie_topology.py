@@ -141,7 +141,7 @@ class PcieTopologyCheck(Check):
     # -- before the load --------------------------------------------------------
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(PcieTopologyConfig)
+        options = ctx.options_as(PcieTopologyConfig)
         try:
             nics, nic_errors = pcihw.infiniband_devices(ctx.hw.fs)
             tree = pcihw.scan(ctx.hw.fs, extra=set(nics.values()))
@@ -157,7 +157,7 @@ class PcieTopologyCheck(Check):
                                         "sys/bus/pci/devices: topology not judged", Action.NONE,
                                         error=tree.errors.get(g.pci_bus_id)))
         pairs = gpu_nic_pairs(tree, gpus, nics)
-        expected, why = self._expectation(ctx, params)
+        expected, why = self._expectation(ctx, options)
         flattened = bool(gpus) and not any(has_switch_above(tree, b) for b in gpus)
         node_ev: dict[str, Any] = {"nics": dict(nics), "expect_nic_per_gpu": expected, "expectation": why}
         if nic_errors:
@@ -167,7 +167,7 @@ class PcieTopologyCheck(Check):
                                     "no PCIe switch visible above any GPU (a VM or a flattened topology): "
                                     "GPU/NIC affinity not judged", Action.NONE, **node_ev))
         for bdf, index in sorted(gpus.items(), key=lambda item: item[1]):
-            out.append(self._gpu(ctx, params, tree, index, bdf, pairs[index], expected and not flattened))
+            out.append(self._gpu(ctx, options, tree, index, bdf, pairs[index], expected and not flattened))
         paired_nics = {p.nic_bdf: p for ps in pairs.values() for p in ps}
         for pair in sorted(paired_nics.values(), key=lambda p: p.device):
             out.extend(self._nic(ctx, tree, pair))
@@ -179,16 +179,16 @@ class PcieTopologyCheck(Check):
                            aer_functions=read, **node_ev))
         return out
 
-    def _expectation(self, ctx: CheckContext, params: PcieTopologyConfig) -> tuple[bool, str]:
-        if params.expect_nic_per_gpu is not None:
-            return params.expect_nic_per_gpu, "checks.pcie_topology.expect_nic_per_gpu"
+    def _expectation(self, ctx: CheckContext, options: PcieTopologyConfig) -> tuple[bool, str]:
+        if options.expect_nic_per_gpu is not None:
+            return options.expect_nic_per_gpu, "checks.pcie_topology.expect_nic_per_gpu"
         ports, count = ctx.profile.network.ib_ports, ctx.profile.gpu.count
         if ports is None or count is None:
             return False, f"profile {ctx.profile.name} states no IB port or GPU count: affinity not required"
         return ports >= count, (f"profile {ctx.profile.name}: {ports} IB ports for {count} GPUs "
                                 f"({'one NIC per GPU' if ports >= count else 'fewer NICs than GPUs'})")
 
-    def _gpu(self, ctx: CheckContext, params: PcieTopologyConfig, tree: pcihw.PciScan, index: int, bdf: str,
+    def _gpu(self, ctx: CheckContext, options: PcieTopologyConfig, tree: pcihw.PciScan, index: int, bdf: str,
              pairs: list[GpuNicPair], expected: bool) -> Finding:
         v = _Verdicts()
         ev: dict[str, Any] = {"pci_bus_id": bdf, "nics": [p.device for p in pairs],
@@ -203,7 +203,7 @@ class PcieTopologyCheck(Check):
                       "the CPU root complex (a NIC that did not enumerate, or a card in the wrong slot)")
             else:
                 ev["affinity"] = f"no RDMA NIC below the same {where} (not required here)"
-        self._link(ctx, params, tree, tree.functions[bdf], v, ev, gpu_index=index)
+        self._link(ctx, options, tree, tree.functions[bdf], v, ev, gpu_index=index)
         severity, action = v.worst()
         pair_text = ", ".join(f"{p.device} ({p.nic_bdf})" for p in pairs) or "no NIC"
         if severity is Severity.OK:
@@ -222,7 +222,7 @@ class PcieTopologyCheck(Check):
         return [self.finding(pci(pair.nic_bdf), severity, f"NIC {pair.device} ({pair.nic_bdf}): {v.text()}",
                              action, **ev)]
 
-    def _link(self, ctx: CheckContext, params: PcieTopologyConfig | None, tree: pcihw.PciScan,
+    def _link(self, ctx: CheckContext, options: PcieTopologyConfig | None, tree: pcihw.PciScan,
               fn: pcihw.PciFunction, v: _Verdicts, ev: dict[str, Any], *, gpu_index: int | None) -> None:
         try:
             link = pcihw.read_link(ctx.hw.fs, fn)
@@ -251,7 +251,7 @@ class PcieTopologyCheck(Check):
             v.add(Severity.FAIL, Action.INSPECT_HARDWARE,
                   f"PCIe link trained at x{width}, both ends can do x{best_width} "
                   f"({width / best_width:.0%} of the bandwidth): reseat or inspect the card or riser")
-        if gpu_index is not None and params is not None:
+        if gpu_index is not None and options is not None:
             spec = ctx.profile.pcie
             if spec.generation is not None and best_gen is not None and best_gen < spec.generation:
                 v.add(Severity.WARN, Action.INSPECT_HARDWARE, f"link can reach only Gen{best_gen}; "
@@ -271,7 +271,7 @@ class PcieTopologyCheck(Check):
             info["idle_downshift"] = f"{below}; load unreadable ({cond.call}): not judged"
             return
         info["gpu_utilization_pct"] = util
-        threshold = params.load_utilization_pct if params is not None else PcieConfig.load_utilization_pct
+        threshold = options.load_utilization_pct if options is not None else PcieConfig.load_utilization_pct
         if util > threshold:
             v.add(Severity.WARN, Action.INSPECT_HARDWARE,
                   f"{below} while the GPU is busy ({util} % utilization)")
@@ -312,9 +312,9 @@ class PcieTopologyCheck(Check):
         if not isinstance(baseline, dict):
             return [self.finding(NODE, Severity.UNKNOWN, "no AER reading from before the suite: errors "
                                  "during the suite not judged", Action.NONE)]
-        params = ctx.params_as(PcieTopologyConfig)
+        options = ctx.options_as(PcieTopologyConfig)
         minutes = max(1.0, (ctx.clock() - float(ctx.state.get("aer_at", ctx.clock()))) / 60.0)
-        allowance = params.correctable_per_minute * minutes
+        allowance = options.correctable_per_minute * minutes
         out: list[Finding] = []
         compared = 0
         for bdf, before in sorted(baseline.items()):

@@ -141,28 +141,28 @@ class RdmaCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(RdmaConfig)
+        options = ctx.options_as(RdmaConfig)
         only = ctx.retry.retry_ids if ctx.retry is not None else None
         out: list[Finding] = []
-        ports = self._ports(ctx, params, out)
+        ports = self._ports(ctx, options, out)
         binary = "ib_write_bw"
         if ctx.hw.tools.which(binary) is None:
             return [*out, self.finding(NODE, Severity.SKIPPED, "perftest's ib_write_bw is not installed "
                                        "(not found on PATH): RDMA bandwidth not measured", Action.NONE)]
-        targets = [self._host_target(ctx, params, dev, port, rate, is_ib, i)
+        targets = [self._host_target(ctx, options, dev, port, rate, is_ib, i)
                    for i, (dev, port, rate, is_ib) in enumerate(ports)]
-        if params.gdr and ctx.inventory.gpus:
-            targets += self._gdr_targets(ctx, params, ports, len(targets), out, binary, only)
+        if options.gdr and ctx.inventory.gpus:
+            targets += self._gdr_targets(ctx, options, ports, len(targets), out, binary, only)
         if only is not None:
             targets = [t for t in targets if (t.component, t.retry_id) in only]
         host = [t for t in targets if t.spec.cuda is None]
         runs = dict(zip(map(id, host), perftest.run_loopbacks(
-            ctx.hw.tools, [t.spec for t in host], parallel=params.parallel_host,
-            timeout=params.run_timeout_s), strict=True))
+            ctx.hw.tools, [t.spec for t in host], parallel=options.parallel_host,
+            timeout=options.run_timeout_s), strict=True))
         for wave in waves([t for t in targets if t.spec.cuda is not None]):
             runs.update(zip(map(id, wave), perftest.run_loopbacks(
-                ctx.hw.tools, [t.spec for t in wave], parallel=params.parallel_gdr,
-                timeout=params.run_timeout_s), strict=True))
+                ctx.hw.tools, [t.spec for t in wave], parallel=options.parallel_gdr,
+                timeout=options.run_timeout_s), strict=True))
         for target in targets:
             out.append(self._judge(target, runs[id(target)]))
         if not out:
@@ -171,7 +171,7 @@ class RdmaCheck(Check):
 
     # -- what to measure -----------------------------------------------------------
 
-    def _ports(self, ctx: CheckContext, params: RdmaConfig,
+    def _ports(self, ctx: CheckContext, options: RdmaConfig,
                out: list[Finding]) -> list[tuple[str, int, float | None, bool]]:
         """(device, port, link rate, InfiniBand?) of every port to measure; findings for the others."""
         ports: list[tuple[str, int, float | None, bool]] = []
@@ -191,7 +191,7 @@ class RdmaCheck(Check):
                 except HwCondition as cond:
                     out.append(self.from_condition(cond, comp))
                     continue
-                if not p.is_infiniband and not params.include_ethernet:
+                if not p.is_infiniband and not options.include_ethernet:
                     out.append(self.finding(comp, Severity.SKIPPED, f"{dev} port {number}: {p.link_layer} "
                                             "(RoCE) port not measured (checks.rdma.include_ethernet is off)",
                                             Action.NONE))
@@ -219,16 +219,16 @@ class RdmaCheck(Check):
             return profile_rate, f"profile {ctx.profile.name} network.ib_rate_gbps{said}"
         return rate, "the port's own negotiated rate (the profile states none)"
 
-    def _host_target(self, ctx: CheckContext, params: RdmaConfig, dev: str, port: int, rate: float | None,
+    def _host_target(self, ctx: CheckContext, options: RdmaConfig, dev: str, port: int, rate: float | None,
                      is_ib: bool, i: int) -> _Target:
         expected, why = self._expected(ctx, rate)
-        spec = perftest.LoopbackSpec(dev, port, params.tcp_port_base + i, params.message_size,
-                                     params.iterations, numa_node=self._numa(ctx, dev),
-                                     gid_index=None if is_ib else params.roce_gid_index)
-        return _Target(f"ib/{dev}/{port}", "host", spec, expected or 0.0, why, params.host_efficiency,
+        spec = perftest.LoopbackSpec(dev, port, options.tcp_port_base + i, options.message_size,
+                                     options.iterations, numa_node=self._numa(ctx, dev),
+                                     gid_index=None if is_ib else options.roce_gid_index)
+        return _Target(f"ib/{dev}/{port}", "host", spec, expected or 0.0, why, options.host_efficiency,
                        f"{dev} port {port} host-memory loopback", {"device": dev, "port": port})
 
-    def _gdr_targets(self, ctx: CheckContext, params: RdmaConfig,
+    def _gdr_targets(self, ctx: CheckContext, options: RdmaConfig,
                      ports: list[tuple[str, int, float | None, bool]], first_port: int,
                      out: list[Finding], binary: str,
                      only: frozenset[tuple[str, str]] | None) -> list[_Target]:
@@ -256,11 +256,11 @@ class RdmaCheck(Check):
         for i, pair in enumerate(pairs):
             port, rate = measured[pair.device]
             expected, why = self._expected(ctx, rate)
-            spec = perftest.LoopbackSpec(pair.device, port, params.tcp_port_base + first_port + i,
-                                         params.message_size, params.iterations, cuda=pair.gpu_index,
+            spec = perftest.LoopbackSpec(pair.device, port, options.tcp_port_base + first_port + i,
+                                         options.message_size, options.iterations, cuda=pair.gpu_index,
                                          numa_node=self._numa(ctx, pair.device))
             targets.append(_Target(gpu(pair.gpu_index), f"gdr:{pair.device}", spec, expected or 0.0, why,
-                                   params.gdr_efficiency,
+                                   options.gdr_efficiency,
                                    f"GPUDirect RDMA gpu/{pair.gpu_index} <-> {pair.device} port {port}",
                                    {"device": pair.device, "port": port, "gpu": pair.gpu_index,
                                     "switch": pair.switch}))

@@ -107,10 +107,10 @@ class ThermalCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(ThermalConfig)
+        options = ctx.options_as(ThermalConfig)
         out = self.unreadable_gpus(ctx.inventory)
         # every GPU at once: a call that hangs on all of them costs one bound, not one per GPU
-        for info, got in each_gpu(ctx, ctx.inventory.gpus, lambda info: self._gpu(ctx, params, info.index)):
+        for info, got in each_gpu(ctx, ctx.inventory.gpus, lambda info: self._gpu(ctx, options, info.index)):
             if isinstance(got, HwCondition):
                 # a lost or hung GPU is the finding; asking it more would only wait again
                 out.append(self.from_condition(got, gpu(info.index)))
@@ -118,7 +118,7 @@ class ThermalCheck(Check):
                 out.extend(got)
         return out
 
-    def _gpu(self, ctx: CheckContext, params: ThermalConfig, index: int) -> list[Finding]:
+    def _gpu(self, ctx: CheckContext, options: ThermalConfig, index: int) -> list[Finding]:
         comp = gpu(index)
         nvml = ctx.hw.nvml
         out: list[Finding] = []
@@ -148,11 +148,11 @@ class ThermalCheck(Check):
         judged: list[_Judgement] = []
         not_judged: list[str] = []
         if core_c is not None and slowdown is not None and gpu_max is not None:
-            self._core(core_c, slowdown, gpu_max, params, judged, not_judged, evidence)
+            self._core(core_c, slowdown, gpu_max, options, judged, not_judged, evidence)
         if hbm_c is not None and hbm_max is not None:
             self._hbm(hbm_c, hbm_max, judged, not_judged, evidence)
         if core_c is not None and hbm_c is not None:
-            self._gradient(ctx, core_c, hbm_c, params, judged, evidence)
+            self._gradient(ctx, core_c, hbm_c, options, judged, evidence)
         if not_judged:
             evidence["not_judged"] = not_judged
         if errors:
@@ -177,7 +177,7 @@ class ThermalCheck(Check):
             return _Limit(float(profile_value), f"profile {ctx.profile.name} ({why})")
         return _Limit(None, f"{why}; profile {ctx.profile.name} has none")
 
-    def _core(self, core_c: int, slowdown: _Limit, gpu_max: _Limit, params: ThermalConfig,
+    def _core(self, core_c: int, slowdown: _Limit, gpu_max: _Limit, options: ThermalConfig,
               judged: list[_Judgement], not_judged: list[str], evidence: dict[str, Any]) -> None:
         evidence["slowdown_c"], evidence["slowdown_source"] = slowdown.value, slowdown.source
         evidence["gpu_max_c"], evidence["gpu_max_source"] = gpu_max.value, gpu_max.source
@@ -185,8 +185,8 @@ class ThermalCheck(Check):
         if gpu_max.value is not None:
             lines.append((gpu_max.value, f"max operating temperature {gpu_max.value:g} C"))
         if slowdown.value is not None:
-            lines.append((slowdown.value - params.core_margin_c,
-                          f"{params.core_margin_c:g} C below HW slowdown {slowdown.value:g} C"))
+            lines.append((slowdown.value - options.core_margin_c,
+                          f"{options.core_margin_c:g} C below HW slowdown {slowdown.value:g} C"))
         if slowdown.value is not None and core_c >= slowdown.value:
             judged.append(_Judgement(Severity.FAIL, Action.INSPECT_HARDWARE,
                                      f"core {core_c} C at/above HW slowdown threshold {slowdown.value:g} C "
@@ -220,10 +220,10 @@ class ThermalCheck(Check):
         else:
             judged.append(_Judgement(Severity.OK, Action.NONE, f"HBM {hbm_c} C (max {hbm_max.value:g} C)"))
 
-    def _gradient(self, ctx: CheckContext, core_c: int, hbm_c: int, params: ThermalConfig,
+    def _gradient(self, ctx: CheckContext, core_c: int, hbm_c: int, options: ThermalConfig,
                   judged: list[_Judgement], evidence: dict[str, Any]) -> None:
-        if params.gradient_warn_c is not None:
-            limit, source = params.gradient_warn_c, "config"
+        if options.gradient_warn_c is not None:
+            limit, source = options.gradient_warn_c, "config"
         elif ctx.profile.thermal.hbm_core_gradient_warn_c is not None:
             limit, source = ctx.profile.thermal.hbm_core_gradient_warn_c, f"profile {ctx.profile.name}"
         else:

@@ -242,7 +242,7 @@ class ThrottleCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(ThrottleConfig)
+        options = ctx.options_as(ThrottleConfig)
         out = self.unreadable_gpus(ctx.inventory)
         gpus = ctx.state_as(ThrottleState).gpus
 
@@ -261,21 +261,21 @@ class ThrottleCheck(Check):
             history = gpus.get(key := str(info.index))
             if history is None:
                 history = gpus[key] = _History()
-            _record(history, now, mask, counters, params)
-            win = window_shares(history.samples, history.spans, now, params.window_s,
-                                params.max_sample_gap_s)
-            out.append(self._verdict(info.index, mask, win, readings, history.resets, params))
+            _record(history, now, mask, counters, options)
+            win = window_shares(history.samples, history.spans, now, options.window_s,
+                                options.max_sample_gap_s)
+            out.append(self._verdict(info.index, mask, win, readings, history.resets, options))
         return out
 
     def _verdict(self, index: int, mask: int, win: Window, readings: dict[str, Any], resets: int,
-                 params: ThrottleConfig) -> Finding:
+                 options: ThrottleConfig) -> Finding:
         comp = gpu(index)
         active = [n for n, bit in CLOCK_EVENT_REASONS.items() if mask & bit]
-        judged = [*params.fail_reasons, *(r for r in params.warn_reasons if r not in params.fail_reasons)]
+        judged = [*options.fail_reasons, *(r for r in options.warn_reasons if r not in options.fail_reasons)]
         shown = [*judged, *(r for r in _SHOWN if r not in judged)]
-        minutes = f"{params.window_s / 60:g} min"
+        minutes = f"{options.window_s / 60:g} min"
         evidence: dict[str, Any] = {
-            "reasons_mask": hex(mask), "active": active, "window_s": params.window_s,
+            "reasons_mask": hex(mask), "active": active, "window_s": options.window_s,
             "observed_s": round(win.observed_s, 1),
             "fractions": {r: round(win.fractions[r], 4) for r in shown},
             "basis": {r: win.basis[r] for r in shown if win.fractions[r] > 0},
@@ -286,11 +286,11 @@ class ThrottleCheck(Check):
             evidence["counter_resets"] = resets
         evidence.update(readings)
         evidence["readings"] = [reading("throttle_active_ratio", win.fractions[r], reason=r) for r in shown]
-        if win.observed_s < params.min_history_s:
+        if win.observed_s < options.min_history_s:
             evidence["judged_by"] = (f"current reading ({win.observed_s:.0f} s of history in the window, "
-                                     f"under min_history_s {params.min_history_s:g} s)")
-            failing = [r for r in active if r in params.fail_reasons]
-            warning = [r for r in active if r in params.warn_reasons and r not in failing]
+                                     f"under min_history_s {options.min_history_s:g} s)")
+            failing = [r for r in active if r in options.fail_reasons]
+            warning = [r for r in active if r in options.warn_reasons and r not in failing]
             lone = " (current reading; no window history yet)"
             if failing:
                 return self.finding(comp, Severity.FAIL,
@@ -304,15 +304,15 @@ class ThrottleCheck(Check):
             return self.finding(comp, Severity.OK, f"no hardware slowdown{why}", **evidence)
         evidence["judged_by"] = f"share of the last {minutes}"
         share = win.fractions
-        failing = [r for r in params.fail_reasons if share[r] >= params.fail_fraction[r]]
-        warning = [r for r in judged if r not in failing and share[r] >= params.warn_fraction.get(r, 2.0)]
+        failing = [r for r in options.fail_reasons if share[r] >= options.fail_fraction[r]]
+        warning = [r for r in judged if r not in failing and share[r] >= options.warn_fraction.get(r, 2.0)]
         if failing:
-            what = ", ".join(f"{r} {share[r]:.0%} (fail at {params.fail_fraction[r]:.0%})" for r in failing)
+            what = ", ".join(f"{r} {share[r]:.0%} (fail at {options.fail_fraction[r]:.0%})" for r in failing)
             return self.finding(comp, Severity.FAIL,
                                 f"GPU {index} clocks held down by {what} of the last {minutes}",
                                 _action(failing), **evidence)
         if warning:
-            what = ", ".join(f"{r} {share[r]:.0%} (warn at {params.warn_fraction[r]:.0%})" for r in warning)
+            what = ", ".join(f"{r} {share[r]:.0%} (warn at {options.warn_fraction[r]:.0%})" for r in warning)
             return self.finding(comp, Severity.WARN,
                                 f"GPU {index} clocks reduced by {what} of the last {minutes}",
                                 Action.NONE, **evidence)
@@ -361,7 +361,7 @@ def _action(reasons: Sequence[str]) -> Action:
 
 
 def _record(history: _History, now: float, mask: int, counters: Mapping[str, int],
-            params: ThrottleConfig) -> None:
+            options: ThrottleConfig) -> None:
     """Add one reading (mask and violation counters) to a GPU's history, trimmed to the window."""
     samples, spans, last = history.samples, history.spans, history.counters
     if samples and now < samples[-1][0]:
@@ -384,7 +384,7 @@ def _record(history: _History, now: float, mask: int, counters: Mapping[str, int
             history.resets += 1
             continue
         spans.setdefault(name, []).append((prev[0], now, min(delta, elapsed * 1e9)))
-    start = now - params.window_s
+    start = now - options.window_s
     # keep the last reading before the window: the gap from it reaches into the window
     first = next((i for i, s in enumerate(samples) if s[0] >= start), len(samples))
     del samples[:max(0, first - 1)]

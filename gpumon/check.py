@@ -122,8 +122,8 @@ class CheckContext:
     inventory: Inventory
     profile: Profile
     # the check's options: an instance of its ``Config`` dataclass (None when it has none); read
-    # it typed with ``params_as``
-    params: object
+    # it typed with ``options_as``
+    options: object
     # The check's saved state, the store's entry for it (gpumon.checkstate.CheckState): a check
     # that declares a ``State`` reads it typed with ``state_as``; a check without one keeps
     # JSON-friendly data in the mapping itself.
@@ -136,14 +136,23 @@ class CheckContext:
     # set on the bootstrap suite's retry of this check; None on every other run
     retry: RetryRequest | None = None
 
-    def params_as(self, config: type[P]) -> P:
+    def options_as(self, config: type[P]) -> P:
         """The check's options as its ``Config`` dataclass (its defaults when none were handed in,
         as a test's context may do); a ``TypeError`` names a context built for another check."""
-        if self.params is None:
+        if self.options is None:
             return config()
-        if not isinstance(self.params, config):
-            raise TypeError(f"check options are {type(self.params).__name__}, not {config.__name__}")
-        return self.params
+        if not isinstance(self.options, config):
+            raise TypeError(f"check options are {type(self.options).__name__}, not {config.__name__}")
+        return self.options
+
+    # Site checks written against gpumon 0.1 read ``ctx.params`` / ``ctx.params_as``: both still
+    # answer, as the same options.
+    @property
+    def params(self) -> object:
+        return self.options
+
+    def params_as(self, config: type[P]) -> P:
+        return self.options_as(config)
 
     def state_as(self, cls: type[B]) -> B:
         """The check's saved state as its ``State`` dataclass: loaded from the saved JSON and

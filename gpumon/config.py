@@ -137,12 +137,12 @@ class BootstrapSettings:
 
 @dataclass(frozen=True)
 class CheckSettings:
-    """Settings every check has; the check's own options live in ``params``."""
+    """Settings every check has; the check's own options live in ``options``."""
 
     enabled: bool = True
     interval_s: float = 60.0
     timeout_s: float = 30.0
-    params: Any = None
+    options: Any = None
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class Config:
         if found is not None:
             return found
         return CheckSettings(interval_s=check.interval, timeout_s=check.timeout,
-                             params=check.Config() if check.Config is not None else None)
+                             options=check.Config() if check.Config is not None else None)
 
 
 # the settings every check has, beside its own options
@@ -252,7 +252,7 @@ def _settings(cls: type[Check], layers: LayeredSource) -> CheckSettings:
     return CheckSettings(enabled=bool(common.get("enabled", True)),
                          interval_s=float(common.get("interval_s", cls.interval)),
                          timeout_s=float(common.get("timeout_s", cls.timeout)),
-                         params=_check_options(cls, layers))
+                         options=_check_options(cls, layers))
 
 
 def load_config(path: Path | None, checks: Mapping[str, type[Check]], *,
@@ -298,5 +298,5 @@ def with_profile(config: Config, checks: Mapping[str, type[Check]], profile: Pro
     settings = dict(config.check_settings)
     for name in sku:
         settings[name] = dataclasses.replace(config.settings(checks[name]),
-                                             params=_check_options(checks[name], layers))
+                                             options=_check_options(checks[name], layers))
     return dataclasses.replace(config, check_settings=settings, layers=layers)

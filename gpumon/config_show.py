@@ -54,11 +54,11 @@ def render(config: Config, checks: Mapping[str, type[Check]], *, origins: bool =
 def _check_items(settings: CheckSettings) -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
     for key in COMMON_SETTINGS:
         yield key, getattr(settings, key), {}
-    params = settings.params
-    if params is not None and dataclasses.is_dataclass(params):
-        for f in dataclasses.fields(params):
+    options = settings.options
+    if options is not None and dataclasses.is_dataclass(options):
+        for f in dataclasses.fields(options):
             if f.init:
-                yield f.name, getattr(params, f.name), f.metadata
+                yield f.name, getattr(options, f.name), f.metadata
 
 
 def _mapping(items: Sequence[tuple[str, Any, Mapping[str, Any]]], path: KeyPath, indent: int,

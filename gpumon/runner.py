@@ -136,7 +136,7 @@ class Runner:
             # reboot resets the state, whatever the run does
             state.load(check.State, self.hw.fs.boot_id())
         return CheckContext(hw=self.hw, inventory=self.inventory, profile=self.profile,
-                            params=settings.params, state=state,
+                            options=settings.options, state=state,
                             kernel_log=kernel_log, clock=self.clock, node=self.node,
                             state_dir=self.state_dir, retry=retry)
 

@@ -122,7 +122,7 @@ def dotted(path: KeyPath) -> str:
 
 # Bounds on what a config, web-config, profile or scenario file may cost to load.
 # The largest file gpumon ships is under 25 KB; 1 MiB leaves room for any real
-# site file while a 50 MB one no longer takes half a minute and most of a GB.
+# site file and refuses a 50 MB one, which would take half a minute and most of a GB.
 MAX_FILE_BYTES = 1 << 20
 # YAML aliases share a node; turning the document into Python data copies it once
 # per alias, so nine aliases of nine aliases ... (a "billion laughs") is 9**9 nodes

@@ -127,7 +127,7 @@ class SimHarness:
     ``render(t)`` lays the scenario out at time t (host-root tree, /dev/kmsg log,
     NVML state served by the injection library under the real nvidia-ml-py);
     ``run(check, t)`` runs a check at time t with the framework's own context:
-    real ``Hardware``, inventory, profile, SKU-merged params, persisted state,
+    real ``Hardware``, inventory, profile, SKU-merged options, persisted state,
     and the kernel log read through the real follower and parser.
     """
 
@@ -177,7 +177,7 @@ class SimHarness:
             self._sources[name] = KernelLogSource(self.node.kmsg_path, boot_time=self.node.boot_time)
         log = self._sources[name].read_log()
         return CheckContext(hw=hw, inventory=inventory, profile=profile,
-                            params=config.settings(check_cls).params,
+                            options=config.settings(check_cls).options,
                             state=self.states.setdefault(name, {}), kernel_log=log,
                             clock=lambda: self.node.start_wall + self.t, node="sim")
 

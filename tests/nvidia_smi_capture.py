@@ -410,7 +410,7 @@ def load(path: Path) -> Converted:
 
 
 def run_check(check_cls: type[Any], node: NvmlNodeState, state_path: Path, host_root: Path, *,
-              params: Any = None, profile: Profile | None = None,
+              options: Any = None, profile: Profile | None = None,
               state: dict[str, Any] | None = None) -> list[Finding]:
     """Serve ``node`` through the injection library and run ``check_cls`` with the framework's context.
 
@@ -424,8 +424,8 @@ def run_check(check_cls: type[Any], node: NvmlNodeState, state_path: Path, host_
     try:
         inventory = collect(hw.nvml, hw.fs)
         chosen = profile or select_profile(builtin_profiles(), inventory.gpu_names, "auto")
-        cfg = params if params is not None else check_cls.Config()
-        ctx = CheckContext(hw=hw, inventory=inventory, profile=chosen, params=cfg,
+        cfg = options if options is not None else check_cls.Config()
+        ctx = CheckContext(hw=hw, inventory=inventory, profile=chosen, options=cfg,
                            state=state if state is not None else {}, kernel_log=KernelLog())
         findings: list[Finding] = check_cls().run(ctx)
         return findings

@@ -142,7 +142,7 @@ def test_save_state_now_writes_the_typed_state_at_once(tmp_path: Path) -> None:
 def test_a_context_built_by_hand_reads_a_plain_mapping_and_changes_nothing_in_it(tmp_path: Path) -> None:
     _boot(tmp_path, "b1")
     raw: dict[str, Any] = {"boot_id": "b1", "runs": 7, "history": {}}
-    ctx = CheckContext(hw=Hardware(tmp_path), inventory=Inventory(), profile=GENERIC, params=None,
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=Inventory(), profile=GENERIC, options=None,
                        state=raw, kernel_log=None)  # type: ignore[arg-type]
     assert Counts().run(ctx)[0].message == "run 8"
     assert raw["runs"] == 7 and isinstance(ctx.state, CheckState)

@@ -120,8 +120,21 @@ def test_a_checks_options_are_built_once_from_all_their_layers(tmp_path: Path) -
     profile = load_profile_file(_profile(tmp_path, f"    window_s: {{value: 30, {note}}}\n"
                                                    f"    limit: {{value: 3, {note}}}\n"))
     tuned = with_profile(config, checks, profile)
-    assert tuned.settings(CountedCheck).params == CountedConfig(limit=7, window_s=30.0)
+    assert tuned.settings(CountedCheck).options == CountedConfig(limit=7, window_s=30.0)
     assert CountedConfig.built[1:] == [{"limit": 7, "window_s": 30.0}, {"limit": 7, "window_s": 30.0}]
+
+
+def test_a_check_reads_its_options_by_one_name_and_a_0_1_check_still_reads_them() -> None:
+    options = CountedConfig(limit=7, window_s=30.0)
+    ctx = CheckContext(hw=None, inventory=None, profile=GENERIC, options=options,  # type: ignore[arg-type]
+                       state={}, kernel_log=None)  # type: ignore[arg-type]
+    assert ctx.options_as(CountedConfig) is options
+    assert ctx.params is options and ctx.params_as(CountedConfig) is options
+    with pytest.raises(TypeError, match="CountedConfig, not Config"):
+        ctx.options_as(Config)
+    # a context handed no options (a test's own) reads the check's defaults
+    bare = dataclasses.replace(ctx, options=None)
+    assert bare.options_as(CountedConfig) == CountedConfig()
 
 
 def test_an_error_names_the_layer_that_wrote_the_value(tmp_path: Path) -> None:

@@ -117,16 +117,16 @@ class ZzNewCheck(Check):
     kernel_log = KernelLogNeeds()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(ZzConfig)
+        options = ctx.options_as(ZzConfig)
         state = ctx.state_as(ZzState)
         state.runs += 1
-        state.lines += sum(params.marker in r.text for r in ctx.kernel_log.records)
+        state.lines += sum(options.marker in r.text for r in ctx.kernel_log.records)
         readings = [reading("zz_new_runs_total", state.runs),
                     reading("zz_new_marker_lines_total", state.lines)]
-        if state.lines > params.max_lines:
-            return [self.finding(NODE, Severity.WARN, f"{state.lines} lines with {params.marker}",
+        if state.lines > options.max_lines:
+            return [self.finding(NODE, Severity.WARN, f"{state.lines} lines with {options.marker}",
                                  Action.INSPECT_HARDWARE, readings=readings)]
-        return [self.ok(NODE, f"no line with {params.marker}", readings=readings)]
+        return [self.ok(NODE, f"no line with {options.marker}", readings=readings)]
 '''
 NEW_CHECK_FILES = {
     "__init__.py": '"""a check package of the test"""\n\nfrom .check import ZzNewCheck\n',

@@ -247,7 +247,7 @@ def _xid_run(tmp_path: Path, log: Any, pcis: list[str], now: float) -> dict[str,
     gpus = [GpuInfo(i, f"GPU-{i}", None, bus, "NVIDIA H100 80GB HBM3", "hopper", 18, i)
             for i, bus in enumerate(pcis)]
     inventory = Inventory(gpus=gpus, pci_devices=[PciDevice(b, "0x10de", "0x2330", "0x030200") for b in pcis])
-    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inventory, profile=GENERIC, params=XidConfig(),
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inventory, profile=GENERIC, options=XidConfig(),
                        state={}, kernel_log=log, clock=lambda: now)
     return {f.component: f for f in XidCheck().run(ctx)}
 

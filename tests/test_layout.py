@@ -51,7 +51,7 @@ def test_the_framework_imports_no_check() -> None:
 
 def test_protocol_members_are_not_looked_up_by_name() -> None:
     members = ("cost", "after_suite", "interval", "timeout", "phase", "Config", "supported", "extras",
-               "kernel_log", "kernel_log_fold", "add_many", "canary_verdict", "verdict", "retry", "params")
+               "kernel_log", "kernel_log_fold", "add_many", "canary_verdict", "verdict", "retry", "options")
     pattern = re.compile(r"getattr\([^)]*,\s*[\"'](" + "|".join(members) + r")[\"']")
     found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in _sources("gpumon", "checks")
              for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]

@@ -59,13 +59,13 @@ def test_check_thresholds_load_into_the_checks_config_with_their_source(name: st
     profile = PROFILES[name]
     config = _applied(profile, tmp_path)
     seen = set()
-    for check, options in profile.checks.items():
+    for check, tuned in profile.checks.items():
         cls = REGISTRY[check]
         assert cls.Config is not None, f"{name}: check {check} takes no options"
-        params = config.settings(cls).params
-        assert isinstance(params, cls.Config)
-        for option, entry in options.items():
-            assert getattr(params, option) == entry["value"], f"{name}: checks.{check}.{option}"
+        options = config.settings(cls).options
+        assert isinstance(options, cls.Config)
+        for option, entry in tuned.items():
+            assert getattr(options, option) == entry["value"], f"{name}: checks.{check}.{option}"
             source = profile.source_of(f"checks.{check}.{option}")
             assert source is not None and source.strip(), f"{name}: checks.{check}.{option} has no source"
             assert source == entry["source"]

@@ -261,23 +261,23 @@ class BurninCheck(Check):
         return workers.torch_missing()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(BurninConfig)
+        options = ctx.options_as(BurninConfig)
         try:
-            place = ctx.hw.devices.place(ctx.inventory, params.cpu.devices)
+            place = ctx.hw.devices.place(ctx.inventory, options.cpu.devices)
         except placement.NoCudaOnGpuNode as exc:
             return [self.finding(NODE, Severity.UNKNOWN, f"GPUs not tested: {exc}", Action.NONE)]
         cuda = place.is_cuda
         if cuda:
-            spec = kernels.BurnSpec(dtypes=tuple(params.dtypes), size=params.size,
-                                    duration_s=params.duration_s, reference_rows=params.reference_rows,
-                                    copy_bytes=params.copy_bytes, copy_iters=params.copy_iterations)
+            spec = kernels.BurnSpec(dtypes=tuple(options.dtypes), size=options.size,
+                                    duration_s=options.duration_s, reference_rows=options.reference_rows,
+                                    copy_bytes=options.copy_bytes, copy_iters=options.copy_iterations)
         else:
-            spec = kernels.BurnSpec(dtypes=tuple(params.cpu.dtypes), size=params.cpu.size,
-                                    duration_s=params.cpu.duration_s, reference_rows=params.reference_rows,
-                                    copy_bytes=params.cpu.copy_bytes, copy_iters=params.copy_iterations)
+            spec = kernels.BurnSpec(dtypes=tuple(options.cpu.dtypes), size=options.cpu.size,
+                                    duration_s=options.cpu.duration_s, reference_rows=options.reference_rows,
+                                    copy_bytes=options.cpu.copy_bytes, copy_iters=options.copy_iterations)
         by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
         sampler = BurnSampler(ctx, by_uuid) if place.names_gpus else None
-        deadline = params.startup_s + len(spec.dtypes) * (spec.duration_s + params.startup_s / 4)
+        deadline = options.startup_s + len(spec.dtypes) * (spec.duration_s + options.startup_s / 4)
         try:
             run = workers.run_workers(kernels.burn_worker, [spec] * place.devices, kind=place.kind,
                                       timeout_s=deadline, barrier=True,
@@ -287,10 +287,10 @@ class BurninCheck(Check):
                                       stand_ins=place.stand_ins, faults=place.faults)
         except workers.DevicesBusy as exc:
             return [self.finding(NODE, Severity.UNKNOWN, str(exc))]
-        return judge(run, place, params, ctx, sampler, by_uuid, deadline)
+        return judge(run, place, options, ctx, sampler, by_uuid, deadline)
 
 
-def judge(run: workers.WorkerRun, place: placement.Placement, params: BurninConfig, ctx: CheckContext,
+def judge(run: workers.WorkerRun, place: placement.Placement, options: BurninConfig, ctx: CheckContext,
           sampler: BurnSampler | None, by_uuid: Mapping[str, int], deadline: float) -> list[Finding]:
     """Findings from the workers' reports: one per device, a node summary, untested GPUs."""
     check = BurninCheck()
@@ -316,8 +316,8 @@ def judge(run: workers.WorkerRun, place: placement.Placement, params: BurninConf
         severity = Severity.FAIL if cuda or o.state in ("hung", "stuck") else Severity.UNKNOWN
         verdicts[o.rank].add(severity, failed_action if severity is Severity.FAIL else Action.NONE,
                              o.describe())
-    straggler_share = params.straggler_share if cuda else params.cpu.straggler_share
-    dtypes = list(params.dtypes if cuda else params.cpu.dtypes)
+    straggler_share = options.straggler_share if cuda else options.cpu.straggler_share
+    dtypes = list(options.dtypes if cuda else options.cpu.dtypes)
     medians: dict[str, float] = {}
     outcomes = {o.rank: o for o in run.outcomes}
     source = ctx.profile.source_of("checks.burnin.baseline_tflops")
@@ -327,7 +327,7 @@ def judge(run: workers.WorkerRun, place: placement.Placement, params: BurninConf
         med, shares = median_shares(rates)
         medians[dtype] = med
         slow = stragglers(rates, straggler_share)
-        base = params.baseline_tflops.get(dtype) if cuda else None
+        base = options.baseline_tflops.get(dtype) if cuda else None
         # bit identity is expected between devices of one model only
         groups: dict[str, dict[int, str]] = {}
         for r, g in results.items():
@@ -355,10 +355,10 @@ def judge(run: workers.WorkerRun, place: placement.Placement, params: BurninConf
             if base:
                 share = g.tflops / base
                 entry.update(baseline_tflops=base, share_of_baseline=round(share, 3), baseline_source=source)
-                if share < params.baseline_share:
+                if share < options.baseline_share:
                     v.add(Severity.FAIL, Action.INSPECT_HARDWARE,
                           f"{dtype} {g.tflops:.4g} TFLOP/s is {share:.0%} of the profile's {base:g} "
-                          f"(below {params.baseline_share:.0%})")
+                          f"(below {options.baseline_share:.0%})")
             if r in odd:
                 v.add(Severity.FAIL, Action.INSPECT_HARDWARE,
                       f"{dtype} GEMM result differs from the other devices' bit for bit (identical inputs)"
@@ -375,7 +375,7 @@ def judge(run: workers.WorkerRun, place: placement.Placement, params: BurninConf
             evidence[r].setdefault("gemm", {})[dtype] = entry
             evidence[r].setdefault("readings", []).append(
                 reading("burnin_gemm_flop_per_second", g.tflops * 1e12, dtype=dtype))
-    _judge_copies(reports, verdicts, evidence, params, cuda, ctx)
+    _judge_copies(reports, verdicts, evidence, options, cuda, ctx)
     out: list[Finding] = []
     for o in run.outcomes:
         name = names[o.rank]
@@ -401,8 +401,8 @@ def judge(run: workers.WorkerRun, place: placement.Placement, params: BurninConf
     out.extend(_untested(ctx, run, as_gpu, by_uuid))
     out.append(check.ok(NODE, f"burn-in on {len(run.outcomes)} {place.kind} device(s): {place.note}",
                         placement=place.kind, devices=len(run.outcomes), dtypes=dtypes,
-                        size=params.size if cuda else params.cpu.size,
-                        duration_s_per_dtype=params.duration_s if cuda else params.cpu.duration_s,
+                        size=options.size if cuda else options.cpu.size,
+                        duration_s_per_dtype=options.duration_s if cuda else options.cpu.duration_s,
                         median_tflops={d: round(m, 3) for d, m in medians.items()},
                         worker_deadline_s=round(deadline, 1), wall_s=round(run.wall_s, 2),
                         waited_for_devices_s=round(run.waited_for_devices_s, 2)))
@@ -410,14 +410,14 @@ def judge(run: workers.WorkerRun, place: placement.Placement, params: BurninConf
 
 
 def _judge_copies(reports: Mapping[int, kernels.BurnReport], verdicts: Mapping[int, _Verdict],
-                  evidence: Mapping[int, dict[str, Any]], params: BurninConfig, cuda: bool,
+                  evidence: Mapping[int, dict[str, Any]], options: BurninConfig, cuda: bool,
                   ctx: CheckContext) -> None:
     copies = {r: rep.copy for r, rep in reports.items() if rep.copy is not None}
     rates = {r: c.gbps for r, c in copies.items()}
     med, shares = median_shares(rates)
     # stand-ins share one DRAM and are time-sliced: their copy rates measure the scheduler
-    slow = stragglers(rates, params.straggler_share) if cuda else {}
-    base = params.memory_bandwidth_gbps if cuda else None
+    slow = stragglers(rates, options.straggler_share) if cuda else {}
+    base = options.memory_bandwidth_gbps if cuda else None
     source = ctx.profile.source_of("checks.burnin.memory_bandwidth_gbps")
     for r, c in copies.items():
         entry: dict[str, Any] = {"gbps": round(c.gbps, 2), "attempts_gbps": [round(x, 2) for x in c.attempts],
@@ -432,10 +432,10 @@ def _judge_copies(reports: Mapping[int, kernels.BurnReport], verdicts: Mapping[i
         if base:
             share = c.gbps / base
             entry.update(profile_gbps=base, share_of_profile=round(share, 3), profile_source=source)
-            if share < params.memory_share:
+            if share < options.memory_share:
                 verdicts[r].add(Severity.FAIL, Action.INSPECT_HARDWARE,
                                 f"memory copy {c.gbps:.4g} GB/s is {share:.0%} of the profile's {base:g} "
-                                f"(below {params.memory_share:.0%})")
+                                f"(below {options.memory_share:.0%})")
         if not c.verified:
             verdicts[r].add(Severity.FAIL, Action.INSPECT_HARDWARE,
                             "device memory copy is not equal to its source")

@@ -137,26 +137,26 @@ class CollectiveHangCheck(Check):
         return inventory.no_nvml_gpus()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(CollectiveHangConfig)
+        options = ctx.options_as(CollectiveHangConfig)
         out = self.unreadable_gpus(ctx.inventory)
         state = ctx.state_as(CollectiveHangState)
         for info in ctx.inventory.gpus:
             comp = gpu(info.index)
             run = state.gpus.setdefault(str(info.index), Run())
             try:
-                sample = self._sample(ctx, info.index, params)
+                sample = self._sample(ctx, info.index, options)
             except HwCondition as cond:
                 # unread is not "still showing it": the run ends here
-                run.step(ctx.clock(), False, None, params.max_sample_gap_s)
+                run.step(ctx.clock(), False, None, options.max_sample_gap_s)
                 out.append(self.from_condition(cond, comp))
                 continue
             now = ctx.clock()
-            breaks = _breaks(sample, params)
-            held = run.step(now, not breaks, sample.pids, params.max_sample_gap_s)
-            out.append(self._verdict(info.index, sample, breaks, run, held, params))
+            breaks = _breaks(sample, options)
+            held = run.step(now, not breaks, sample.pids, options.max_sample_gap_s)
+            out.append(self._verdict(info.index, sample, breaks, run, held, options))
         return out
 
-    def _sample(self, ctx: CheckContext, index: int, params: CollectiveHangConfig) -> _Sample:
+    def _sample(self, ctx: CheckContext, index: int, options: CollectiveHangConfig) -> _Sample:
         nvml = ctx.hw.nvml
         rates = nvml.utilization(index)  # NotSupported here: the GPU cannot be judged (skipped)
         sample = _Sample(rates.gpu_pct, rates.memory_pct, nvml.power_w(index))
@@ -166,7 +166,7 @@ class CollectiveHangCheck(Check):
             raise
         except HwCondition as cond:  # not supported (vGPU, some MIG setups) or refused
             sample.not_judged.append(f"compute processes: {cond}")
-        if _breaks(sample, params):
+        if _breaks(sample, options):
             return sample  # already not the signature: the 2 x 20 ms PCIe sampling is not needed
         try:
             pcie = nvml.pcie_throughput(index)
@@ -178,9 +178,9 @@ class CollectiveHangCheck(Check):
         return sample
 
     def _verdict(self, index: int, s: _Sample, breaks: list[str], run: Run, held: float,
-                 params: CollectiveHangConfig) -> Finding:
+                 options: CollectiveHangConfig) -> Finding:
         comp = gpu(index)
-        stuck = not breaks and held >= params.hold_s
+        stuck = not breaks and held >= options.hold_s
         evidence: dict[str, Any] = {
             "utilization_pct": s.util, "memory_utilization_pct": s.memory, "power_w": round(s.power_w, 1),
         }
@@ -188,7 +188,7 @@ class CollectiveHangCheck(Check):
             evidence["pcie_tx_mbps"], evidence["pcie_rx_mbps"] = round(s.tx_mbps, 1), round(s.rx_mbps, 1)
         if s.pids is not None:
             evidence["compute_pids"] = s.pids
-        evidence["activity"] = _activity(s, breaks, stuck, params)
+        evidence["activity"] = _activity(s, breaks, stuck, options)
         evidence["signature"] = not breaks
         if breaks:
             evidence["breaks"] = breaks
@@ -199,9 +199,9 @@ class CollectiveHangCheck(Check):
         if s.not_judged:
             evidence["not_judged"] = s.not_judged
         evidence["thresholds"] = {
-            "min_utilization_pct": params.min_utilization_pct, "max_power_w": params.max_power_w,
-            "max_memory_utilization_pct": params.max_memory_utilization_pct,
-            "max_pcie_mbps": params.max_pcie_mbps, "hold_s": params.hold_s}
+            "min_utilization_pct": options.min_utilization_pct, "max_power_w": options.max_power_w,
+            "max_memory_utilization_pct": options.max_memory_utilization_pct,
+            "max_pcie_mbps": options.max_pcie_mbps, "hold_s": options.hold_s}
         evidence["readings"] = [reading("gpu_collective_hang", stuck),
                                 reading("gpu_collective_hang_seconds", 0.0 if breaks else held)]
         pcie = ("n/a" if s.tx_mbps is None or s.rx_mbps is None else _fmt(max(s.tx_mbps, s.rx_mbps)))
@@ -213,7 +213,7 @@ class CollectiveHangCheck(Check):
                                 f"GPU {index} looks stuck in a collective: {words}, process(es) {who}",
                                 Action.NONE, **evidence)
         if not breaks:
-            return self.ok(comp, f"collective-hang signature ({words}; judged at {params.hold_s:g} s)",
+            return self.ok(comp, f"collective-hang signature ({words}; judged at {options.hold_s:g} s)",
                            **evidence)
         return self.ok(comp, f"not stuck in a collective ({evidence['activity']}): {'; '.join(breaks)}",
                        **evidence)

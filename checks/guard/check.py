@@ -92,8 +92,9 @@ class GuardCheck(Check):
     Config = GuardConfig
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(GuardConfig)
-        spool = Path(params.spool_dir) if params.spool_dir else ctx.hw.host_root / vf.DEFAULT_DIR.lstrip("/")
+        options = ctx.options_as(GuardConfig)
+        spool = (Path(options.spool_dir) if options.spool_dir
+                 else ctx.hw.host_root / vf.DEFAULT_DIR.lstrip("/"))
         if not spool.is_dir():
             return [self.ok(NODE, f"no guard verdicts (spool {spool} does not exist)", spool=str(spool))]
         try:
@@ -107,9 +108,9 @@ class GuardCheck(Check):
         by_uuid = {normalize_uuid(g.uuid): g.index for g in ctx.inventory.gpus}
         reported: dict[str, str] = dict(ctx.state.get("reported", {}))
         out: list[Finding] = []
-        dropped = max(0, len(new) - params.max_files)
+        dropped = max(0, len(new) - options.max_files)
         still: dict[str, str] = {}
-        for path in new[:params.max_files]:
+        for path in new[:options.max_files]:
             try:
                 verdict = vf.read(path)
             except (vf.VerdictError, OSError) as exc:
@@ -117,7 +118,7 @@ class GuardCheck(Check):
                 continue
             if reported.get(path.name) == _PROCESS and self._judge(path, judged_dir):
                 moved = judged_dir / path.name
-                if _holds(verdict, now, params.warn_hold_s):
+                if _holds(verdict, now, options.warn_hold_s):
                     out.append(self._finding(verdict, moved, by_uuid))
                 continue
             out.append(self._finding(verdict, path, by_uuid))
@@ -125,13 +126,13 @@ class GuardCheck(Check):
         for path in judged:
             # cheap first: a file moved long ago cannot hold a warning any more
             with contextlib.suppress(OSError):
-                if now - path.stat().st_mtime > params.warn_hold_s + 3600 and path.stat().st_mtime < now:
+                if now - path.stat().st_mtime > options.warn_hold_s + 3600 and path.stat().st_mtime < now:
                     continue
             try:
                 verdict = vf.read(path)
             except (vf.VerdictError, OSError):
                 continue  # it was valid when judged; a file changed since is not news for health
-            if _holds(verdict, now, params.warn_hold_s):
+            if _holds(verdict, now, options.warn_hold_s):
                 out.append(self._finding(verdict, path, by_uuid))
         ctx.state["reported"] = still
         for f in out:
@@ -140,12 +141,12 @@ class GuardCheck(Check):
                 f.evidence["node_signals"] = _signals(ctx, int(f.component.split("/")[1]))
         if dropped:
             out.append(self.finding(NODE, Severity.WARN,
-                                    f"{dropped} more guard verdict files than the {params.max_files} read "
+                                    f"{dropped} more guard verdict files than the {options.max_files} read "
                                     f"per run are waiting in {spool}: read on later runs",
                                     spool=str(spool), waiting=dropped, fault_key="spool-backlog"))
         if not out:
             out.append(self.ok(NODE, f"no guard verdicts to report (spool {spool})", spool=str(spool)))
-        pace = _pace(spool / vf.PACE_DIR, by_uuid, now, params.pace_max_age_s)
+        pace = _pace(spool / vf.PACE_DIR, by_uuid, now, options.pace_max_age_s)
         if pace:
             slowest = min(pace, key=lambda kv: kv[1])
             readings = [reading("guard_pace_score", score, gpu=index) for index, score in sorted(pace)]

@@ -109,7 +109,7 @@ class HostBandwidthCheck(Check):
         return workers.torch_missing()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(HostBandwidthConfig)
+        options = ctx.options_as(HostBandwidthConfig)
         try:
             place = ctx.hw.devices.place(ctx.inventory, 0)
         except placement.NoCudaOnGpuNode as exc:
@@ -119,32 +119,32 @@ class HostBandwidthCheck(Check):
                                  "host-device bandwidth needs CUDA devices; torch sees none"
                                  + (f" ({where})" if (where := ctx.hw.devices.describe()) else ""))]
         by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
-        cpus = local_cpus(ctx) if params.numa_local else {}
+        cpus = local_cpus(ctx) if options.numa_local else {}
         ordinals = tuple(range(place.devices))
-        first = self._measure(params, ordinals, cpus, by_uuid)
+        first = self._measure(options, ordinals, cpus, by_uuid)
         if isinstance(first, Finding):
             return [first]
         results, unmapped = first
-        low = below(results, params.min_gbps)
+        low = below(results, options.min_gbps)
         if low:
             # bandwidth varies run to run: measure the low GPUs once more before failing
             redo = tuple(results[index].ordinal for index in low)
-            again = self._measure(params, redo, cpus, by_uuid)
+            again = self._measure(options, redo, cpus, by_uuid)
             if not isinstance(again, Finding):
                 for index, m in again[0].items():
                     old = results[index]
                     results[index] = Measured(index, m.ordinal, max(old.h2d, m.h2d), max(old.d2h, m.d2h),
                                               {k: old.attempts[k] + m.attempts[k] for k in old.attempts},
                                               m.cpus, m.pinned)
-        return judge(ctx, results, unmapped, params, place)
+        return judge(ctx, results, unmapped, options, place)
 
-    def _measure(self, params: HostBandwidthConfig, ordinals: tuple[int, ...],
+    def _measure(self, options: HostBandwidthConfig, ordinals: tuple[int, ...],
                  cpus: Mapping[str, tuple[int, ...]], by_uuid: Mapping[str, int]
                  ) -> tuple[dict[int, Measured], list[kernels.HostCopy]] | Finding:
         """Measurements by NVML index (and those of CUDA devices NVML does not know), or a finding."""
-        spec = kernels.HostCopySpec(devices=ordinals, nbytes=params.nbytes, iterations=params.iterations,
+        spec = kernels.HostCopySpec(devices=ordinals, nbytes=options.nbytes, iterations=options.iterations,
                                     cpus_by_uuid=dict(cpus))
-        deadline = params.startup_s + params.per_gpu_s * len(ordinals)
+        deadline = options.startup_s + options.per_gpu_s * len(ordinals)
         try:
             run = workers.run_workers(kernels.host_copy_worker, [spec], kind="cuda", bind=False,
                                       timeout_s=deadline, name=self.name,
@@ -185,17 +185,17 @@ def local_cpus(ctx: CheckContext) -> dict[str, tuple[int, ...]]:
 
 
 def judge(ctx: CheckContext, results: Mapping[int, Measured], unmapped: Sequence[kernels.HostCopy],
-          params: HostBandwidthConfig, place: placement.Placement) -> list[Finding]:
+          options: HostBandwidthConfig, place: placement.Placement) -> list[Finding]:
     """One finding per GPU: both directions against the profile's minimum (best of the attempts)."""
-    low = below(results, params.min_gbps)
+    low = below(results, options.min_gbps)
     name = HostBandwidthCheck.name
     source = ctx.profile.source_of("checks.host_bandwidth.min_gbps")
     out: list[Finding] = []
     for index, m in sorted(results.items()):
         ev: dict[str, Any] = {
             "h2d_gbps": round(m.h2d, 2), "d2h_gbps": round(m.d2h, 2), "attempts_gbps": m.attempts,
-            "bytes": params.nbytes, "iterations": params.iterations, "pinned": m.pinned,
-            "cpus": _ranges(m.cpus) or "unbound", "min_gbps": params.min_gbps, "source": source,
+            "bytes": options.nbytes, "iterations": options.iterations, "pinned": m.pinned,
+            "cpus": _ranges(m.cpus) or "unbound", "min_gbps": options.min_gbps, "source": source,
             "retryable": True,
             "readings": [reading("host_bandwidth_bytes_per_second", m.h2d * 1e9, direction="h2d"),
                          reading("host_bandwidth_bytes_per_second", m.d2h * 1e9, direction="d2h")],
@@ -203,10 +203,10 @@ def judge(ctx: CheckContext, results: Mapping[int, Measured], unmapped: Sequence
         if index in low:
             out.append(Finding(name, gpu(index), Severity.FAIL,
                                f"GPU {index}: {' and '.join(low[index])} below the profile's "
-                               f"{params.min_gbps:g} GB/s (h2d {m.h2d:.3g}, d2h {m.d2h:.3g}; best of "
+                               f"{options.min_gbps:g} GB/s (h2d {m.h2d:.3g}, d2h {m.d2h:.3g}; best of "
                                f"{len(m.attempts['h2d'])} measurements)", Action.INSPECT_HARDWARE, ev))
         else:
-            judged = (f"profile minimum {params.min_gbps:g}" if params.min_gbps is not None
+            judged = (f"profile minimum {options.min_gbps:g}" if options.min_gbps is not None
                       else "not judged: no min_gbps in the profile")
             out.append(Finding(name, gpu(index), Severity.OK,
                                f"GPU {index}: h2d {m.h2d:.3g} GB/s, d2h {m.d2h:.3g} GB/s ({judged})",

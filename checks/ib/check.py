@@ -176,7 +176,7 @@ class IbCheck(Check):
     State = IbState
 
     def __init__(self) -> None:
-        # port component -> (what its steady finding depends on, params, profile, the finding):
+        # port component -> (what its steady finding depends on, options, profile, the finding):
         # see _verdict
         self._steady: dict[str, tuple[tuple[Any, ...], IbConfig, Any, Finding]] = {}
 
@@ -186,41 +186,41 @@ class IbCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(IbConfig)
+        options = ctx.options_as(IbConfig)
         # an outage open at a reboot was closed when the state was reset (IbState.new_boot)
         state = ctx.state_as(IbState)
-        found, changed = self._take_sample(ctx, params, state, ctx.clock())
+        found, changed = self._take_sample(ctx, options, state, ctx.clock())
         if changed:
             # an outage opened or closed must be on disk at once: a crash before the daemon's next
             # timed save would otherwise lose its start, and shorten it
             ctx.save_state_now()
         return found
 
-    def _take_sample(self, ctx: CheckContext, params: IbConfig, state: IbState, now: float
+    def _take_sample(self, ctx: CheckContext, options: IbConfig, state: IbState, now: float
                      ) -> tuple[list[Finding], bool]:
         """The sample's findings, and whether an outage opened or closed (or a port went missing)."""
         changed = False
         try:
-            devices = [d for d in list_devices(ctx.hw.fs) if d not in params.ignore_devices]
+            devices = [d for d in list_devices(ctx.hw.fs) if d not in options.ignore_devices]
         except HwCondition as cond:
             return [self.from_condition(cond, NODE)], changed
         ports = state.ports
         readings, unlisted, problems = self._read_all(ctx, devices, state, now)
         out: list[Finding] = []
-        for key in params.ignore_ports:
+        for key in options.ignore_ports:
             readings.pop(key, None)
         for key in sorted(set(ports) | set(readings)):
             dev = key.split("/", 1)[0]
-            if dev in params.ignore_devices or key in params.ignore_ports:
+            if dev in options.ignore_devices or key in options.ignore_ports:
                 continue
             if key not in readings and dev in unlisted:
                 readings[key] = unlisted[dev]  # not read, which is not the same as gone
-            found, readings[key], moved = self._port(ctx, params, key, ports, readings.get(key), now)
+            found, readings[key], moved = self._port(ctx, options, key, ports, readings.get(key), now)
             changed = changed or moved
             if found is not None:
                 out.append(found)
         tracked = {k: p for k, p in ports.items()
-                   if k.split("/", 1)[0] not in params.ignore_devices and k not in params.ignore_ports}
+                   if k.split("/", 1)[0] not in options.ignore_devices and k not in options.ignore_ports}
         out.append(self._node_finding(ctx, readings, tracked, problems))
         return out, changed
 
@@ -287,7 +287,7 @@ class IbCheck(Check):
 
     # -- one port ----------------------------------------------------------
 
-    def _port(self, ctx: CheckContext, params: IbConfig, key: str, ports: dict[str, Port],
+    def _port(self, ctx: CheckContext, options: IbConfig, key: str, ports: dict[str, Port],
               reading: IbPort | HwCondition | None, now: float
               ) -> tuple[Finding | None, IbPort | HwCondition | None, bool]:
         """The port's finding, its reading completed from the last full one, and whether an
@@ -314,10 +314,10 @@ class IbCheck(Check):
                 pst.missing_since = now
                 changed = True
             changed = sample(pst, False, now, None) or changed
-        prune(pst, now, params)
-        return self._verdict(ctx, params, comp, pst, reading, now), reading, changed
+        prune(pst, now, options)
+        return self._verdict(ctx, options, comp, pst, reading, now), reading, changed
 
-    def _verdict(self, ctx: CheckContext, params: IbConfig, comp: str, pst: Port,
+    def _verdict(self, ctx: CheckContext, options: IbConfig, comp: str, pst: Port,
                  reading: IbPort | HwCondition | None, now: float) -> Finding:
         """The port's finding. A port that is up with nothing in its windows gets, sample
         after sample, the same finding but for ``details_age_s``: that one is kept (in
@@ -325,24 +325,24 @@ class IbCheck(Check):
         second for every port."""
         steady = _steady(pst, reading)
         if steady is None:
-            return self._judge(ctx, params, comp, pst, reading, now)
+            return self._judge(ctx, options, comp, pst, reading, now)
         last = self._steady.get(comp)
         assert pst.detail is not None  # a steady port has been read in full
         age = round(now - pst.detail.t, 1)
-        if last is not None and last[0] == steady and last[1] is params and last[2] is ctx.profile:
+        if last is not None and last[0] == steady and last[1] is options and last[2] is ctx.profile:
             return _aged(last[3], age)
-        found = self._judge(ctx, params, comp, pst, reading, now)
-        self._steady[comp] = (steady, params, ctx.profile, found)
+        found = self._judge(ctx, options, comp, pst, reading, now)
+        self._steady[comp] = (steady, options, ctx.profile, found)
         return found
 
-    def _judge(self, ctx: CheckContext, params: IbConfig, comp: str, pst: Port,
+    def _judge(self, ctx: CheckContext, options: IbConfig, comp: str, pst: Port,
                reading: IbPort | HwCondition | None, now: float) -> Finding:
         issues: list[_Issue] = []
-        evidence = _downtime_evidence(pst, now, params)
-        issues += _downtime_issues(evidence, params)
+        evidence = _downtime_evidence(pst, now, options)
+        issues += _downtime_issues(evidence, options)
         if reading is None:
             gone = now - (pst.missing_since if pst.missing_since is not None else now)
-            sev = Severity.FAIL if gone > params.outage_fail_s else Severity.WARN
+            sev = Severity.FAIL if gone > options.outage_fail_s else Severity.WARN
             issues.append(_Issue(sev, Action.REBOOT_NODE,
                                  f"port disappeared from /sys/class/infiniband {gone:.0f} s ago "
                                  "(HCA removed by the driver or fallen off the bus)"))
@@ -353,10 +353,10 @@ class IbCheck(Check):
         else:
             evidence.update(_reading_evidence(reading))
             evidence["details_age_s"] = round(now - (pst.detail.t if pst.detail is not None else now), 1)
-            issues += self._reading_issues(ctx, params, reading, pst, evidence, now)
+            issues += self._reading_issues(ctx, options, reading, pst, evidence, now)
         return _finding(self, comp, issues, evidence)
 
-    def _reading_issues(self, ctx: CheckContext, params: IbConfig, port: IbPort, pst: Port,
+    def _reading_issues(self, ctx: CheckContext, options: IbConfig, port: IbPort, pst: Port,
                         evidence: dict[str, Any], now: float) -> list[_Issue]:
         issues: list[_Issue] = []
         if not port.up:
@@ -371,14 +371,14 @@ class IbCheck(Check):
         elif port.link_layer == "Ethernet":
             evidence["profile_comparison"] = ("Ethernet (RoCE) port: state and downtime are checked, the "
                                               "profile's InfiniBand rate and port count do not apply")
-        for counter, limit in (("symbol_error", params.symbol_error_warn_per_h),
-                               ("link_error_recovery", params.link_error_recovery_warn_per_h)):
-            per_h = per_hour(pst, counter, now, params)
+        for counter, limit in (("symbol_error", options.symbol_error_warn_per_h),
+                               ("link_error_recovery", options.link_error_recovery_warn_per_h)):
+            per_h = per_hour(pst, counter, now, options)
             evidence[f"{counter}_per_h"] = round(per_h, 1)
             if per_h > limit:
                 issues.append(_Issue(Severity.WARN, Action.CHECK_CABLES,
                                      f"{counter} at {per_h:.0f}/h over the last "
-                                     f"{params.rate_window_s / 60:g} min (warn above {limit:g}/h)"))
+                                     f"{options.rate_window_s / 60:g} min (warn above {limit:g}/h)"))
         for attr, why in port.errors.items():
             issues.append(_Issue(Severity.UNKNOWN, Action.NONE, f"{attr} unreadable: {why}"))
         return issues
@@ -505,7 +505,7 @@ def _with_details(pst: Port, port: IbPort, now: float) -> IbPort:
 # -- judgement ---------------------------------------------------------------
 
 
-def _downtime_evidence(p: Port, now: float, params: IbConfig) -> dict[str, Any]:
+def _downtime_evidence(p: Port, now: float, options: IbConfig) -> dict[str, Any]:
     records = p.outages
     ongoing = max(0.0, now - p.down_since) if p.down_since is not None else None
     measured = sum(r.down_s for r in records) + (ongoing or 0.0)
@@ -513,7 +513,7 @@ def _downtime_evidence(p: Port, now: float, params: IbConfig) -> dict[str, Any]:
     longest = max([r.longest_s for r in records] + [ongoing or 0.0])
     counter_only = sum(r.n for r in records if r.kind == "link_downed")
     ev: dict[str, Any] = {
-        "window_s": params.window_s,
+        "window_s": options.window_s,
         "downtime_s": round(measured, 1),
         "downtime_upper_bound_s": round(bound, 1),
         "outages": sum(r.n for r in records) + (1 if ongoing is not None else 0),
@@ -541,22 +541,22 @@ def _downtime_evidence(p: Port, now: float, params: IbConfig) -> dict[str, Any]:
     return ev
 
 
-def _downtime_issues(ev: dict[str, Any], params: IbConfig) -> list[_Issue]:
+def _downtime_issues(ev: dict[str, Any], options: IbConfig) -> list[_Issue]:
     issues: list[_Issue] = []
-    window = f"{params.window_s / 3600:g} h"
+    window = f"{options.window_s / 3600:g} h"
     ongoing = ev.get("ongoing_outage_s")
-    if ongoing is not None and ongoing > params.outage_fail_s:
+    if ongoing is not None and ongoing > options.outage_fail_s:
         issues.append(_Issue(Severity.FAIL, Action.CHECK_CABLES,
-                             f"down for {ongoing:.1f} s now, longer than the {params.outage_fail_s:g} s "
+                             f"down for {ongoing:.1f} s now, longer than the {options.outage_fail_s:g} s "
                              "NCCL IB timeout: collectives on this rail fail"))
-    elif ev["longest_outage_s"] > params.outage_fail_s:
+    elif ev["longest_outage_s"] > options.outage_fail_s:
         issues.append(_Issue(Severity.FAIL, Action.CHECK_CABLES,
                              f"an outage of {ev['longest_outage_s']:.1f} s in the last {window}, longer "
-                             f"than the {params.outage_fail_s:g} s NCCL IB timeout"))
-    if ev["downtime_s"] > params.downtime_fail_s:
+                             f"than the {options.outage_fail_s:g} s NCCL IB timeout"))
+    if ev["downtime_s"] > options.downtime_fail_s:
         issues.append(_Issue(Severity.FAIL, Action.CHECK_CABLES,
                              f"{ev['downtime_s']:.1f} s down in the last {window} over {ev['outages']} "
-                             f"outages (fail above {params.downtime_fail_s:g} s)"))
+                             f"outages (fail above {options.downtime_fail_s:g} s)"))
     return issues
 
 

@@ -122,13 +122,13 @@ def add_bucket(buckets: list[list[float]], now: float, count: int) -> None:
         buckets.append([start, float(count)])
 
 
-def prune(p: Port, now: float, params: IbConfig) -> None:
-    p.outages = [r for r in p.outages if r.end > now - params.window_s]
+def prune(p: Port, now: float, options: IbConfig) -> None:
+    p.outages = [r for r in p.outages if r.end > now - options.window_s]
     for counter in RATE_COUNTERS:
         p.buckets[counter] = [b for b in p.buckets[counter]
-                                 if b[0] + BUCKET_S > now - params.rate_window_s]
+                                 if b[0] + BUCKET_S > now - options.rate_window_s]
 
 
-def per_hour(p: Port, counter: str, now: float, params: IbConfig) -> float:
-    total = sum(b[1] for b in p.buckets[counter] if b[0] + BUCKET_S > now - params.rate_window_s)
-    return float(total * 3600.0 / params.rate_window_s)
+def per_hour(p: Port, counter: str, now: float, options: IbConfig) -> float:
+    total = sum(b[1] for b in p.buckets[counter] if b[0] + BUCKET_S > now - options.rate_window_s)
+    return float(total * 3600.0 / options.rate_window_s)

@@ -190,7 +190,7 @@ class Sweep:
     gpu_of: dict[int, int] = field(default_factory=dict)  # rank -> NVML index of its GPU
 
 
-def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str | None) -> list[Finding]:
+def verdict(sweep: Sweep, options: NcclConfig, minimum: float | None, source: str | None) -> list[Finding]:
     """The node finding: wrong elements fail outright; busbw is judged on GPUs against ``minimum``."""
     rows = sweep.rows
     name = NcclCheck.name
@@ -240,17 +240,17 @@ def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str
                         {**evidence, "wrong": wrong, "checked": checked, "wrong_by_device": by_device,
                          "retryable": False})]
     top = rows[-1]
-    measured = judged_busbw(rows, params.judged_from_bytes)
+    measured = judged_busbw(rows, options.judged_from_bytes)
     if sweep.retry is not None:
-        again = judged_busbw(sweep.retry, params.judged_from_bytes)
+        again = judged_busbw(sweep.retry, options.judged_from_bytes)
         if again is not None and (measured is None or again > measured):
             measured = again
     if sweep.cuda and minimum is not None and measured is None:
         # a floor that was never measured against is no pass: the tool lowered its largest size for
         # lack of memory, or the configured sweep stops below the size the floor is for
-        judged = kernels.size_label(params.judged_from_bytes)
+        judged = kernels.size_label(options.judged_from_bytes)
         largest = max(r.nbytes for r in [*rows, *(sweep.retry or [])])
-        evidence.update(busbw_min_gbps=minimum, judged_from_bytes=params.judged_from_bytes, source=source)
+        evidence.update(busbw_min_gbps=minimum, judged_from_bytes=options.judged_from_bytes, source=source)
         return [Finding(name, NODE, Severity.UNKNOWN,
                         f"all-reduce over {len(sweep.labels)} GPUs exact, but busbw not judged: the "
                         f"profile's minimum {minimum:g} GB/s is for sizes >= {judged} and the largest size "
@@ -268,7 +268,7 @@ def verdict(sweep: Sweep, params: NcclConfig, minimum: float | None, source: str
         twice = "; low again on a second measurement" if attempts > 1 else ""
         return [Finding(name, NODE, Severity.FAIL,
                         f"all-reduce busbw {measured:.4g} GB/s is below the profile's {minimum:g} "
-                        f"(sizes >= {kernels.size_label(params.judged_from_bytes)}{twice})",
+                        f"(sizes >= {kernels.size_label(options.judged_from_bytes)}{twice})",
                         Action.REBOOT_NODE, evidence)]
     return [Finding(name, NODE, Severity.OK,
                     f"all-reduce over {len(sweep.labels)} GPUs exact; busbw {measured:.4g} GB/s "
@@ -329,53 +329,53 @@ class NcclCheck(Check):
         return workers.torch_missing()
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(NcclConfig)
+        options = ctx.options_as(NcclConfig)
         started = time.monotonic()
-        by_tool = nccl_tests_findings(ctx, params)
+        by_tool = nccl_tests_findings(ctx, options)
         if isinstance(by_tool, list):
             return by_tool
         if by_tool is not None:
             # a tool that failed late leaves too little of the check's budget for a full torch sweep
             # and its retry: say so rather than be killed as hung half-way through
             spent = time.monotonic() - started
-            need = 2 * (params.startup_s + params.per_size_s * len(params.sweep()))
+            need = 2 * (options.startup_s + options.per_size_s * len(options.sweep()))
             if spent + need > self.timeout - 30.0:
                 return by_tool.annotate([Finding(
                     self.name, NODE, Severity.UNKNOWN,
                     f"all-reduce not measured: nccl-tests failed after {spent:.0f} s and a torch sweep "
                     f"(up to {need:.0f} s) would not fit the check's {self.timeout:.0f} s budget",
                     Action.NONE, {})])
-        found = torch_findings(ctx, params)
+        found = torch_findings(ctx, options)
         return found if by_tool is None else by_tool.annotate(found)
 
 
-def torch_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding]:
+def torch_findings(ctx: CheckContext, options: NcclConfig) -> list[Finding]:
     """The torch sweep: one process per device, the judged sizes measured again before a low busbw fails."""
     name = NcclCheck.name
     try:
-        place = ctx.hw.devices.place(ctx.inventory, params.cpu.devices)
+        place = ctx.hw.devices.place(ctx.inventory, options.cpu.devices)
     except placement.NoCudaOnGpuNode as exc:
         return [Finding(name, NODE, Severity.UNKNOWN, f"GPUs not tested: {exc}", Action.NONE, {})]
     if place.devices < 2:
         return [Finding(name, NODE, Severity.SKIPPED, f"an all-reduce needs at least 2 devices; {place.note}",
                         Action.NONE, {})]
     if place.is_cuda:
-        sizes, iterations, warmup = params.sweep(), params.iterations, params.warmup
+        sizes, iterations, warmup = options.sweep(), options.iterations, options.warmup
     else:
-        sizes, iterations, warmup = tuple(params.cpu.sizes), params.cpu.iterations, params.cpu.warmup
+        sizes, iterations, warmup = tuple(options.cpu.sizes), options.cpu.iterations, options.cpu.warmup
     by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
-    minimum = params.busbw_min_gbps if place.is_cuda else None
+    minimum = options.busbw_min_gbps if place.is_cuda else None
     try:
-        first = measure(place, sizes, iterations, warmup, params)
+        first = measure(place, sizes, iterations, warmup, options)
         if first.failed:
             return worker_failures(first, place.is_cuda, by_uuid)
         rows = combine(first.results)
         retry: list[SizeRow] | None = None
-        measured = judged_busbw(rows, params.judged_from_bytes)
+        measured = judged_busbw(rows, options.judged_from_bytes)
         if minimum is not None and measured is not None and measured < minimum and not _wrong(rows):
             # bandwidth varies run to run: measure the judged sizes once more before failing
-            judged = tuple(r.nbytes for r in rows if r.nbytes >= params.judged_from_bytes)
-            again = measure(place, judged, iterations, warmup, params)
+            judged = tuple(r.nbytes for r in rows if r.nbytes >= options.judged_from_bytes)
+            again = measure(place, judged, iterations, warmup, options)
             if again.failed:
                 return worker_failures(again, place.is_cuda, by_uuid)
             retry = combine(again.results)
@@ -388,22 +388,22 @@ def torch_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding]:
               is not None}
     sweep = Sweep(rows, place.is_cuda, labels, retry, place.note, first.wall_s,
                   first.waited_for_devices_s, as_gpu=place.names_gpus, gpu_of=gpu_of)
-    return verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
+    return verdict(sweep, options, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
 
 
 def measure(place: placement.Placement, sizes: tuple[int, ...], iterations: int, warmup: int,
-            params: NcclConfig) -> workers.WorkerRun:
+            options: NcclConfig) -> workers.WorkerRun:
     """One all-reduce sweep on every device, in a fresh process group (rendezvous file removed after)."""
     store_dir = tempfile.mkdtemp(prefix="gpumon-nccl-")
     try:
-        deadline = params.startup_s + params.per_size_s * len(sizes)
+        deadline = options.startup_s + options.per_size_s * len(sizes)
         spec = kernels.AllReduceSpec(backend="nccl" if place.is_cuda else "gloo",
                                      store_path=os.path.join(store_dir, "store"), sizes=sizes,
                                      iterations=iterations, warmup=warmup, timeout_s=deadline)
         # the first sweep and a retry of the judged sizes both fit in the check's time budget
         budget = 2 * deadline
         return workers.run_workers(kernels.allreduce_worker, [spec] * place.devices, kind=place.kind,
-                                   timeout_s=deadline, peer_failure_grace_s=params.peer_failure_grace_s,
+                                   timeout_s=deadline, peer_failure_grace_s=options.peer_failure_grace_s,
                                    name=NcclCheck.name,
                                    lock_wait_s=workers.lock_wait(NcclCheck.timeout, budget),
                                    stand_ins=place.stand_ins, faults=place.faults)
@@ -441,7 +441,7 @@ class TorchInstead:
         return out
 
 
-def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] | TorchInstead | None:
+def nccl_tests_findings(ctx: CheckContext, options: NcclConfig) -> list[Finding] | TorchInstead | None:
     """The check measured with ``all_reduce_perf`` as ``nccl_tests`` says, or None (TorchInstead:
     with the reason to give): torch measures.
 
@@ -452,7 +452,7 @@ def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] 
     fails the node; a tool that ends without a result to judge (a rank died on a CUDA error, the
     output was cut off) leaves the measurement to the torch sweep, which names a dead rank's GPU.
     """
-    mode = params.nccl_tests
+    mode = options.nccl_tests
     if mode == "never":
         return None
     if mode not in NCCL_TESTS_MODES:
@@ -470,22 +470,22 @@ def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] 
             return None
         return [_tool_finding(Severity.SKIPPED, f"nccl-tests' {TOOL} is not installed (not found on the "
                               "tool path) and checks.nccl.nccl_tests is 'always': all-reduce not measured")]
-    gpus = _tool_gpus(ctx, params, mode)
+    gpus = _tool_gpus(ctx, options, mode)
     if gpus is None:
         return None
     count, note = gpus
     if count == 1:
         return [_tool_finding(Severity.SKIPPED, f"an all-reduce needs at least 2 devices; {note}")]
-    start, start_note = nccltests.sweep_start(params.min_bytes, params.max_bytes, params.step_factor)
+    start, start_note = nccltests.sweep_start(options.min_bytes, options.max_bytes, options.step_factor)
     # no GPU seen at all ('always'): nccl-tests' own default of one GPU, so that the tool says in
     # its own words why it cannot run here
-    spec = nccltests.PerfSpec(start, params.max_bytes, params.step_factor, max(count, 1),
-                              params.iterations, params.warmup)
+    spec = nccltests.PerfSpec(start, options.max_bytes, options.step_factor, max(count, 1),
+                              options.iterations, options.warmup)
     try:
         # the tool loads every GPU: not while another compute check runs
         with workers.devices_held(NcclCheck.name, workers.lock_wait(NcclCheck.timeout,
-                                                                   2 * _tool_deadline(params, spec))):
-            found = measure_with_tool(ctx, params, spec, note)
+                                                                   2 * _tool_deadline(options, spec))):
+            found = measure_with_tool(ctx, options, spec, note)
     except workers.DevicesBusy as exc:
         return [NcclCheck().finding(NODE, Severity.UNKNOWN, str(exc))]
     if start_note is None:
@@ -495,7 +495,7 @@ def nccl_tests_findings(ctx: CheckContext, params: NcclConfig) -> list[Finding] 
     return [dataclasses.replace(f, evidence={**f.evidence, "sweep_start_note": start_note}) for f in found]
 
 
-def _tool_gpus(ctx: CheckContext, params: NcclConfig, mode: str) -> tuple[int, str] | None:
+def _tool_gpus(ctx: CheckContext, options: NcclConfig, mode: str) -> tuple[int, str] | None:
     """How many GPUs to give the tool (``-g``) and why; None where 'auto' leaves it to torch.
 
     CUDA's count first: the tool sees the same CUDA devices (CUDA_VISIBLE_DEVICES included),
@@ -503,7 +503,7 @@ def _tool_gpus(ctx: CheckContext, params: NcclConfig, mode: str) -> tuple[int, s
     """
     nvml = len(ctx.inventory.gpus)
     try:
-        place = ctx.hw.devices.place(ctx.inventory, params.cpu.devices)
+        place = ctx.hw.devices.place(ctx.inventory, options.cpu.devices)
     except placement.NoCudaOnGpuNode as exc:
         # 'auto': the torch path says the same as an unknown finding
         return None if mode == "auto" else (nvml, str(exc))
@@ -514,29 +514,29 @@ def _tool_gpus(ctx: CheckContext, params: NcclConfig, mode: str) -> tuple[int, s
     return 0, "no GPU seen by torch or NVML"
 
 
-def _tool_deadline(params: NcclConfig, spec: nccltests.PerfSpec) -> float:
+def _tool_deadline(options: NcclConfig, spec: nccltests.PerfSpec) -> float:
     # the torch sweep's budget for the same sizes: start-up, then each size
-    return params.startup_s + params.per_size_s * max(1, len(spec.sizes()))
+    return options.startup_s + options.per_size_s * max(1, len(spec.sizes()))
 
 
-def measure_with_tool(ctx: CheckContext, params: NcclConfig, spec: nccltests.PerfSpec,
+def measure_with_tool(ctx: CheckContext, options: NcclConfig, spec: nccltests.PerfSpec,
                       note: str) -> list[Finding] | TorchInstead:
     """Run the sweep (and, when busbw is low, the judged sizes again) and judge it as ``verdict`` does;
     TorchInstead where a run gave nothing that can be judged."""
-    first = nccltests.run_all_reduce_perf(ctx.hw.tools, spec, timeout=_tool_deadline(params, spec))
+    first = nccltests.run_all_reduce_perf(ctx.hw.tools, spec, timeout=_tool_deadline(options, spec))
     rows = tool_rows(first, spec)
     if isinstance(rows, Finding):
         return _fall_back(rows, first) if rows.severity is Severity.UNKNOWN else [rows]
-    minimum = params.busbw_min_gbps
+    minimum = options.busbw_min_gbps
     retry: list[SizeRow] | None = None
     again: nccltests.PerfRun | None = None
-    measured = judged_busbw(rows, params.judged_from_bytes)
+    measured = judged_busbw(rows, options.judged_from_bytes)
     if minimum is not None and measured is not None and measured < minimum:
         # bandwidth varies run to run: measure the judged sizes once more before failing
-        judged = [r.nbytes for r in rows if r.nbytes >= params.judged_from_bytes]
+        judged = [r.nbytes for r in rows if r.nbytes >= options.judged_from_bytes]
         again_spec = dataclasses.replace(spec, min_bytes=min(judged), max_bytes=max(judged))
         again = nccltests.run_all_reduce_perf(ctx.hw.tools, again_spec,
-                                              timeout=_tool_deadline(params, again_spec))
+                                              timeout=_tool_deadline(options, again_spec))
         retried = tool_rows(again, again_spec, first=first)
         if isinstance(retried, Finding):
             return _fall_back(retried, again, first) if retried.severity is Severity.UNKNOWN else [retried]
@@ -550,7 +550,7 @@ def measure_with_tool(ctx: CheckContext, params: NcclConfig, spec: nccltests.Per
     reduced = first.result.reduced_max_bytes
     if reduced is not None:
         extra["nccl_tests_reduced_max_bytes"] = reduced
-    found = verdict(sweep, params, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
+    found = verdict(sweep, options, minimum, ctx.profile.source_of("checks.nccl.busbw_min_gbps"))
     return [dataclasses.replace(f, evidence={**f.evidence, **extra}, message=f.message + (
                 f" ({TOOL} lowered its largest size to {kernels.size_label(reduced)} for lack of GPU "
                 "memory: 'Reducing maxBytes ... due to memory limitation')"

@@ -187,18 +187,18 @@ class NvswitchCheck(Check):
                 "(Hopper or newer with NVLink)")
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(NvswitchConfig)
+        options = ctx.options_as(NvswitchConfig)
         state = ctx.state_as(NvswitchState)
         if isinstance(ctx.kernel_log, SavedKernelLog):
             # a saved log judged on purpose (gpumon check --kmsg-file), maybe on a laptop: this
             # host's switches, NVML fabric state and fabric manager log say nothing about it
-            return self._one_per_component(self._sxid(ctx, state, params, ctx.kernel_log.judged_at))
+            return self._one_per_component(self._sxid(ctx, state, options, ctx.kernel_log.judged_at))
         now = ctx.clock()
         boot_time = ctx.hw.fs.boot_time() or ctx.kernel_log.boot_time
-        findings = self._switch_count(ctx.inventory, params)
-        findings += self._sxid(ctx, state, params, now)
-        findings += self._fabric(ctx, params, now, boot_time)
-        findings += self._fm_log(ctx, state, params, now, boot_time)
+        findings = self._switch_count(ctx.inventory, options)
+        findings += self._sxid(ctx, state, options, now)
+        findings += self._fabric(ctx, options, now, boot_time)
+        findings += self._fm_log(ctx, state, options, now, boot_time)
         return self._one_per_component(findings)
 
     # -- one finding per component (and fault) -----------------------------------------

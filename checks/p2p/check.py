@@ -200,25 +200,25 @@ class P2pCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(P2pConfig)
+        options = ctx.options_as(P2pConfig)
         indices = sorted(g.index for g in ctx.inventory.gpus)
-        expect_nvlink = params.expect_nvlink
+        expect_nvlink = options.expect_nvlink
         if expect_nvlink is None:
             expect_nvlink = bool(ctx.profile.nvlink.links_per_gpu)
         paths = nvml_paths(ctx, indices)
         evidence: dict[str, Any] = {}
         plan = CopyPlan()
-        copies, copy_note, missing = self._copies(ctx, params, indices, evidence, plan)
-        return judge(ctx, indices, paths, copies, copy_note, params, expect_nvlink, evidence, missing, plan)
+        copies, copy_note, missing = self._copies(ctx, options, indices, evidence, plan)
+        return judge(ctx, indices, paths, copies, copy_note, options, expect_nvlink, evidence, missing, plan)
 
-    def _copies(self, ctx: CheckContext, params: P2pConfig, indices: Sequence[int], evidence: dict[str, Any],
+    def _copies(self, ctx: CheckContext, options: P2pConfig, indices: Sequence[int], evidence: dict[str, Any],
                 plan: CopyPlan) -> tuple[dict[Pair, kernels.PeerCopy] | None, str, Severity]:
         """Peer copy bandwidth by NVML index pair; or None, why it was not measured, and how bad that is.
 
         No torch or a simulated node: ``skipped``. A real GPU node whose GPUs torch cannot use, or a
         copy worker that failed: ``unknown`` (the pairs should have been measured).
         """
-        if not params.copies:
+        if not options.copies:
             return (None, "copy bandwidth not measured: switched off (checks.p2p.copies: false)",
                     Severity.SKIPPED)
         reason = workers.torch_missing()
@@ -237,28 +237,28 @@ class P2pCheck(Check):
         ordinals = list(range(place.devices))
         pairs = tuple(itertools.permutations(ordinals, 2))
         by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
-        first = self._measure(params, pairs, by_uuid, place)
+        first = self._measure(options, pairs, by_uuid, place)
         if isinstance(first, str):
             return None, first, Severity.UNKNOWN
         results, to_nvml = first
         floors: dict[Pair, float] = {}
-        if params.min_gbps is not None and place.is_cuda:
-            floors = dict.fromkeys(results, params.min_gbps)
+        if options.min_gbps is not None and place.is_cuda:
+            floors = dict.fromkeys(results, options.min_gbps)
         elif not place.is_cuda:
             # stand-ins: no datasheet to compare with, only the other pairs
-            floors = peer_floors(results, params.cpu.min_share_of_median)
+            floors = peer_floors(results, options.cpu.min_share_of_median)
             evidence["min_gbps"] = None  # no datasheet figure for a CPU stand-in
             evidence["floor_gbps"] = {f"{to_nvml.get(a, a)}->{to_nvml.get(b, b)}": round(v, 3)
                                       for (a, b), v in sorted(floors.items())}
             evidence["min_gbps_source"] = (
-                f"CPU stand-ins: {params.cpu.min_share_of_median:.0%} of the median of the pairs that "
+                f"CPU stand-ins: {options.cpu.min_share_of_median:.0%} of the median of the pairs that "
                 "involve neither GPU of the pair (a GPU slow to every peer must not set the bar)")
             if not floors:
                 evidence["copies_judged"] = "no: fewer than 4 GPUs leave no pair to compare a pair with"
         low = tuple(p for p, c in results.items() if p in floors and c.gbps < floors[p])
         attempts = {p: [round(c.gbps, 2)] for p, c in results.items()}
         if low:
-            again = self._measure(params, low, by_uuid, place)
+            again = self._measure(options, low, by_uuid, place)
             if isinstance(again, str):
                 evidence["retry_error"] = again
             else:
@@ -278,7 +278,7 @@ class P2pCheck(Check):
         plan.measured = True
         evidence["copy_attempts_gbps"] = {f"{to_nvml.get(a, a)}->{to_nvml.get(b, b)}": v
                                           for (a, b), v in attempts.items() if len(v) > 1}
-        evidence["copy_bytes"] = params.nbytes if place.is_cuda else params.cpu.nbytes
+        evidence["copy_bytes"] = options.nbytes if place.is_cuda else options.cpu.nbytes
         evidence["retryable"] = True
         unmapped = [o for o in ordinals if o not in to_nvml]
         note = f"{len(pairs)} ordered pairs copied"
@@ -286,16 +286,16 @@ class P2pCheck(Check):
             note += f"; CUDA devices {unmapped} have no NVML GPU with their UUID (not judged)"
         return by_index, note, Severity.OK
 
-    def _measure(self, params: P2pConfig, pairs: tuple[tuple[int, int], ...], by_uuid: Mapping[str, int],
+    def _measure(self, options: P2pConfig, pairs: tuple[tuple[int, int], ...], by_uuid: Mapping[str, int],
                  place: placement.Placement
                  ) -> tuple[dict[tuple[int, int], kernels.PeerCopy], dict[int, int]] | str:
         """Copies of ``pairs`` (device ordinals) and the ordinal -> NVML index map, or why not."""
         if place.is_cuda:
-            spec = kernels.PeerCopySpec(pairs=pairs, nbytes=params.nbytes, iterations=params.iterations)
+            spec = kernels.PeerCopySpec(pairs=pairs, nbytes=options.nbytes, iterations=options.iterations)
         else:
-            spec = kernels.PeerCopySpec(pairs=pairs, nbytes=params.cpu.nbytes,
-                                        iterations=params.cpu.iterations)
-        deadline = params.startup_s + params.per_pair_s * len(pairs)
+            spec = kernels.PeerCopySpec(pairs=pairs, nbytes=options.cpu.nbytes,
+                                        iterations=options.cpu.iterations)
+        deadline = options.startup_s + options.per_pair_s * len(pairs)
         try:
             run = workers.run_workers(kernels.peer_copy_worker, [spec], kind=place.kind, bind=False,
                                       timeout_s=deadline, name=self.name,
@@ -314,7 +314,7 @@ class CopyPlan:
 
     floors: dict[Pair, float] = field(default_factory=dict)
     measured_twice: set[Pair] = field(default_factory=set)
-    measured: bool = False  # False: copies came from elsewhere (judged against params.min_gbps)
+    measured: bool = False  # False: copies came from elsewhere (judged against options.min_gbps)
 
 
 def peer_floors(rates: Mapping[Pair, kernels.PeerCopy], share: float) -> dict[Pair, float]:
@@ -366,7 +366,7 @@ def faults_for(paths: Mapping[Pair, PairPath], copies: Mapping[Pair, kernels.Pee
 
 
 def judge(ctx: CheckContext, indices: Sequence[int], paths: Mapping[tuple[int, int], PairPath],
-          copies: Mapping[tuple[int, int], kernels.PeerCopy] | None, copy_note: str, params: P2pConfig,
+          copies: Mapping[tuple[int, int], kernels.PeerCopy] | None, copy_note: str, options: P2pConfig,
           expect_nvlink: bool, evidence: Mapping[str, Any] | None = None,
           copies_missing: Severity = Severity.SKIPPED, plan: CopyPlan | None = None) -> list[Finding]:
     """Findings per GPU (a GPU in most of its pairs' faults fails) and for the node (the rest, by pair).
@@ -375,7 +375,7 @@ def judge(ctx: CheckContext, indices: Sequence[int], paths: Mapping[tuple[int, i
     """
     name = P2pCheck.name
     # copies this check measured carry their own floors (stand-ins: other pairs' median)
-    min_gbps: float | Mapping[Pair, float] | None = params.min_gbps
+    min_gbps: float | Mapping[Pair, float] | None = options.min_gbps
     twice: Collection[Pair] | None = None
     if plan is not None and plan.measured:
         min_gbps, twice = plan.floors, plan.measured_twice
@@ -387,7 +387,7 @@ def judge(ctx: CheckContext, indices: Sequence[int], paths: Mapping[tuple[int, i
         "legend": "NV = NVLink P2P OK; PIX/PXB/PHB/NODE/SYS = PCIe P2P over that path "
                   "(nvidia-smi topo -m); -- = no P2P; ERR = NVML error",
         **(evidence or {}),
-        "copies": copy_note, "min_gbps": (evidence or {}).get("min_gbps", params.min_gbps),
+        "copies": copy_note, "min_gbps": (evidence or {}).get("min_gbps", options.min_gbps),
         "min_gbps_source": ((evidence or {}).get("min_gbps_source")
                             or ctx.profile.source_of("checks.p2p.min_gbps")),
     }

@@ -161,7 +161,7 @@ class PcieCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(PcieConfig)
+        options = ctx.options_as(PcieConfig)
         state = ctx.state_as(PcieState)
         now = ctx.clock()
         out = self._read_kernel_log(ctx, state, now)
@@ -177,7 +177,7 @@ class PcieCheck(Check):
         watched = _watched(tree, nics, ctx.inventory)
         devices = state.devices
         for bdf in sorted(watched):
-            out.append(self._device(ctx, params, tree, bdf, watched[bdf],
+            out.append(self._device(ctx, options, tree, bdf, watched[bdf],
                                     devices.setdefault(bdf, {}), state.kmsg, now))
         for bdf in sorted(tree.errors):
             out.append(self.finding(pci(bdf), Severity.UNKNOWN,
@@ -200,8 +200,8 @@ class PcieCheck(Check):
 
     # -- one watched function ---------------------------------------------------
 
-    def _device(self, ctx: CheckContext, params: PcieConfig, tree: pcihw.PciScan, bdf: str, labels: list[str],
-                ds: dict[str, Any], kmsg: Mapping[str, Any], now: float) -> Finding:
+    def _device(self, ctx: CheckContext, options: PcieConfig, tree: pcihw.PciScan, bdf: str,
+                labels: list[str], ds: dict[str, Any], kmsg: Mapping[str, Any], now: float) -> Finding:
         fn = tree.functions[bdf]
         what = ", ".join(labels)
         ds["is"] = what
@@ -221,7 +221,7 @@ class PcieCheck(Check):
                 evidence["aer"] = "not exposed (no AER capability, or a kernel without AER statistics)"
             else:
                 readings += 1
-                problems += _aer(params, ds, aer, now, evidence)
+                problems += _aer(options, ds, aer, now, evidence)
         try:
             link = pcihw.read_link(ctx.hw.fs, fn)
         except HwCondition as cond:
@@ -231,7 +231,7 @@ class PcieCheck(Check):
                 evidence["link"] = "not exposed (not a PCIe function)"
             else:
                 readings += 1
-                problems += self._link(ctx, params, tree, fn, link, evidence)
+                problems += self._link(ctx, options, tree, fn, link, evidence)
         log = kmsg.get(bdf)
         if log:
             problems += _logged(log, evidence)
@@ -252,7 +252,7 @@ class PcieCheck(Check):
 
     # -- link -------------------------------------------------------------------
 
-    def _link(self, ctx: CheckContext, params: PcieConfig, tree: pcihw.PciScan, fn: pcihw.PciFunction,
+    def _link(self, ctx: CheckContext, options: PcieConfig, tree: pcihw.PciScan, fn: pcihw.PciFunction,
               link: pcihw.LinkState, evidence: dict[str, Any]) -> list[_Problem]:
         info: dict[str, Any] = {"current": link.describe(), "max": link.describe(current=False)}
         evidence["link"] = info
@@ -300,12 +300,12 @@ class PcieCheck(Check):
                              f"(x{width} carries {width / best_width:.0%} of the host-device bandwidth): "
                              "reseat or inspect the card, riser or cable"))
         if width:
-            out += self._speed(ctx, params, fn, link, best_gts, info)
+            out += self._speed(ctx, options, fn, link, best_gts, info)
         if fn.is_nvidia_gpu:
             out += _against_profile(ctx, best_gen, best_width, info)
         return out
 
-    def _speed(self, ctx: CheckContext, params: PcieConfig, fn: pcihw.PciFunction, link: pcihw.LinkState,
+    def _speed(self, ctx: CheckContext, options: PcieConfig, fn: pcihw.PciFunction, link: pcihw.LinkState,
                best_gts: float, info: dict[str, Any]) -> list[_Problem]:
         if link.current_gts is None:
             return [_unknown("current link speed reads 'Unknown'")]
@@ -325,10 +325,10 @@ class PcieCheck(Check):
             return [_unknown(f"{below}; GPU load unreadable ({cond.call}: {cond}), so an idle downshift "
                              "cannot be ruled out")]
         info["gpu_utilization_pct"] = util
-        if util > params.load_utilization_pct:
+        if util > options.load_utilization_pct:
             return [_warn(f"{below} while the GPU is busy ({util} % utilization)")]
         info["idle_downshift"] = (f"Gen{link.current_gen} at {util} % utilization (not above "
-                                  f"{params.load_utilization_pct} %): GPUs lower the link speed when idle")
+                                  f"{options.load_utilization_pct} %): GPUs lower the link speed when idle")
         return []
 
     # -- kernel log -------------------------------------------------------------
@@ -574,7 +574,7 @@ def _watched(tree: pcihw.PciScan, nics: Mapping[str, str], inventory: Inventory)
     return watched
 
 
-def _aer(params: PcieConfig, ds: dict[str, Any], aer: pcihw.AerStats, now: float,
+def _aer(options: PcieConfig, ds: dict[str, Any], aer: pcihw.AerStats, now: float,
          evidence: dict[str, Any]) -> list[_Problem]:
     totals = {kind: aer.of(kind).total for kind in pcihw.AER_FILES}
     evidence["aer_since_boot"] = dict(totals)
@@ -592,7 +592,7 @@ def _aer(params: PcieConfig, ds: dict[str, Any], aer: pcihw.AerStats, now: float
     else:
         for kind in _UNCORRECTABLE:
             _compare(ds, kind, aer.of(kind), now)
-        _correctable(params, ds, aer.correctable.total, now)
+        _correctable(options, ds, aer.correctable.total, now)
     if ds["resets"]:
         evidence["counter_resets"] = ds["resets"]
     out: list[_Problem] = []
@@ -614,9 +614,9 @@ def _aer(params: PcieConfig, ds: dict[str, Any], aer: pcihw.AerStats, now: float
     rate = ds.get("cor_rate")
     if rate is not None:
         evidence["correctable_per_hour"] = round(rate, 1)
-        if rate > params.correctable_per_hour:
+        if rate > options.correctable_per_hour:
             out.append(_warn(f"{rate:.0f} correctable AER errors/hour (limit "
-                             f"{params.correctable_per_hour:g}; {_nonzero(aer.correctable.errors)}): "
+                             f"{options.correctable_per_hour:g}; {_nonzero(aer.correctable.errors)}): "
                              "a marginal link, reseat at the next maintenance"))
     return out
 
@@ -641,19 +641,19 @@ def _compare(ds: dict[str, Any], kind: pcihw.AerKind, counts: pcihw.AerCounts, n
     ds["names"][kind] = dict(counts.errors)
 
 
-def _correctable(params: PcieConfig, ds: dict[str, Any], total: int, now: float) -> None:
+def _correctable(options: PcieConfig, ds: dict[str, Any], total: int, now: float) -> None:
     samples: list[list[float]] = ds["cor"]
     ds["totals"]["correctable"] = total
     if samples and total < samples[-1][1]:
         ds["resets"] += 1
         samples[:] = []
     # keep about 120 samples per window however often the kernel log wakes the check
-    if not samples or now - samples[-1][0] >= params.correctable_window_s / 120:
+    if not samples or now - samples[-1][0] >= options.correctable_window_s / 120:
         samples.append([now, total])
-    samples[:] = [s for s in samples if now - s[0] <= params.correctable_window_s] or [[now, total]]
+    samples[:] = [s for s in samples if now - s[0] <= options.correctable_window_s] or [[now, total]]
     t0, c0 = samples[0]
     span = now - t0
-    ds["cor_rate"] = (total - c0) / span * 3600.0 if span >= params.correctable_min_span_s else None
+    ds["cor_rate"] = (total - c0) / span * 3600.0 if span >= options.correctable_min_span_s else None
 
 
 def _against_profile(ctx: CheckContext, best_gen: int | None, best_width: int,

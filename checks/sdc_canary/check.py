@@ -97,18 +97,18 @@ class SdcCanaryCheck(Check):
         return None
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        params = ctx.params_as(SdcCanaryConfig)
-        if not params.golden_file and not params.majority:
+        options = ctx.options_as(SdcCanaryConfig)
+        if not options.golden_file and not options.majority:
             return [self.finding(NODE, Severity.SKIPPED,
                                  "no golden_file configured and majority mode off: nothing to compare with")]
         out: list[Finding] = []
-        wanted = {g.index for g in ctx.inventory.gpus if not params.gpus or g.index in params.gpus}
+        wanted = {g.index for g in ctx.inventory.gpus if not options.gpus or g.index in options.gpus}
         gates: dict[int, dict[str, Any]] = {}  # idle GPUs we canary -> what idle was judged on
         idle_elsewhere: list[int] = []
         for info in ctx.inventory.gpus:
             index = info.index
             try:
-                gate = idle_gate(ctx.hw, index, params.idle_max_utilization_pct)
+                gate = idle_gate(ctx.hw, index, options.idle_max_utilization_pct)
             except HwCondition as cond:
                 if index in wanted:
                     out.append(self.from_condition(cond, gpu(index)))
@@ -124,22 +124,22 @@ class SdcCanaryCheck(Check):
         idle = list(gates)
         if not idle:
             return out or [self.finding(NODE, Severity.SKIPPED, "no idle GPU to run canaries on")]
-        if not params.golden_file and len(idle) < 2:
+        if not options.golden_file and len(idle) < 2:
             out.append(self.finding(gpu(idle[0]), Severity.SKIPPED,
                                     "one idle GPU and no golden_file: nothing to compare with"))
             return with_idle_gate(out, gates)
         # GPUs already busy stay busy; an idle one we left alone turning busy means a job arrived
-        return with_idle_gate(out + self._canary(ctx, params, idle, idle_elsewhere), gates)
+        return with_idle_gate(out + self._canary(ctx, options, idle, idle_elsewhere), gates)
 
-    def _canary(self, ctx: CheckContext, params: SdcCanaryConfig, idle: list[int],
+    def _canary(self, ctx: CheckContext, options: SdcCanaryConfig, idle: list[int],
                 others: list[int]) -> list[Finding]:
         from gpumon.sdc import runner
         from gpumon.sdc.bundle import BundleError, expected_golden
         from gpumon.sdc.golden import Golden, cpu_model_of
 
         try:
-            golden = Golden.load(Path(params.golden_file)) if params.golden_file else Golden()
-            for b in params.bundles:
+            golden = Golden.load(Path(options.golden_file)) if options.golden_file else Golden()
+            for b in options.bundles:
                 for key, points in expected_golden(Path(b)).entries.items():
                     golden.entries.setdefault(key, points)
         except (ConfigError, BundleError) as exc:
@@ -153,28 +153,28 @@ class SdcCanaryCheck(Check):
             # our own canary makes our GPUs busy, so only the idle GPUs we left alone can tell
             for index in others:
                 try:
-                    if ctx.hw.nvml.utilization_pct(index) > params.idle_max_utilization_pct:
+                    if ctx.hw.nvml.utilization_pct(index) > options.idle_max_utilization_pct:
                         return True
                 except HwCondition:
                     continue
             return False
 
-        device, inject = params.device, None
+        device, inject = options.device, None
         stand_ins = ctx.hw.devices.stand_ins(ctx.inventory)
         if stand_ins:
             # CPU workers stand in for the GPUs: never the machine's real GPUs under their names;
             # a GPU whose stand-in computes wrong bits runs its worker under the fault harness
             device, inject = ctx.hw.devices.only_device or "cpu", stand_in_sdc(stand_ins, idle)
-        options = runner.Options(
-            workers=len(idle), device_indices=tuple(idle), iterations=params.iterations,
-            workloads=tuple(params.workloads), bundles=tuple(Path(b) for b in params.bundles),
-            golden=golden, bundle_dir=bundle_dir(params, ctx), device=device,
-            timeout_s=params.iteration_timeout_s, driver=ctx.inventory.driver_version, cpu_model=cpu,
+        run_options = runner.Options(
+            workers=len(idle), device_indices=tuple(idle), iterations=options.iterations,
+            workloads=tuple(options.workloads), bundles=tuple(Path(b) for b in options.bundles),
+            golden=golden, bundle_dir=bundle_dir(options, ctx), device=device,
+            timeout_s=options.iteration_timeout_s, driver=ctx.inventory.driver_version, cpu_model=cpu,
             should_stop=wanted_elsewhere if others else None, inject=inject, inject_origin="simulated",
             gpu_identity=gpu_identity(ctx, idle),
-            lock_wait_s=workers.lock_wait(self.timeout, params.iterations * params.iteration_timeout_s))
+            lock_wait_s=workers.lock_wait(self.timeout, options.iterations * options.iteration_timeout_s))
         try:
-            report = runner.run(options)
+            report = runner.run(run_options)
         except (runner.CanaryError, BundleError, workers.DevicesBusy) as exc:
             return [self.finding(NODE, Severity.UNKNOWN, f"canary could not run: {exc}")]
         return self.canary_verdict(report)
@@ -208,8 +208,8 @@ def gpu_identity(ctx: CheckContext, indices: list[int]) -> dict[int, dict[str, A
             for g in ctx.inventory.gpus if g.index in indices}
 
 
-def bundle_dir(params: SdcCanaryConfig, ctx: CheckContext) -> Path:
+def bundle_dir(options: SdcCanaryConfig, ctx: CheckContext) -> Path:
     """Where a failing run's replay bundle goes: ``bundle_dir``, else under the agent's state directory."""
-    if params.bundle_dir:
-        return Path(params.bundle_dir)
+    if options.bundle_dir:
+        return Path(options.bundle_dir)
     return (ctx.state_dir or Path("/var/lib/gpumon")) / "sdc" / "bundles"

@@ -166,7 +166,7 @@ class XidCheck(Check):
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         state = ctx.state_as(XidState)  # a reboot has cleared every Xid (XidState.new_boot)
-        params = ctx.params_as(XidConfig)
+        options = ctx.options_as(XidConfig)
         log = ctx.kernel_log
         groups = state.groups
         saved = isinstance(log, SavedKernelLog)
@@ -175,21 +175,21 @@ class XidCheck(Check):
             # a saved log of another boot: this host's NVML has nothing to say about it
             poll = _Poll(False, [], now, now, False, "not used for a saved kernel log", now)
             if log.available:
-                self._kernel_events(ctx, state, params, now, watching=False)
+                self._kernel_events(ctx, state, options, now, watching=False)
         else:
             source = self._nvml_source(ctx, now)
             if log.available:
-                self._kernel_events(ctx, state, params, now, watching=source.events is not None)
+                self._kernel_events(ctx, state, options, now, watching=source.events is not None)
             poll = self._poll(source, now)
             for gpu_index, code in poll.events:
-                if code not in params.ignore_codes:
-                    self._nvml_event(ctx, state, gpu_index, code, poll, params)
-            self._prune(state, now, params)
+                if code not in options.ignore_codes:
+                    self._nvml_event(ctx, state, gpu_index, code, poll, options)
+            self._prune(state, now, options)
         remaps = {} if saved else {i: r for i in _gpus_with(groups, 63)
                                    if (r := _remap_state(ctx, i)) is not None}
         recoveries = _recoveries(groups)
         findings = [f for g in list(groups.values())
-                    if (f := self._finding(g, now, params, state.identities, remaps, recoveries))]
+                    if (f := self._finding(g, now, options, state.identities, remaps, recoveries))]
         return findings + self._node_findings(log, poll, bool(findings), saved=saved)
 
     # -- NVML events --------------------------------------------------------
@@ -220,10 +220,10 @@ class XidCheck(Check):
         return _Poll(True, got, lo, now, new, None, src.opened_at)
 
     def _nvml_event(self, ctx: CheckContext, state: XidState, gpu_index: int, code: int, poll: _Poll,
-                    params: XidConfig) -> None:
+                    options: XidConfig) -> None:
         groups = state.groups
         ledger = state.kernel_unmatched
-        lo, hi = poll.lo - params.dedup_window_s, poll.hi + params.dedup_window_s
+        lo, hi = poll.lo - options.dedup_window_s, poll.hi + options.dedup_window_s
         for i, (k_gpu, k_code, k_when, key) in enumerate(ledger):
             # The event happened after the previous poll (else it would have come then)
             # and before this one: a kernel line of the same GPU and code inside that
@@ -236,7 +236,7 @@ class XidCheck(Check):
         component = gpu(gpu_index) if gpu_index >= 0 else NODE
         key = f"{component}|{code}"
         g = _group(groups, key, component, code, _bus_of(ctx.inventory, gpu_index), poll.hi)
-        _count(g, poll.hi, params)
+        _count(g, poll.hi, options)
         _mark(g, _NVML)
         if len(g.samples) < _MAX_SAMPLES:
             g.samples.append(f"NVML Xid event {code} (no kernel log line seen for it)")
@@ -246,7 +246,7 @@ class XidCheck(Check):
 
     # -- kernel log -----------------------------------------------------------
 
-    def _kernel_events(self, ctx: CheckContext, state: XidState, params: XidConfig, now: float, *,
+    def _kernel_events(self, ctx: CheckContext, state: XidState, options: XidConfig, now: float, *,
                        watching: bool) -> None:
         log = ctx.kernel_log
         groups, identities = state.groups, state.identities
@@ -259,7 +259,7 @@ class XidCheck(Check):
                     ident["serial"] = event.serial
                 continue
             if isinstance(event, XidEvent):
-                if event.code in params.ignore_codes:
+                if event.code in options.ignore_codes:
                     continue
                 code = event.code
             elif isinstance(event, FallenOffBus):
@@ -274,7 +274,7 @@ class XidCheck(Check):
                 repeats = event.repeats
                 if event.last_record is not None:
                     last = max(when, log.time_of(event.last_record, now))
-            key = self._add(groups, ctx.inventory, event, event.pci, code, when, params, repeats, last)
+            key = self._add(groups, ctx.inventory, event, event.pci, code, when, options, repeats, last)
             if key is None:
                 continue
             gpu_index = _gpu_index(ctx.inventory, event.pci)
@@ -285,17 +285,17 @@ class XidCheck(Check):
             ledger = state.kernel_unmatched
             for i in range(min(repeats, _MAX_LEDGER)):
                 at = when if i == 0 else last
-                if state.nvml_unmatched and self._matches_pending(state, gpu_index, code, at, params):
+                if state.nvml_unmatched and self._matches_pending(state, gpu_index, code, at, options):
                     _mark(groups[key], _NVML)
                 elif watching:
                     ledger.append((gpu_index, code, at, key))
             del ledger[:-_MAX_LEDGER]
 
     def _matches_pending(self, state: XidState, gpu_index: int, code: int, when: float,
-                         params: XidConfig) -> bool:
+                         options: XidConfig) -> bool:
         """A kernel line arriving after its NVML event: take the event back out of its NVML-only group."""
         groups, pending = state.groups, state.nvml_unmatched
-        w = params.dedup_window_s
+        w = options.dedup_window_s
         for i, (n_gpu, n_code, lo, hi, key) in enumerate(pending):
             if n_gpu == gpu_index and n_code == code and lo - w <= when <= hi + w:
                 del pending[i]
@@ -307,13 +307,14 @@ class XidCheck(Check):
                 return True
         return False
 
-    def _prune(self, state: XidState, now: float, params: XidConfig) -> None:
+    def _prune(self, state: XidState, now: float, options: XidConfig) -> None:
         # the next NVML events cover (now, next run]: older kernel lines cannot match them
-        state.kernel_unmatched[:] = [e for e in state.kernel_unmatched if e[2] >= now - params.dedup_window_s]
+        oldest = now - options.dedup_window_s
+        state.kernel_unmatched[:] = [e for e in state.kernel_unmatched if e[2] >= oldest]
         state.nvml_unmatched[:] = [e for e in state.nvml_unmatched if e[3] >= now - _PENDING_KEEP_S]
 
     def _add(self, groups: dict[str, XidGroup], inv: Inventory, event: Any, bus: str | None,
-             code: int, when: float, params: XidConfig, repeats: int = 1,
+             code: int, when: float, options: XidConfig, repeats: int = 1,
              last: float | None = None) -> str | None:
         gpu_index = _gpu_index(inv, bus)
         via: int | None = None
@@ -333,11 +334,11 @@ class XidCheck(Check):
         g = _group(groups, key, component, code, bus, when)
         if isinstance(event, FallenOffBus) and g.count:
             return None  # the same fall reported again in the driver's own words: one event
-        _count(g, when, params)
+        _count(g, when, options)
         if repeats > 1:
             # the repeats came within a second of the first (gpumon.kernel_pump): a burst that
             # began among them is dated by their last, at most that second late
-            _count(g, when if last is None else last, params)
+            _count(g, when if last is None else last, options)
             g.count += repeats - 2
         _mark(g, _KERNEL)
         if via is not None and via not in g.via:
@@ -350,7 +351,7 @@ class XidCheck(Check):
 
     # -- verdicts ---------------------------------------------------------------
 
-    def _finding(self, g: XidGroup, now: float, params: XidConfig,
+    def _finding(self, g: XidGroup, now: float, options: XidConfig,
                  identities: dict[str, dict[str, str]],
                  remaps: dict[int, dict[str, Any]],
                  recoveries: dict[str, XidGroup]) -> Finding | None:
@@ -378,7 +379,7 @@ class XidCheck(Check):
             note = f": {detail.basis}"
             if detail.resolution == "XID_154_EVAL":
                 follow = recoveries.get(g.pci or "")
-                if follow is not None and follow.last >= g.first - params.burst_gap_s:
+                if follow is not None and follow.last >= g.first - options.burst_gap_s:
                     to = follow.recovery_to
                     assert to is not None  # _recoveries keeps only groups with one
                     severity, action = _RECOVERY.get(int(to[0]), (Severity.WARN, Action.RESET_GPU))
@@ -402,12 +403,12 @@ class XidCheck(Check):
             if remap is not None:
                 severity, action, note = remap["severity"], remap["action"], f": {remap['note']}"
                 extra = {"remap": remap["evidence"]}
-        bursts = [b for b in g.bursts if now - b <= params.repeat_window_s]
-        if code in (13, 31) and g.component.startswith("gpu/") and len(bursts) >= params.repeat_count:
+        bursts = [b for b in g.bursts if now - b <= options.repeat_window_s]
+        if code in (13, 31) and g.component.startswith("gpu/") and len(bursts) >= options.repeat_count:
             severity, action = Severity.FAIL, Action.INSPECT_HARDWARE
             note = (f": {len(bursts)} separate bursts on this GPU within "
-                    f"{params.repeat_window_s / 3600:g} h (NVIDIA WORKFLOW_XID_{code}: suspect hardware)")
-        elif action <= Action.RESTART_APP and now - g.last > params.recent_window_s:
+                    f"{options.repeat_window_s / 3600:g} h (NVIDIA WORKFLOW_XID_{code}: suspect hardware)")
+        elif action <= Action.RESTART_APP and now - g.last > options.recent_window_s:
             return None  # an application fault that has gone quiet
         if severity is Severity.OK and not (code == 63 and extra):
             return None
@@ -499,12 +500,12 @@ def _group(groups: dict[str, XidGroup], key: str, component: str, code: int, bus
     return g
 
 
-def _count(g: XidGroup, when: float, params: XidConfig) -> None:
+def _count(g: XidGroup, when: float, options: XidConfig) -> None:
     g.count += 1
     g.first = min(g.first, when)
     g.last = max(g.last, when)
     bursts = g.bursts
-    if not bursts or when - bursts[-1] > params.burst_gap_s:
+    if not bursts or when - bursts[-1] > options.burst_gap_s:
         bursts.append(when)
         del bursts[:-50]
 

@@ -58,10 +58,10 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     p.add_argument("--master-addr", metavar="HOST", help="rendezvous host (default: from the launcher)")
 
 
-def _params(config: Config, checks: dict[str, type[Check]]) -> FabricConfig:
+def _options(config: Config, checks: dict[str, type[Check]]) -> FabricConfig:
     cls = checks.get(CHECK)
-    params = config.settings(cls).params if cls is not None else None
-    return params if isinstance(params, FabricConfig) else FabricConfig()
+    options = config.settings(cls).options if cls is not None else None
+    return options if isinstance(options, FabricConfig) else FabricConfig()
 
 
 def main(args: argparse.Namespace, agent: Agent) -> int:
@@ -70,7 +70,7 @@ def main(args: argparse.Namespace, agent: Agent) -> int:
     hw, inventory, profile, config = agent.hw, agent.inventory, agent.profile, agent.config
     nvml_error = None if hw.nvml.initialized else inventory.nvml_error
     state_dir = agent.state_dir
-    settings = _params(config, agent.checks)
+    settings = _options(config, agent.checks)
     if args.max_bytes is not None and args.max_bytes < settings.min_bytes:
         raise StartupError(f"--max-bytes {args.max_bytes} is below checks.fabric.min_bytes "
                            f"{settings.min_bytes}")

@@ -217,7 +217,7 @@ class EventStore:
             self._has_latest = self._columns(conn)
             if not self._has_latest and not self.readonly:
                 # a file from before the column: added in place (older gpumon versions name
-                # their columns, so they read and write the file as before)
+                # their columns, so they still read and write the file)
                 conn.execute("BEGIN IMMEDIATE")
                 if not self._columns(conn):
                     conn.execute("ALTER TABLE events ADD COLUMN latest TEXT")

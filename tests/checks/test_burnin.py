@@ -54,7 +54,7 @@ def test_healthy_simulated_gpus_pass_with_every_reading(sim: Any) -> None:
     """A simulated node: one CPU worker per simulated GPU, findings on those GPUs."""
     h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults: []\n")
     ctx = h.context(BurninCheck, 0)
-    ctx.params = TINY
+    ctx.options = TINY
     findings = BurninCheck().run(ctx)
     assert {f.severity for f in findings} == {Severity.OK}, [f.message for f in findings]
     devices = [f for f in findings if "device" in f.evidence]
@@ -78,7 +78,7 @@ def test_healthy_stand_ins_without_gpus_are_the_node(tmp_path: Path) -> None:
     """A machine without GPUs (not simulated): ``cpu.devices`` workers, findings on ``node``."""
     (tmp_path / "sys").mkdir()
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=Inventory(),
-                       profile=builtin_profiles()["h100-sxm"], params=TINY, state={}, kernel_log=KernelLog())
+                       profile=builtin_profiles()["h100-sxm"], options=TINY, state={}, kernel_log=KernelLog())
     findings = BurninCheck().run(ctx)
     assert {f.severity for f in findings} == {Severity.OK}, [f.message for f in findings]
     assert {f.component for f in findings} == {NODE}  # a CPU worker is not a GPU
@@ -93,7 +93,7 @@ def test_a_straggler_simulated_gpu_fails_and_alone(sim: Any) -> None:
     """The scenario's straggler: GPU 2's stand-in computes at a tenth of the speed (gpumon/sim/devices.py)."""
     h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: compute_slow, gpu: 2, factor: 0.1}\n")
     ctx = h.context(BurninCheck, 0)
-    ctx.params = TINY
+    ctx.options = TINY
     by = _by_component(BurninCheck().run(ctx))
     (slow,) = by["gpu/2"]
     assert (slow.severity, slow.action) == (Severity.FAIL, Action.INSPECT_HARDWARE)
@@ -108,15 +108,15 @@ def test_a_worker_fed_other_inputs_is_caught_by_its_bits(sim: Any) -> None:
     """Identical inputs must give identical bits: worker 2 gets another seed through the public API."""
     h = sim(HEALTHY)
     ctx = h.context(BurninCheck, 0)
-    params = TINY
+    options = TINY
     spec = burnin_kernels.BurnSpec(dtypes=("fp32", "bf16"), size=64, duration_s=0.1, copy_bytes=1 << 16,
                             copy_iters=2)
     specs = [spec, spec, dataclasses.replace(spec, seed=spec.seed + 1), spec]
     place = placement.Placement("cpu", 4, "test: 4 CPU stand-ins")
     run = workers.run_workers(burnin_kernels.burn_worker, specs, kind="cpu", timeout_s=120, barrier=True)
     assert not run.failed
-    params = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["fp32", "bf16"]))
-    findings = judge(run, place, params, ctx, None, {}, 120.0)
+    options = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["fp32", "bf16"]))
+    findings = judge(run, place, options, ctx, None, {}, 120.0)
     odd = [f for f in findings if f.severity is Severity.FAIL]
     assert len(odd) == 1
     bad = odd[0]
@@ -142,8 +142,8 @@ def test_a_worker_that_fails_releases_the_others_and_alone_is_blamed(sim: Any) -
     assert time.monotonic() - started < 20  # released by the broken barrier, not by the grace period
     assert [o.state for o in run.outcomes] == ["error"] * 4
     assert [o.waited_for_peer for o in run.outcomes] == [True, False, True, True]
-    params = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["fp32", "bf16"]))
-    findings = judge(run, placement.Placement("cpu", 4, "test"), params, ctx, None, {}, 60.0)
+    options = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["fp32", "bf16"]))
+    findings = judge(run, placement.Placement("cpu", 4, "test"), options, ctx, None, {}, 60.0)
     by_device = {f.evidence.get("device"): f for f in findings}
     culprit = by_device["cpu worker 1"]
     assert culprit.severity is Severity.UNKNOWN  # a stand-in's crash says nothing about hardware
@@ -210,7 +210,7 @@ def test_gpu_runs_are_judged_per_gpu_by_uuid(sim: Any) -> None:
                     "name": gpus[index].name}
         outcomes.append(workers.WorkerOutcome(rank, "ok", result=report, identity=identity, seconds=25.0))
     run = workers.WorkerRun(outcomes, wall_s=30.0)
-    params = BurninConfig(dtypes=["bf16", "fp64"], baseline_tflops={"bf16": 989.4},
+    options = BurninConfig(dtypes=["bf16", "fp64"], baseline_tflops={"bf16": 989.4},
                           memory_bandwidth_gbps=3350.0)
     place = placement.Placement("cuda", 7, "7 CUDA device(s) visible to torch")
     by_uuid = workers.gpu_index_by_uuid(ctx.inventory)
@@ -220,7 +220,7 @@ def test_gpu_runs_are_judged_per_gpu_by_uuid(sim: Any) -> None:
                 for rank, o in enumerate(outcomes)}
     sampler.tick(progress)
     sampler.tick({0: workers.Progress("prepare", 0.0, {}, dict(outcomes[0].identity))})  # not burning
-    findings = judge(run, place, params, ctx, sampler, by_uuid, 300.0)
+    findings = judge(run, place, options, ctx, sampler, by_uuid, 300.0)
     assert all(is_component(f.component) for f in findings)
     by = _by_component(findings)
     verdict = {c: (fs[0].severity, fs[0].action) for c, fs in by.items() if c.startswith("gpu/")}
@@ -263,8 +263,8 @@ def test_hung_or_crashed_workers_fail_the_gpu_and_name_where(sim: Any) -> None:
                               identity={"uuid": placement.normalize_uuid(gpus[1].uuid), "device": "cuda:1"}),
         workers.WorkerOutcome(2, "died", phase="prepare", exitcode=-11, identity={}),
     ]
-    params = BurninConfig(dtypes=["bf16"])
-    findings = judge(workers.WorkerRun(outcomes, 200.0), placement.Placement("cuda", 3, "3"), params, ctx,
+    options = BurninConfig(dtypes=["bf16"])
+    findings = judge(workers.WorkerRun(outcomes, 200.0), placement.Placement("cuda", 3, "3"), options, ctx,
                      None,
                      workers.gpu_index_by_uuid(ctx.inventory), 200.0)
     by = _by_component(findings)
@@ -288,9 +288,9 @@ def test_a_hung_stand_in_of_a_simulated_gpu_is_no_gpu_remedy(sim: Any) -> None:
         workers.WorkerOutcome(1, "hung", phase="burn", seconds=30.0,
                               identity={"uuid": stand_ins[1].uuid, "device": "cpu worker 1"}),
     ]
-    params = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["bf16"]))
+    options = dataclasses.replace(TINY, cpu=dataclasses.replace(TINY.cpu, dtypes=["bf16"]))
     findings = judge(workers.WorkerRun(outcomes, 30.0), placement.Placement("cpu", 2, "sim", stand_ins),
-                     params,
+                     options,
                      ctx, None, workers.gpu_index_by_uuid(ctx.inventory), 30.0)
     hung = _by_component(findings)["gpu/1"][0]
     assert (hung.severity, hung.action) == (Severity.FAIL, Action.NONE)
@@ -304,7 +304,7 @@ def test_gpu_node_where_torch_has_no_cuda_is_unknown_not_a_cpu_burn(nvml_state: 
     hw.nvml.init()
     try:
         ctx = CheckContext(hw=hw, inventory=collect(hw.nvml, hw.fs), profile=builtin_profiles()["h100-sxm"],
-                           params=TINY, state={}, kernel_log=KernelLog())
+                           options=TINY, state={}, kernel_log=KernelLog())
         (f,) = BurninCheck().run(ctx)
     finally:
         hw.nvml.shutdown()
@@ -358,10 +358,10 @@ def test_profile_thresholds_reach_the_checks_options(tmp_path: Path) -> None:
     path.write_text(PROFILE_SNIPPET)
     profile = load_profile_file(path)
     config = with_profile(load_config(None, registry, site_file=tmp_path / "absent.yaml"), registry, profile)
-    burnin = config.settings(BurninCheck).params
+    burnin = config.settings(BurninCheck).options
     assert burnin.baseline_tflops["tf32"] == 494.5 and burnin.memory_bandwidth_gbps == 3350.0
-    assert config.settings(NcclCheck).params.busbw_min_gbps == 460.0
-    assert config.settings(P2pCheck).params.min_gbps == 335.0
-    assert config.settings(HostBandwidthCheck).params.min_gbps == 48.0
+    assert config.settings(NcclCheck).options.busbw_min_gbps == 460.0
+    assert config.settings(P2pCheck).options.min_gbps == 335.0
+    assert config.settings(HostBandwidthCheck).options.min_gbps == 48.0
     assert profile.source_of("checks.burnin.baseline_tflops").startswith("NVIDIA H100 Tensor Core GPU")
     assert config.settings(BurninCheck).timeout_s == BurninCheck.timeout

@@ -168,8 +168,8 @@ def test_config_defaults_are_sicheks_rule() -> None:
                                         ("b200", 230)])
 def test_the_power_ceiling_follows_the_sku_profile(sim: Any, sku: str, watts: float) -> None:
     h = sim(f"name: t\nsku: {sku}\ngpus: 1\n")
-    params = h.context(CollectiveHangCheck, 0.0).params
-    assert isinstance(params, CollectiveHangConfig) and params.max_power_w == watts
+    options = h.context(CollectiveHangCheck, 0.0).options
+    assert isinstance(options, CollectiveHangConfig) and options.max_power_w == watts
 
 
 def test_the_run_survives_a_daemon_restart_through_the_saved_state(sim: Any) -> None:

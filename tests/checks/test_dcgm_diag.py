@@ -26,11 +26,11 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "dcgmi-diag"
 
 
 def run(sim: Callable[..., Any], tmp_path: Path, bin_dir: Path | None, gpus: int = 2,
-        params: DcgmDiagConfig | None = None) -> list[Finding]:
+        options: DcgmDiagConfig | None = None) -> list[Finding]:
     h = sim(f"name: dcgm\nsku: h100-sxm\ngpus: {gpus}\n")
     ctx = h.context(DcgmDiagCheck, 0.0)
     ctx.hw.tools = ToolRunner(30, search_path=str(bin_dir if bin_dir else tmp_path / "empty"))
-    ctx.params = params or DcgmDiagConfig(bindings_dirs=[str(tmp_path / "no-bindings")])
+    ctx.options = options or DcgmDiagConfig(bindings_dirs=[str(tmp_path / "no-bindings")])
     assert DcgmDiagCheck().supported(ctx.inventory) is None
     return DcgmDiagCheck().run(ctx)
 
@@ -114,7 +114,7 @@ def test_dcgmi_that_cannot_reach_the_hostengine(sim: Callable[..., Any], tmp_pat
 
 def test_hung_dcgmi_is_a_failure(sim: Callable[..., Any], tmp_path: Path) -> None:
     bin_dir, _ = fake_dcgmi(tmp_path, "{}", sleep=10)
-    [f] = run(sim, tmp_path, bin_dir, params=DcgmDiagConfig(bindings_dirs=[], diag_timeout_s=0.5))
+    [f] = run(sim, tmp_path, bin_dir, options=DcgmDiagConfig(bindings_dirs=[], diag_timeout_s=0.5))
     assert (f.component, f.severity) == ("node", Severity.FAIL)
     assert f.message.startswith("DCGM diagnostic did not finish within 0.5 s (killed)")
 
@@ -178,7 +178,7 @@ def test_bindings_run_in_a_child_and_are_read_as_dcgm_4_json(sim: Callable[..., 
     monkeypatch.setenv("GPUMON_TEST_DCGM_LOG", str(log))
     bindings = standin_bindings(tmp_path)
     assert dcgm.find_bindings([str(tmp_path / "nowhere"), str(bindings)]) == bindings
-    f = by(run(sim, tmp_path, None, params=DcgmDiagConfig(bindings_dirs=[str(bindings)])))
+    f = by(run(sim, tmp_path, None, options=DcgmDiagConfig(bindings_dirs=[str(bindings)])))
     assert json.loads(log.read_text()) == {"gpuIds": [0, 1], "level": "2"}
     assert f["gpu/0"].severity is Severity.OK
     assert (f["gpu/1"].severity, f["gpu/1"].action) == (Severity.FAIL, Action.INSPECT_HARDWARE)
@@ -190,7 +190,7 @@ def test_unusable_bindings_fall_back_to_dcgmi(sim: Callable[..., Any], tmp_path:
     bindings = standin_bindings(tmp_path, broken=True)
     text = (DATA / "issue_dcgm-253_dcgm4.2.3_l40s_r-table_new-4x-format_PARTIAL.txt").read_text()
     bin_dir, log = fake_dcgmi(tmp_path, text)
-    f = by(run(sim, tmp_path, bin_dir, gpus=4, params=DcgmDiagConfig(bindings_dirs=[str(bindings)])))
+    f = by(run(sim, tmp_path, bin_dir, gpus=4, options=DcgmDiagConfig(bindings_dirs=[str(bindings)])))
     assert log.read_text() == "diag -r 2 -j\n"
     assert f["gpu/0"].severity is Severity.OK and f["gpu/0"].evidence["source"] == "dcgmi diag -r 2 -j"
     [note] = f["gpu/0"].evidence["notes"]

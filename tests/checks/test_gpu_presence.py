@@ -69,7 +69,7 @@ def run_presence(host: Path, profile: Profile | None = None, nvml_timeout: float
     try:
         inv = collect(hw.nvml, hw.fs)
         prof = profile or select_profile(PROFILES, inv.gpu_names, "auto")
-        ctx = CheckContext(hw=hw, inventory=inv, profile=prof, params=None, state={},
+        ctx = CheckContext(hw=hw, inventory=inv, profile=prof, options=None, state={},
                            kernel_log=KernelLog(), clock=lambda: 1_800_000_000.0)
         return GpuPresenceCheck().run(ctx)
     finally:
@@ -208,7 +208,7 @@ def test_nvml_device_count_failure_is_not_ok(nvml_state: Path, tmp_path: Path) -
     hw = simulated_hardware(host)
     hw.nvml.init()
     try:
-        ctx = CheckContext(hw=hw, inventory=collect(None, hw.fs), profile=PROFILES["h200-sxm"], params=None,
+        ctx = CheckContext(hw=hw, inventory=collect(None, hw.fs), profile=PROFILES["h200-sxm"], options=None,
                            state={}, kernel_log=KernelLog())
         findings = GpuPresenceCheck().run(ctx)
     finally:
@@ -252,7 +252,7 @@ def test_comparisons_on_random_views(bus: list[tuple[str, str]], nvml_buses: lis
         (view.gpus if dev == "0x2330" or b in nv.bus_ids else view.other_nvidia).append(d)
     check = GpuPresenceCheck()
     hw = Hardware(Path("/nonexistent"))
-    ctx = CheckContext(hw=hw, inventory=collect(None, hw.fs), profile=profile, params=None, state={},
+    ctx = CheckContext(hw=hw, inventory=collect(None, hw.fs), profile=profile, options=None, state={},
                        kernel_log=KernelLog())
     findings = [*check._bus_vs_nvml(nv, view), check._counts(ctx, nv, view)]
     assert all(is_component(f.component) for f in findings)

@@ -38,7 +38,7 @@ def _ctx(state_path: Path, host: Path, simulated: bool) -> CheckContext:
     hw = simulated_hardware(host) if simulated else Hardware(host)
     hw.nvml.init()
     return CheckContext(hw=hw, inventory=collect(hw.nvml, hw.fs), profile=builtin_profiles()["h100-sxm"],
-                        params=HostBandwidthConfig(min_gbps=48.0), state={}, kernel_log=KernelLog())
+                        options=HostBandwidthConfig(min_gbps=48.0), state={}, kernel_log=KernelLog())
 
 
 def test_skipped_with_the_reason_on_a_simulated_node(sim: Any) -> None:
@@ -78,7 +78,8 @@ def test_judged_per_gpu_in_both_directions(nvml_state: Path, tmp_path: Path) -> 
     try:
         results = {0: _m(0, 53.1, 55.2), 1: _m(1, 20.4, 54.0, attempts=2), 2: _m(2, 52.0, 31.0, attempts=2)}
         unmapped = [host_kernels.HostCopy(9, "feed", 50.0, 50.0, True, ())]
-        findings = judge(ctx, results, unmapped, ctx.params, placement.Placement("cuda", 4, "4 CUDA devices"))
+        place = placement.Placement("cuda", 4, "4 CUDA devices")
+        findings = judge(ctx, results, unmapped, ctx.options, place)
     finally:
         ctx.hw.nvml.shutdown()
     by = {f.component: f for f in findings}

@@ -51,7 +51,7 @@ class Node:
     """A host root holding the real tree; runs the check at chosen times with its state
     kept as JSON between runs, as the daemon's store keeps it."""
 
-    def __init__(self, root: Path, profile: str = "h100-sxm", params: IbConfig | None = None) -> None:
+    def __init__(self, root: Path, profile: str = "h100-sxm", options: IbConfig | None = None) -> None:
         self.root = root
         self.ib = root / "sys" / "class" / "infiniband"
         if not self.ib.exists():
@@ -59,7 +59,7 @@ class Node:
             shutil.copytree(TREE, self.ib, ignore=shutil.ignore_patterns("hw_counters"))
         self.hw = Hardware(root)
         self.profile = GENERIC if profile == "generic" else _profiles()[profile]
-        self.params = params or IbConfig()
+        self.options = options or IbConfig()
         self.state: dict[str, Any] = {}
         self.set_boot("boot-1")
 
@@ -84,7 +84,7 @@ class Node:
 
     def run(self, t: float) -> dict[str, Finding]:
         ctx = CheckContext(hw=self.hw, inventory=Inventory(ib_devices=sorted(os.listdir(self.ib))),
-                           profile=self.profile, params=self.params, state=self.state,
+                           profile=self.profile, options=self.options, state=self.state,
                            kernel_log=KernelLog(), clock=lambda: T0 + t)
         findings = run_on_json(IbCheck(), ctx)
         assert json.loads(json.dumps(self.state)) == self.state  # JSON types only (CheckStateStore)
@@ -311,7 +311,7 @@ def test_port_down_from_the_first_reading_keeps_its_start_across_a_restart(node:
 
 
 def test_ignored_ports_are_neither_read_nor_counted(scratch: Path) -> None:
-    n = Node(scratch, params=IbConfig(ignore_ports=["mlx5_8/1"]))
+    n = Node(scratch, options=IbConfig(ignore_ports=["mlx5_8/1"]))
     n.down("mlx5_8")
     assert "ib/mlx5_8/1" not in n.run(0)
     found = n.run(60)
@@ -590,7 +590,7 @@ def test_state_of_another_shape_starts_afresh(node: Node) -> None:
 def test_capability_gate_and_ignored_devices(scratch: Path) -> None:
     assert IbCheck().supported(Inventory()) == "no InfiniBand/RDMA devices in /sys/class/infiniband"
     assert IbCheck().supported(Inventory(ib_devices=["mlx5_0"])) is None
-    n = Node(scratch, params=IbConfig(ignore_devices=["mlx5_bond_0", "mlx5_9"]))
+    n = Node(scratch, options=IbConfig(ignore_devices=["mlx5_bond_0", "mlx5_9"]))
     found = n.run(0)
     assert "ib/mlx5_bond_0/1" not in found and "ib/mlx5_9/1" not in found
     assert found["node"].severity is Severity.FAIL  # the profile still wants 8 InfiniBand ports
@@ -698,7 +698,7 @@ def _run_kept(node: Node, t: float, state: dict[str, Any], check: IbCheck) -> li
     """One sample as the daemon takes it: ``check`` is kept from run to run (the daemon builds its
     checks once), or a new one for a sample without what the check keeps between runs."""
     ctx = CheckContext(hw=node.hw, inventory=Inventory(ib_devices=sorted(os.listdir(node.ib))),
-                       profile=node.profile, params=node.params, state=state, kernel_log=KernelLog(),
+                       profile=node.profile, options=node.options, state=state, kernel_log=KernelLog(),
                        clock=lambda: T0 + t)
     return run_on_json(check, ctx)
 

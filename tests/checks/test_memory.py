@@ -148,7 +148,7 @@ def test_real_page_retirement_faults(nvml_state: Path, tmp_path: Path) -> None:
 
 def test_retired_pages_limit_is_configurable(nvml_state: Path, tmp_path: Path) -> None:
     path = REMAP / "nvidia-smi-q-d-PAGE_RETIREMENT_8gpu_535.86.10_retired-pages-sbe60-dbe5.txt"
-    found = by_component(_run(path, nvml_state, tmp_path, params=MemoryConfig(retired_pages_limit=64)))
+    found = by_component(_run(path, nvml_state, tmp_path, options=MemoryConfig(retired_pages_limit=64)))
     assert found["gpu/1"][0].action is Action.RESET_GPU  # 63 pages: under 64, still pending
     assert found["gpu/0"][0].action is Action.INSPECT_HARDWARE  # 65 pages
     with pytest.raises(ConfigError, match="retired_pages_limit: must be >= 1"):

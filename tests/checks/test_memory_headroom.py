@@ -107,5 +107,5 @@ def test_lifetime_counts_after_a_reset(nvml_state: Path, tmp_path: Path) -> None
     assert "25000000 ECC errors over the GPU's life (aggregate; > 20000000)" in f1.message
     # thresholds are options
     relaxed = MemoryHeadroomConfig(aggregate_errors_fail=30_000_000)
-    _, f1 = run_check(MemoryHeadroomCheck, node, nvml_state, tmp_path / "host", params=relaxed)
+    _, f1 = run_check(MemoryHeadroomCheck, node, nvml_state, tmp_path / "host", options=relaxed)
     assert f1.severity is Severity.OK

@@ -46,7 +46,7 @@ def _specs(seeds: list[int], sizes: tuple[int, ...] = SIZES) -> list[nccl_kernel
 def test_healthy_gloo_sweep_on_stand_ins_is_exact(sim: Any) -> None:
     h = sim(HEALTHY.replace("gpus: 8", "gpus: 4"))
     ctx = h.context(NcclCheck, 0)
-    ctx.params = TINY
+    ctx.options = TINY
     (f,) = NcclCheck().run(ctx)
     assert (f.severity, f.component) == (Severity.OK, NODE), f.message
     assert "exact" in f.message and "not judged: CPU stand-ins" in f.message
@@ -65,7 +65,7 @@ def test_a_simulated_gpu_that_corrupts_its_all_reduce_result_is_named(sim: Any) 
     (gpumon/sim/devices.py): the other ranks' sums are exact, so GPU 1 is the fault."""
     h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: allreduce_corrupt, gpu: 1, count: 2}\n")
     ctx = h.context(NcclCheck, 0)
-    ctx.params = TINY
+    ctx.options = TINY
     (f,) = NcclCheck().run(ctx)
     assert (f.component, f.severity, f.action) == ("gpu/1", Severity.FAIL, Action.INSPECT_HARDWARE)
     # two elements per all-reduce, checked before and after the timed loop, at each size
@@ -190,27 +190,27 @@ def _rows(busbw: float, world: int = 8) -> list[SizeRow]:
 
 
 def test_busbw_below_the_profile_fails_only_when_the_retry_is_low_too() -> None:
-    params = NcclConfig()
+    options = NcclConfig()
     labels = {r: f"GPU {r}" for r in range(8)}
-    assert judged_busbw(_rows(470.0), params.judged_from_bytes) == pytest.approx(470.0)
-    assert judged_busbw(_rows(470.0)[:1], params.judged_from_bytes) is None
-    (ok,) = verdict(Sweep(_rows(480.0), True, labels), params, 460.0, "Azure ND H100 v5")
+    assert judged_busbw(_rows(470.0), options.judged_from_bytes) == pytest.approx(470.0)
+    assert judged_busbw(_rows(470.0)[:1], options.judged_from_bytes) is None
+    (ok,) = verdict(Sweep(_rows(480.0), True, labels), options, 460.0, "Azure ND H100 v5")
     assert ok.severity is Severity.OK and ok.evidence["attempts"] == 1 and ok.evidence["retryable"] is True
     assert ok.evidence["source"] == "Azure ND H100 v5"
     # on /metrics in bytes per second (GB/s x 1e9), the message size in label message_bytes
     [(name, value, labels)] = ok.evidence["readings"]
     assert (name, labels) == ("nccl_allreduce_busbw_bytes_per_second", {"message_bytes": str(16 << 30)})
     assert value == pytest.approx(480e9)
-    (passed,) = verdict(Sweep(_rows(420.0), True, labels, retry=_rows(470.0)[1:]), params, 460.0, None)
+    (passed,) = verdict(Sweep(_rows(420.0), True, labels, retry=_rows(470.0)[1:]), options, 460.0, None)
     assert passed.severity is Severity.OK and passed.evidence["attempts"] == 2
     assert passed.evidence["judged_busbw_gbps"] == pytest.approx(470.0)
-    (low,) = verdict(Sweep(_rows(420.0), True, labels, retry=_rows(430.0)[1:]), params, 460.0, None)
+    (low,) = verdict(Sweep(_rows(420.0), True, labels, retry=_rows(430.0)[1:]), options, 460.0, None)
     assert (low.severity, low.action) == (Severity.FAIL, Action.REBOOT_NODE)
     assert low.message == ("all-reduce busbw 430 GB/s is below the profile's 460 (sizes >= 16 GiB; low again "
                            "on a second measurement)")
     assert "retry_table" in low.evidence
     # no profile figure: measured and shown, not judged
-    (unjudged,) = verdict(Sweep(_rows(100.0), True, labels), params, None, None)
+    (unjudged,) = verdict(Sweep(_rows(100.0), True, labels), options, None, None)
     assert unjudged.severity is Severity.OK and "no busbw_min_gbps in the profile" in unjudged.message
 
 

@@ -100,8 +100,8 @@ def real_ctx(tmp_path: Path, config_text: str, bin_dir: Path | None) -> CheckCon
     profile = select_profile(builtin_profiles(), inventory.gpu_names, "auto")
     registry = load_checks()
     config = with_profile(load_config(cfg, registry, site_file=tmp_path / "absent.yaml"), registry, profile)
-    return CheckContext(hw=hw, inventory=inventory, profile=profile, params=config.settings(NcclCheck).params,
-                        state={}, kernel_log=KernelLog())
+    return CheckContext(hw=hw, inventory=inventory, profile=profile,
+                        options=config.settings(NcclCheck).options, state={}, kernel_log=KernelLog())
 
 
 def run(tmp_path: Path, bin_dir: Path | None, config_text: str) -> list[Finding]:
@@ -317,16 +317,16 @@ def test_auto_and_never_leave_the_measurement_to_the_torch_sweep(sim: Callable[.
     for tools in (None, bin_dir):
         ctx = real_ctx(tmp_path, config("auto"), tools)
         try:
-            assert ctx.hw.devices.tools_measure_gpus and ctx.params.nccl_tests == "auto"
-            assert nccl_tests_findings(ctx, ctx.params) is None, tools
+            assert ctx.hw.devices.tools_measure_gpus and ctx.options.nccl_tests == "auto"
+            assert nccl_tests_findings(ctx, ctx.options) is None, tools
         finally:
             ctx.hw.nvml.shutdown()
     for mode in ("auto", "never"):
         h = sim(SCENARIO, config(mode))
         ctx = h.context(NcclCheck, 0.0)
         ctx.hw.tools = ToolRunner(30, search_path=str(bin_dir))
-        assert not ctx.hw.devices.tools_measure_gpus and ctx.params.nccl_tests == mode
-        assert nccl_tests_findings(ctx, ctx.params) is None, mode
+        assert not ctx.hw.devices.tools_measure_gpus and ctx.options.nccl_tests == mode
+        assert nccl_tests_findings(ctx, ctx.options) is None, mode
     assert calls(log) == []
 
 
@@ -453,19 +453,19 @@ def test_verdict_without_a_judged_size_is_unknown_on_gpus_only() -> None:
     """Either path's sweep: a profile floor and no size at judged_from_bytes (config max_bytes below it,
     or a tool that lowered its maxBytes) is unknown on GPUs; CPU stand-ins and a profile without a
     floor stay ok, measured and not judged."""
-    params = NcclConfig(max_bytes=GIB, judged_from_bytes=16 * GIB)
+    options = NcclConfig(max_bytes=GIB, judged_from_bytes=16 * GIB)
     labels = {r: f"GPU {r}" for r in range(8)}
-    (f,) = verdict(Sweep(_gpu_rows(256 * MIB, GIB), True, labels), params, 460.0, "src")
+    (f,) = verdict(Sweep(_gpu_rows(256 * MIB, GIB), True, labels), options, 460.0, "src")
     assert (f.severity, f.action) == (Severity.UNKNOWN, Action.NONE)
     assert f.message == ("all-reduce over 8 GPUs exact, but busbw not judged: the profile's minimum "
                          "460 GB/s is for sizes >= 16 GiB and the largest size measured was 1 GiB")
-    (cpu,) = verdict(Sweep(_gpu_rows(GIB), False, labels), params, 460.0, "src")
+    (cpu,) = verdict(Sweep(_gpu_rows(GIB), False, labels), options, 460.0, "src")
     assert cpu.severity is Severity.OK
     assert cpu.message.endswith("(not judged: CPU stand-ins: no profile reference)")
-    (free,) = verdict(Sweep(_gpu_rows(GIB), True, labels), params, None, None)
+    (free,) = verdict(Sweep(_gpu_rows(GIB), True, labels), options, None, None)
     assert free.severity is Severity.OK
     assert free.message.endswith("(not judged: no busbw_min_gbps in the profile)")
-    (judged,) = verdict(Sweep(_gpu_rows(GIB, 16 * GIB), True, labels), params, 460.0, "src")
+    (judged,) = verdict(Sweep(_gpu_rows(GIB, 16 * GIB), True, labels), options, 460.0, "src")
     assert judged.severity is Severity.OK and judged.evidence["judged_busbw_gbps"] == 470.0
 
 

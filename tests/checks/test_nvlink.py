@@ -119,12 +119,12 @@ def _host(tmp_path: Path, boot: str | None = None) -> Path:
 
 
 def run_nvlink(host: Path, profile: Profile, *, state: dict[str, Any] | None = None, clock: float = T0,
-               params: NvlinkConfig | None = None, nvml_timeout: float = 5.0) -> list[Finding]:
+               options: NvlinkConfig | None = None, nvml_timeout: float = 5.0) -> list[Finding]:
     hw = simulated_hardware(host, nvml_timeout=nvml_timeout)
     hw.nvml.init()
     try:
         ctx = CheckContext(hw=hw, inventory=collect(hw.nvml, hw.fs), profile=profile,
-                           params=params or NvlinkConfig(), state=state if state is not None else {},
+                           options=options or NvlinkConfig(), state=state if state is not None else {},
                            kernel_log=KernelLog(), clock=lambda: clock)
         return NvlinkCheck().run(ctx)
     finally:

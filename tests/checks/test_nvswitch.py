@@ -51,13 +51,13 @@ def _switches(buses: tuple[str, ...] = HGX_SWITCHES) -> list[PciDevice]:
 
 
 def _ctx(root: Path, *, events: list[Any] = (), inventory: Inventory | None = None,  # type: ignore[assignment]
-         state: dict[str, Any] | None = None, params: NvswitchConfig | None = None, now: float = 1.8e9,
+         state: dict[str, Any] | None = None, options: NvswitchConfig | None = None, now: float = 1.8e9,
          boot_time: float | None = None, hw: Hardware | None = None, available: bool = True) -> CheckContext:
     inv = inventory if inventory is not None else Inventory(pci_devices=_switches())
     log = KernelLog(events=events, source="test", boot_time=boot_time, available=available,
                     error=None if available else "Permission denied")
     return CheckContext(hw=hw or Hardware(root), inventory=inv, profile=GENERIC,
-                        params=params or NvswitchConfig(), state=state if state is not None else {},
+                        options=options or NvswitchConfig(), state=state if state is not None else {},
                         kernel_log=log, clock=lambda: now)
 
 
@@ -293,9 +293,9 @@ def test_fm_log_time_zone_decides_what_is_older_than_the_boot(tmp_path: Path) ->
     assert set(_by(_run(_ctx(root)), "fm_log")) != {"node"}  # read as UTC they are after the boot
     (root / "etc").mkdir()
     shutil.copyfile(berlin, root / "etc/localtime")
-    found = _by(_run(_ctx(root, params=NvswitchConfig(fm_log_timezone="host"))), "fm_log")
+    found = _by(_run(_ctx(root, options=NvswitchConfig(fm_log_timezone="host"))), "fm_log")
     assert [f.severity for f in found.values()] == [Severity.OK]
-    found = _by(_run(_ctx(root, params=NvswitchConfig(fm_log_timezone="Europe/Berlin"))), "fm_log")
+    found = _by(_run(_ctx(root, options=NvswitchConfig(fm_log_timezone="Europe/Berlin"))), "fm_log")
     assert [f.severity for f in found.values()] == [Severity.OK]
 
 
@@ -321,7 +321,7 @@ def test_fm_log_followed_across_runs_and_learns_switch_numbers(tmp_path: Path) -
 def test_fm_log_missing_default_is_skipped_configured_is_unknown(tmp_path: Path) -> None:
     skipped = _by(_run(_ctx(tmp_path)), "fm_log")["node"]
     assert skipped.severity is Severity.SKIPPED and "fm_log_path" in skipped.message
-    unknown = _by(_run(_ctx(tmp_path, params=NvswitchConfig(fm_log_path="var/log/fm/fabricmanager.log"))),
+    unknown = _by(_run(_ctx(tmp_path, options=NvswitchConfig(fm_log_path="var/log/fm/fabricmanager.log"))),
                   "fm_log")["node"]
     assert unknown.severity is Severity.UNKNOWN
 
@@ -410,9 +410,9 @@ def test_capability_gate() -> None:
 def test_expected_switch_count(tmp_path: Path) -> None:
     three = Inventory(pci_devices=_switches(HGX_SWITCHES[:3]))
     four = NvswitchConfig(expected_nvswitches=4)
-    f = _by(_run(_ctx(tmp_path, inventory=three, params=four)), "pci")["node"]
+    f = _by(_run(_ctx(tmp_path, inventory=three, options=four)), "pci")["node"]
     assert (f.severity, f.action, f.evidence["found"]) == (Severity.FAIL, Action.INSPECT_HARDWARE, 3)
-    f = _by(_run(_ctx(tmp_path, params=four)), "pci")["node"]
+    f = _by(_run(_ctx(tmp_path, options=four)), "pci")["node"]
     assert f.severity is Severity.OK
 
 

@@ -121,7 +121,7 @@ def _scenario(root: Path, *, restart: bool = False, first: dict[str, Any] | None
             state = json.loads(json.dumps(state))
             check = NvswitchCheck()
         ctx = CheckContext(hw=hw, inventory=Inventory(pci_devices=SWITCHES), profile=GENERIC,
-                           params=NvswitchConfig(), state=state,
+                           options=NvswitchConfig(), state=state,
                            kernel_log=KernelLog(events=events, source="test", boot_time=1.7e9),
                            clock=lambda dt=dt: T0 + dt)
         findings = run_on_json(check, ctx)
@@ -158,7 +158,7 @@ def _scenario_from(root: Path, state: dict[str, Any], *, start: int) -> list[dic
         if fm:
             _fm_append(root, fm)
         ctx = CheckContext(hw=hw, inventory=Inventory(pci_devices=SWITCHES), profile=GENERIC,
-                           params=NvswitchConfig(), state=live,
+                           options=NvswitchConfig(), state=live,
                            kernel_log=KernelLog(events=[_sxid(line) for line in lines], source="test",
                                                 boot_time=1.7e9),
                            clock=lambda dt=dt: T0 + dt)
@@ -214,7 +214,7 @@ def test_the_malformed_shapes_differ_from_a_valid_state_only_where_they_say(
     _boot(tmp_path, "boot-a")
     state = copy.deepcopy(_VALID)
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=Inventory(pci_devices=SWITCHES), profile=GENERIC,
-                       params=NvswitchConfig(), state=state,
+                       options=NvswitchConfig(), state=state,
                        kernel_log=KernelLog(source="test", boot_time=1.7e9), clock=lambda: T0 + 1)
     with caplog.at_level(logging.WARNING, logger="gpumon.bootstate"):
         found = {(f.component, f.evidence.get("code")): f for f in run_on_json(NvswitchCheck(), ctx)}
@@ -249,7 +249,7 @@ def test_malformed_history_inside_is_read_tolerantly(tmp_path: Path, history: An
     ev = _sxid("nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 63 LTSSM Fault Up")
     state: dict[str, Any] = {"boot_id": "boot-a", "history": history}
     ctx = CheckContext(hw=Hardware(root), inventory=Inventory(pci_devices=SWITCHES), profile=GENERIC,
-                       params=NvswitchConfig(), state=state,
+                       options=NvswitchConfig(), state=state,
                        kernel_log=KernelLog(events=[ev], source="test", boot_time=1.7e9), clock=lambda: T0)
     with caplog.at_level(logging.WARNING, logger="gpumon.bootstate"):
         found = [f for f in run_on_json(NvswitchCheck(), ctx) if f.component == "nvswitch/0"]

@@ -36,18 +36,18 @@ PROFILES = builtin_profiles()
 NOT_SUPPORTED = 5  # NVML_P2P_STATUS_NOT_SUPPORTED
 
 
-def _ctx(host: Path, profile: str, params: P2pConfig | None = None, simulated: bool = True) -> CheckContext:
+def _ctx(host: Path, profile: str, options: P2pConfig | None = None, simulated: bool = True) -> CheckContext:
     (host / "sys").mkdir(parents=True, exist_ok=True)
     hw = simulated_hardware(host) if simulated else Hardware(host)
     hw.nvml.init()
     return CheckContext(hw=hw, inventory=collect(hw.nvml, hw.fs), profile=PROFILES[profile],
-                        params=params or P2pConfig(), state={}, kernel_log=KernelLog())
+                        options=options or P2pConfig(), state={}, kernel_log=KernelLog())
 
 
 def _run(state_path: Path, state: NvmlNodeState, host: Path, profile: str = "h100-sxm",
-         simulated: bool = True, params: P2pConfig | None = None) -> list[Finding]:
+         simulated: bool = True, options: P2pConfig | None = None) -> list[Finding]:
     write_state(state, state_path)
-    ctx = _ctx(host, profile, params or P2pConfig(copies=False), simulated=simulated)
+    ctx = _ctx(host, profile, options or P2pConfig(copies=False), simulated=simulated)
     try:
         return P2pCheck().run(ctx)
     finally:
@@ -127,7 +127,7 @@ def test_an_nvml_error_is_reported_not_guessed(nvml_state: Path, tmp_path: Path)
 
 
 def test_gpu_node_where_torch_has_no_cuda_cannot_say_about_copies(nvml_state: Path, tmp_path: Path) -> None:
-    findings = _run(nvml_state, NvmlNodeState.hgx(8), tmp_path / "host", simulated=False, params=P2pConfig())
+    findings = _run(nvml_state, NvmlNodeState.hgx(8), tmp_path / "host", simulated=False, options=P2pConfig())
     missing = [f for f in findings if f.severity is Severity.UNKNOWN]
     assert len(missing) == 1 and missing[0].component == NODE
     assert "NVML sees 8 GPU(s) but torch sees no CUDA device" in missing[0].message
@@ -212,8 +212,8 @@ def test_copies_below_the_profile_name_both_gpus_and_a_slow_gpu_is_blamed(nvml_s
         if 6 in (i, j):
             gbps = 150.0
         copies[(i, j)] = _copy(i, j, gbps, verified=(i, j) != (0, 1))
-    params = P2pConfig(min_gbps=335.0)
-    findings = judge(ctx, indices, paths, copies, "56 ordered pairs copied", params, True)
+    options = P2pConfig(min_gbps=335.0)
+    findings = judge(ctx, indices, paths, copies, "56 ordered pairs copied", options, True)
     assert all(is_component(f.component) for f in findings)
     by = _by(findings)
     (six,) = by["gpu/6"]

@@ -233,7 +233,7 @@ def _ctx(root: Path, gpus: list[str], records: Sequence[str] = (), *, available:
     log = KernelLog(records=[parse_line(r) for r in records], available=available,
                     error=None if available else "permission denied", source="test")
     return CheckContext(hw=Hardware(root), inventory=Inventory(gpus=infos),
-                        profile=builtin_profiles()[profile] if profile else GENERIC, params=PcieConfig(),
+                        profile=builtin_profiles()[profile] if profile else GENERIC, options=PcieConfig(),
                         state=state if state is not None else {}, kernel_log=log, clock=lambda: now)
 
 

@@ -31,7 +31,7 @@ def _run(root: Path, *lines: str) -> dict[str, Finding]:
     add_function(root, f"pci0000:00/{PORT}/{GPU}", "0x10de", "0x030200", device="0x2330")
     inv = Inventory(gpus=[GpuInfo(0, "GPU-0", None, GPU, "NVIDIA H100 80GB HBM3", "hopper", 18, 0)])
     log = KernelLog(records=[parse_line(line) for line in lines], source="test", boot_time=1.7e9)
-    ctx = CheckContext(hw=Hardware(root), inventory=inv, profile=GENERIC, params=None, state={},
+    ctx = CheckContext(hw=Hardware(root), inventory=inv, profile=GENERIC, options=None, state={},
                        kernel_log=log, clock=lambda: 1.8e9)
     return {f.component: f for f in run_on_json(PcieCheck(), ctx)}
 

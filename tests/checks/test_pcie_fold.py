@@ -189,7 +189,7 @@ def _tree(root: Path) -> None:
 
 def _check(root: Path, log: KernelLog) -> list[tuple[str, str, str, Any]]:
     inv = Inventory(gpus=[GpuInfo(0, "GPU-0", None, GPU, "NVIDIA H100 80GB HBM3", "hopper", 18, 0)])
-    ctx = CheckContext(hw=Hardware(root), inventory=inv, profile=GENERIC, params=None, state={},
+    ctx = CheckContext(hw=Hardware(root), inventory=inv, profile=GENERIC, options=None, state={},
                        kernel_log=log, clock=lambda: 1.8e9)
     return [(f.component, f.severity.value, f.message, f.evidence) for f in run_on_json(PcieCheck(), ctx)]
 
@@ -213,7 +213,7 @@ def test_the_check_says_the_same_from_the_pumps_fold_as_from_the_records(tmp_pat
     out = []
     for delta in (first, second):
         log = KernelLog(folded=copy.deepcopy(delta), source="test", boot_time=1.7e9)
-        ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=None,
+        ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, options=None,
                            state=root_state, kernel_log=log, clock=lambda: 1.8e9)
         out = [(f.component, f.severity.value, f.message, f.evidence) for f in run_on_json(PcieCheck(), ctx)]
     assert out == direct

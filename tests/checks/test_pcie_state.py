@@ -106,7 +106,7 @@ def _log(lines: list[str], folded: bool, seq: int) -> KernelLog:
 
 def _ctx(root: Path, hw: Hardware, state: dict[str, Any], log: KernelLog, now: float) -> CheckContext:
     inv = Inventory(gpus=[GpuInfo(0, "GPU-0", None, GPU, "NVIDIA H100 80GB HBM3", "hopper", 18, 0)])
-    return CheckContext(hw=hw, inventory=inv, profile=GENERIC, params=PcieConfig(), state=state,
+    return CheckContext(hw=hw, inventory=inv, profile=GENERIC, options=PcieConfig(), state=state,
                         kernel_log=log, clock=lambda: now)
 
 

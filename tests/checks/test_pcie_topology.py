@@ -113,7 +113,7 @@ def test_gpu_without_a_nic_on_its_switch(sim: Callable[..., Any]) -> None:
     # not required by the site: recorded, not judged
     h2 = sim("name: seven\nsku: h100-sxm\nib_devices: 7\n", "checks: {}\n")
     ctx = h2.context(PcieTopologyCheck, 0.0)
-    ctx.params = PcieTopologyConfig(expect_nic_per_gpu=False)
+    ctx.options = PcieTopologyConfig(expect_nic_per_gpu=False)
     [g7] = by(PcieTopologyCheck().run(ctx))["gpu/7"]
     assert g7.severity is Severity.OK and g7.evidence["affinity"].startswith("no RDMA NIC below the same")
 

@@ -26,13 +26,13 @@ from gpumon_checks.rdma import RdmaCheck, RdmaConfig, _Target, waves
 
 
 def run(sim: Callable[..., Any], tmp_path: Path, bin_dir: Path | None, scenario: str = "", *,
-        params: RdmaConfig | None = None, retry: RetryRequest | None = None) -> list[Finding]:
+        options: RdmaConfig | None = None, retry: RetryRequest | None = None) -> list[Finding]:
     h = sim(scenario or "name: rdma\nsku: h100-sxm\n")
     ctx = h.context(RdmaCheck, 0.0)
     ctx.hw.tools = ToolRunner(30, search_path=str(bin_dir if bin_dir else tmp_path / "empty"))
     # host loopbacks one after another is the default (see test_host_loopbacks_run_one_after_another);
     # the replays do not share a real host's memory, so the other tests run them at once
-    ctx.params = params or RdmaConfig(parallel_host=True)
+    ctx.options = options or RdmaConfig(parallel_host=True)
     ctx.retry = retry
     assert RdmaCheck().supported(ctx.inventory) is None
     return RdmaCheck().run(ctx)
@@ -93,7 +93,7 @@ def test_a_nic_below_rate_fails_on_its_port(sim: Callable[..., Any], tmp_path: P
 def test_real_capture_replayed_is_far_below_rate(sim: Callable[..., Any], tmp_path: Path) -> None:
     # the real 8-byte post-list run (0.48 Gb/s): no 8 MiB row, so its largest row is judged and said so
     bin_dir, _ = fake_perftest(tmp_path, {"default": POST_LIST})
-    findings = run(sim, tmp_path, bin_dir, params=RdmaConfig(gdr=False, parallel_host=True))
+    findings = run(sim, tmp_path, bin_dir, options=RdmaConfig(gdr=False, parallel_host=True))
     assert len(findings) == 8 and {f.severity for f in findings} == {Severity.FAIL}
     f = findings[0]
     assert f.evidence["measured_gbps"] == 0.48 and f.evidence["link_type"] == "Ethernet"
@@ -102,7 +102,7 @@ def test_real_capture_replayed_is_far_below_rate(sim: Callable[..., Any], tmp_pa
 
 def test_perftest_error_is_unknown_with_its_words(sim: Callable[..., Any], tmp_path: Path) -> None:
     bin_dir, _ = fake_perftest(tmp_path, {})  # no output file: the replay prints perftest's MR error
-    findings = run(sim, tmp_path, bin_dir, params=RdmaConfig(gdr=False, parallel_host=True))
+    findings = run(sim, tmp_path, bin_dir, options=RdmaConfig(gdr=False, parallel_host=True))
     assert {f.severity for f in findings} == {Severity.UNKNOWN}
     assert findings[0].message == ("mlx5_0 port 1 host-memory loopback: no bandwidth result (exit 1: no "
                                    "bandwidth table in the output (no '#bytes' header) (stderr: Couldn't "
@@ -156,7 +156,7 @@ def test_client_is_retried_until_the_server_listens(sim: Callable[..., Any], tmp
     h = sim("name: one\nsku: h100-sxm\nib_devices: 1\ngpus: 1\n")
     ctx = h.context(RdmaCheck, 0.0)
     ctx.hw.tools = ToolRunner(30, search_path=str(bin_dir))
-    ctx.params = RdmaConfig(gdr=False)
+    ctx.options = RdmaConfig(gdr=False)
     [f] = RdmaCheck().run(ctx)
     assert f.severity is Severity.OK
     assert len([ln for ln in log.read_text().splitlines() if ln.endswith("localhost")]) == 2
@@ -167,7 +167,7 @@ def test_a_hung_run_fails(sim: Callable[..., Any], tmp_path: Path) -> None:
     h = sim("name: one\nsku: h100-sxm\nib_devices: 1\ngpus: 1\n")
     ctx = h.context(RdmaCheck, 0.0)
     ctx.hw.tools = ToolRunner(30, search_path=str(bin_dir))
-    ctx.params = RdmaConfig(gdr=False, run_timeout_s=1.0)
+    ctx.options = RdmaConfig(gdr=False, run_timeout_s=1.0)
     [f] = RdmaCheck().run(ctx)
     assert (f.component, f.severity) == ("ib/mlx5_0/1", Severity.FAIL)
     assert f.message == "mlx5_0 port 1 host-memory loopback: ib_write_bw did not finish within 1 s (killed)"

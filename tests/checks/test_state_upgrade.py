@@ -58,7 +58,7 @@ def _run(name: str, root: Path, state: Any, step: int) -> list[dict[str, Any]]:
         _port(root, "mlx5_9", step < 3)
         devices = sorted(p.name for p in (root / "sys" / "class" / "infiniband").iterdir())
         ctx = CheckContext(hw=hw, inventory=Inventory(ib_devices=devices),
-                           profile=builtin_profiles()["h100-sxm"], params=IbConfig(), state=state,
+                           profile=builtin_profiles()["h100-sxm"], options=IbConfig(), state=state,
                            kernel_log=KernelLog(), clock=lambda: T0 + step)
         found = IbCheck().run(ctx)
     else:
@@ -69,7 +69,7 @@ def _run(name: str, root: Path, state: Any, step: int) -> list[dict[str, Any]]:
                         pci_devices=[PciDevice(pci, "0x10de", "0x2330", "0x030200")])
         # the capture's lines at the first run, nothing new after (the daemon hands new lines only)
         events = parse_file(XID_LOG) if step == 0 else []
-        ctx = CheckContext(hw=hw, inventory=inv, profile=GENERIC, params=XidConfig(), state=state,
+        ctx = CheckContext(hw=hw, inventory=inv, profile=GENERIC, options=XidConfig(), state=state,
                            kernel_log=KernelLog(events=events, source="t", boot_time=1_700_000_000.0),
                            clock=lambda: T0 + 60 * step)
         # the node finding names when this instance's NVML event set opened: not the state's doing

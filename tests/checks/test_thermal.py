@@ -153,7 +153,7 @@ def test_temperature_faults(sim: Any) -> None:
 def test_site_gradient_and_margin_override(sim: Any) -> None:
     h = _sim(sim, "  - {at_s: 0, kind: temperature, gpu: 1, core_c: 80, hbm_c: 105}")
     ctx = h.context(ThermalCheck, t=1)
-    ctx.params = ThermalConfig(gradient_warn_c=30.0, core_margin_c=10.0)
+    ctx.options = ThermalConfig(gradient_warn_c=30.0, core_margin_c=10.0)
     f = _by(ThermalCheck().run(ctx))["gpu/1"]
     # 105 C HBM fails on its own; the gap of 25 is under the site's 30; core 80 is within 10 C of 89
     assert f.severity is Severity.FAIL and f.evidence["gradient_source"] == "config"

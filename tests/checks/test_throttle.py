@@ -175,9 +175,9 @@ def test_sku_profile_can_set_the_fractions(tmp_path: Path) -> None:
     option = {"value": {"hw_power_brake_slowdown": 0.4}, "source": "test: a SKU that duty-cycles its brake"}
     profile = dataclasses.replace(builtin_profiles()["h100-sxm"],
                                   checks={"throttle": {"fail_fraction": option}})
-    params = with_profile(config, registry, profile).settings(ThrottleCheck).params
-    assert params.fail_fraction["hw_power_brake_slowdown"] == 0.4
-    assert params.fail_fraction["hw_slowdown"] == 0.25
+    options = with_profile(config, registry, profile).settings(ThrottleCheck).options
+    assert options.fail_fraction["hw_power_brake_slowdown"] == 0.4
+    assert options.fail_fraction["hw_slowdown"] == 0.25
 
 
 # -- window math -----------------------------------------------------------------------------
@@ -235,10 +235,10 @@ def test_recording_garbage_counters_and_clock_steps_never_breaks_the_window(
         readings: list[tuple[float, int, int, int]]) -> None:
     from gpumon_checks.throttle import _History, _record  # the state update the check runs per reading
 
-    params = ThrottleConfig(window_s=600, min_history_s=0, max_sample_gap_s=120)
+    options = ThrottleConfig(window_s=600, min_history_s=0, max_sample_gap_s=120)
     history = _History()
     for now, mask, thermal, power in readings:
-        _record(history, now, mask, {"thermal": thermal, "power": power}, params)
+        _record(history, now, mask, {"thermal": thermal, "power": power}, options)
         win = window_shares(history.samples, history.spans, now, 600, 120)
         assert all(0.0 <= f <= 1.0 for f in [*win.fractions.values(), *win.counter_fractions.values()])
         assert all(s[2] >= 0 for spans in history.spans.values() for s in spans)  # never negative

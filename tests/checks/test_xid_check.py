@@ -37,18 +37,18 @@ def _inventory(pcis: list[str], lost: list[str] = ()) -> Inventory:  # type: ign
 
 
 def _run(name: str, pcis: list[str], *, lost: list[str] = (), state: dict[str, Any] | None = None,  # type: ignore[assignment]
-         params: XidConfig | None = None, tmp_path: Path) -> list[Finding]:
+         options: XidConfig | None = None, tmp_path: Path) -> list[Finding]:
     events = parse_file(DATA / name)
     times = [r.wall_time.timestamp() for e in events if (r := getattr(e, "record", None)) and r.wall_time]
     now = (max(times) if times else 1_700_000_000.0) + 60
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=_inventory(pcis, lost), profile=GENERIC,
-                       params=params or XidConfig(), state=state if state is not None else {},
+                       options=options or XidConfig(), state=state if state is not None else {},
                        kernel_log=KernelLog(events=events, source=name, boot_time=1_700_000_000.0),
                        clock=lambda: now)
     return run_on_json(XidCheck(), ctx)
 
 
-def _lines(tmp_path: Path, pcis: list[str], *lines: str, params: XidConfig | None = None,
+def _lines(tmp_path: Path, pcis: list[str], *lines: str, options: XidConfig | None = None,
            now: float = 1_700_000_600.0) -> list[Finding]:
     """The xid check on kernel-log lines given here (each named where it is quoted from)."""
     parser = NvrmParser()
@@ -57,7 +57,7 @@ def _lines(tmp_path: Path, pcis: list[str], *lines: str, params: XidConfig | Non
         events.extend(parser.feed(parse_line(line)))
     events.extend(parser.flush())
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=_inventory(pcis), profile=GENERIC,
-                       params=params or XidConfig(), state={},
+                       options=options or XidConfig(), state={},
                        kernel_log=KernelLog(events=events, source="test", boot_time=1_700_000_000.0),
                        clock=lambda: now)
     return run_on_json(XidCheck(), ctx)
@@ -137,7 +137,7 @@ def test_gpu_missing_from_nvml_is_named_by_its_pci_address(tmp_path: Path) -> No
     events = parse_file(DATA / "dmesg_xid79-fallen-off-bus_plus_sxid20034-ltssm-fault-up.log")
     inv = _inventory(["0000:18:00.0", "0000:2a:00.0"])
     inv.pci_devices.append(PciDevice("0000:91:00.0", "0x10de", "0x2330", "0x030200"))
-    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=XidConfig(),
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, options=XidConfig(),
                        state={}, kernel_log=KernelLog(events=events), clock=lambda: 0.0)
     [f] = run_on_json(XidCheck(), ctx)
     assert (f.component, f.action.value) == ("pci/0000:91:00.0", "reboot_node")
@@ -216,7 +216,7 @@ def test_incremental_runs_keep_counting_and_app_errors_expire(tmp_path: Path) ->
     assert first[("gpu/0", 31)].evidence["count"] == 2
     second = _by(_run(name, ["0000:c1:00.0"], state=state, tmp_path=tmp_path))
     assert second[("gpu/0", 31)].evidence["count"] == 4
-    quiet = _run(name, ["0000:c1:00.0"], state=state, params=XidConfig(recent_window_s=0),
+    quiet = _run(name, ["0000:c1:00.0"], state=state, options=XidConfig(recent_window_s=0),
                  tmp_path=tmp_path)
     # count 6 now, but the newest line is 60 s old and the window is 0: quiet again
     assert [(f.component, f.severity) for f in quiet] == [("node", Severity.OK)]
@@ -224,7 +224,7 @@ def test_incremental_runs_keep_counting_and_app_errors_expire(tmp_path: Path) ->
 
 def test_unreadable_kernel_log_is_unknown_not_ok(tmp_path: Path) -> None:
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=_inventory(["0000:18:00.0"]), profile=GENERIC,
-                       params=XidConfig(), state={},
+                       options=XidConfig(), state={},
                        kernel_log=KernelLog(available=False, error="/dev/kmsg: permission denied"))
     [f] = run_on_json(XidCheck(), ctx)
     assert f.severity is Severity.UNKNOWN and "permission denied" in f.message
@@ -547,7 +547,7 @@ def test_saved_log_is_judged_at_its_own_end(tmp_path: Path) -> None:
     end = datetime(2024, 8, 30, 11, 43, 14, tzinfo=timezone.utc).timestamp()
     log = SavedKernelLog(events=events, source=str(_GPUD_46), judged_at=end)
     ctx = CheckContext(hw=Hardware(tmp_path), inventory=_inventory(["0000:cb:00.0"]), profile=GENERIC,
-                       params=XidConfig(), state={}, kernel_log=log, clock=time.time)
+                       options=XidConfig(), state={}, kernel_log=log, clock=time.time)
     found = _by(run_on_json(XidCheck(), ctx))
     # judged when the log ended, the Xid 13s are an hour-fresh application error, as on the node then
     _expect(found[("gpu/0", 13)], Severity.WARN, "restart_app", 3)
@@ -672,7 +672,7 @@ def _ctx119(tmp_path: Path, state: dict[str, Any], *, lines: bool = True) -> Che
     """A context with the Xid 119 capture's lines (or none: what a later run reads) and ``state``."""
     events = parse_file(DATA / _XID119) if lines else []
     return CheckContext(hw=Hardware(tmp_path), inventory=_inventory([_XID119_PCI]), profile=GENERIC,
-                        params=XidConfig(), state=state, clock=lambda: 1_800_000_000.0,
+                        options=XidConfig(), state=state, clock=lambda: 1_800_000_000.0,
                         kernel_log=KernelLog(events=events, source="t", boot_time=1_700_000_000.0))
 
 

@@ -102,7 +102,7 @@ def _xid(case: dict[str, Any], records: list[KernelRecord], events: list[NvrmEve
     inv = Inventory(gpus=gpus, pci_devices=[PciDevice(bus, "0x10de", "0x2941", "0x030200")] if bus else [])
     log = KernelLog(events=events, records=records, source=case["id"], boot_time=BOOT)
     now = _now(log)
-    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=None, state={},
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, options=None, state={},
                        kernel_log=log, clock=lambda: now)
     return _picked(run_on_json(XidCheck(), ctx), case["expected_code"])
 
@@ -113,7 +113,7 @@ def _sxid(case: dict[str, Any], records: list[KernelRecord], events: list[NvrmEv
     inv = Inventory(pci_devices=[PciDevice(bus, "0x10de", "0x22a3", "0x068000")])
     log = KernelLog(events=events, records=records, source=case["id"], boot_time=BOOT)
     now = _now(log)
-    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=None, state={},
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, options=None, state={},
                        kernel_log=log, clock=lambda: now)
     return _picked(run_on_json(NvswitchCheck(), ctx), case["expected_code"])
 
@@ -139,7 +139,7 @@ def _aer(case: dict[str, Any], records: list[KernelRecord], tmp_path: Path) -> d
     inv = Inventory(gpus=[GpuInfo(0, "GPU-0", None, gpu, "NVIDIA H100 80GB HBM3", "hopper", 18, 0)])
     log = KernelLog(records=records, source=case["id"], boot_time=BOOT)
     now = _now(log)
-    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, params=None, state={},
+    ctx = CheckContext(hw=Hardware(tmp_path), inventory=inv, profile=GENERIC, options=None, state={},
                        kernel_log=log, clock=lambda: now)
     bus = _bus(case)
     bad = [f for f in run_on_json(PcieCheck(), ctx) if f.severity is not Severity.OK]

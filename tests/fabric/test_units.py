@@ -211,7 +211,7 @@ def test_lost_ranks_fail_their_node_unless_rank_0_lost_most_of_the_group() -> No
 
 
 def _ctx(state_dir: Path | None) -> CheckContext:
-    return CheckContext(hw=None, inventory=None, profile=GENERIC, params=FabricConfig(), state={},  # type: ignore[arg-type]
+    return CheckContext(hw=None, inventory=None, profile=GENERIC, options=FabricConfig(), state={},  # type: ignore[arg-type]
                         kernel_log=KernelLog(), state_dir=state_dir)
 
 
@@ -257,7 +257,7 @@ def test_profiles_set_sourced_fabric_floors_and_bad_values_are_refused(tmp_path:
     checks = load_checks()
     profiles = all_profiles([])
     config = load_config(None, checks, site_file=tmp_path / "none.yaml")
-    h100 = with_profile(config, checks, profiles["h100-sxm"]).settings(checks["fabric"]).params
+    h100 = with_profile(config, checks, profiles["h100-sxm"]).settings(checks["fabric"]).options
     assert h100.busbw_min_gbps["all_reduce"] > 0 and h100.busbw_min_gbps["sendrecv"] > 0
     assert "fabric" in profiles["h100-sxm"].checks
     for spec in ({"collectives": ["broadcast"]}, {"busbw_min_gbps": {"allreduce": 1.0}},

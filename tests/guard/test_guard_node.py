@@ -48,7 +48,7 @@ def put(spool: Path, fault: str = "unknown", who: vf.Identity | None = None, whe
 
 def run(nvml_state: Path, tmp_path: Path, spool: Path, state: dict[str, Any], **cfg: Any) -> list[Finding]:
     return run_check(GuardCheck, NODE_STATE, nvml_state, tmp_path / "host",
-                     params=GuardConfig(spool_dir=str(spool), **cfg), state=state)
+                     options=GuardConfig(spool_dir=str(spool), **cfg), state=state)
 
 
 def test_a_cuda_device_is_named_through_nvml_by_its_uuid(nvml_state: Path) -> None:
@@ -232,7 +232,7 @@ def test_a_straggler_verdict_is_a_warning_on_its_gpu_with_the_nodes_own_signals(
     spool = tmp_path / "spool"
     put(spool, check="straggler")
     findings = run_check(GuardCheck, node, nvml_state, tmp_path / "host",
-                         params=GuardConfig(spool_dir=str(spool)), state={})
+                         options=GuardConfig(spool_dir=str(spool)), state={})
     (f,) = [f for f in findings if f.component == "gpu/5"]
     assert (f.severity, f.action) == (Severity.WARN, Action.NONE)
     assert f.message.startswith("in-job straggler (job slurm:991) on GPU 5")

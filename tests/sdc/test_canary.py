@@ -403,7 +403,7 @@ def test_check_gates() -> None:
 def test_check_runs_on_idle_gpus_only(sim: Any, tmp_path: Path) -> None:
     h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {at_s: 0, kind: utilization, gpu: 1, pct: 90}\n")
     ctx = h.context(SdcCanaryCheck, 1.0)
-    ctx.params = dataclasses.replace(SdcCanaryConfig(), gpus=[0, 1, 2], device="cpu", iterations=2,
+    ctx.options = dataclasses.replace(SdcCanaryConfig(), gpus=[0, 1, 2], device="cpu", iterations=2,
                                      workloads=["gemm_fp32"], bundle_dir=str(tmp_path / "bundles"))
     found = {f.component: f for f in SdcCanaryCheck().run(ctx)}
     assert found["gpu/1"].severity is Severity.SKIPPED and "busy" in found["gpu/1"].message
@@ -411,7 +411,7 @@ def test_check_runs_on_idle_gpus_only(sim: Any, tmp_path: Path) -> None:
         assert found[g].severity is Severity.OK, found[g]
         assert found[g].evidence["iterations"] == 2
     assert "gpu/3" not in found
-    ctx.params = dataclasses.replace(ctx.params, majority=False)
+    ctx.options = dataclasses.replace(ctx.options, majority=False)
     skipped = SdcCanaryCheck().run(ctx)
     assert [(f.component, f.severity) for f in skipped] == [("node", Severity.SKIPPED)]
 
@@ -422,7 +422,7 @@ def test_a_simulated_gpu_that_computes_wrong_bits_is_caught(sim: Any, tmp_path: 
     h = sim("name: t\nsku: h100-sxm\ngpus: 4\nfaults:\n  - {kind: sdc, gpu: 2, dtype: float32, rate: 1.0}\n")
     ctx = h.context(SdcCanaryCheck, 1.0)
     # "auto" on a simulated node is the CPU: the machine's own GPUs are never measured under its names
-    ctx.params = dataclasses.replace(SdcCanaryConfig(), device="auto", iterations=1, workloads=["gemm_fp32"],
+    ctx.options = dataclasses.replace(SdcCanaryConfig(), device="auto", iterations=1, workloads=["gemm_fp32"],
                                      bundle_dir=str(tmp_path / "bundles"))
     found = {f.component: f for f in SdcCanaryCheck().run(ctx)}
     bad = found["gpu/2"]

@@ -123,7 +123,7 @@ def test_the_check_on_idle_gpus_names_the_gpu_in_its_bundle(sim: Any, tmp_path: 
             "  - {kind: sdc, gpu: 3, dtype: float32, rate: 1.0}\n")
     ctx = h.context(SdcCanaryCheck, 1.0)
     g3 = next(g for g in ctx.inventory.gpus if g.index == 3)
-    ctx.params = dataclasses.replace(SdcCanaryConfig(), iterations=1, workloads=["gemm_fp32"],
+    ctx.options = dataclasses.replace(SdcCanaryConfig(), iterations=1, workloads=["gemm_fp32"],
                                      bundle_dir=str(tmp_path / "bundles"))
     found = {f.component: f for f in SdcCanaryCheck().run(ctx)}
     assert found["gpu/1"].severity is Severity.SKIPPED

@@ -39,10 +39,10 @@ def run_on(nvml_state: Path, tmp_path: Path) -> Iterator[Run]:
         (host / "sys").mkdir(parents=True)
         hw = simulated_hardware(host)
         hw.nvml.init()
-        params = dataclasses.replace(SdcCanaryConfig(), device="cpu", iterations=1, workloads=["gemm_fp32"],
+        options = dataclasses.replace(SdcCanaryConfig(), device="cpu", iterations=1, workloads=["gemm_fp32"],
                                      bundle_dir=str(tmp_path / "bundles"), **config)  # type: ignore[arg-type]
         ctx = CheckContext(hw=hw, inventory=collect(hw.nvml, hw.fs), profile=builtin_profiles()["h100-sxm"],
-                           params=params, state={}, kernel_log=KernelLog())
+                           options=options, state={}, kernel_log=KernelLog())
         contexts.append(ctx)
         findings = SdcCanaryCheck().run(ctx)
         by = {f.component: f for f in findings}
@@ -123,7 +123,7 @@ def test_a_scenario_process_on_a_simulated_gpu_keeps_canaries_off_it(sim: Callab
     h = sim("name: t\nsku: h100-sxm\ngpus: 3\nfaults:\n"
             "  - {kind: compute_process, gpu: 1, pid: 4242, memory_mib: 2048}\n")
     ctx = h.context(SdcCanaryCheck, 0)
-    ctx.params = dataclasses.replace(SdcCanaryConfig(), device="cpu", iterations=1, workloads=["gemm_fp32"],
+    ctx.options = dataclasses.replace(SdcCanaryConfig(), device="cpu", iterations=1, workloads=["gemm_fp32"],
                                      bundle_dir=str(tmp_path / "bundles"))
     by = {f.component: f for f in SdcCanaryCheck().run(ctx)}
     busy = by["gpu/1"]
