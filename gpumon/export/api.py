@@ -193,10 +193,14 @@ class HistoryApi:
 
     def _current(self) -> dict[str, Any]:
         view = self.view()
-        findings = [dict(f) for f in self.findings()
-                    if f.get("severity") not in (Severity.OK.value, Severity.SKIPPED.value)]
+        latest = [dict(f) for f in self.findings()]
+        findings = [f for f in latest if f.get("severity") not in (Severity.OK.value, Severity.SKIPPED.value)]
+        # the checks whose latest run judged something here: a post-mortem can then tell "did not
+        # show it" (a check that looked) from "not known" (one that is skipped or cannot read)
+        judging = sorted({str(f.get("check")) for f in latest
+                          if f.get("severity") not in (Severity.SKIPPED.value, Severity.UNKNOWN.value)})
         doc: dict[str, Any] = {"api": API_VERSION, "node": self.identity().to_json(), "now": self.clock(),
-                               "findings": findings}
+                               "findings": findings, "checks_judging": judging}
         if view is None:
             doc["health"] = None
         else:

@@ -45,6 +45,9 @@ class NodeEvidence:
     # the node's clock minus ours (its "now" against the middle of our request): events are in
     # the node's time, the job's in the controller's
     clock_skew_s: float | None = None
+    # the checks known to judge the node at the last reading (the API's checks_judging; from
+    # Prometheus, the checks whose series it holds); None: not known
+    judging: frozenset[str] | None = None
     source: str = "api"  # where the evidence comes from: the node's API, or "prometheus" (gpumon.why.prom)
     notes: list[str] = field(default_factory=list)  # what the verdict must say about this node's evidence
 
@@ -57,7 +60,7 @@ class NodeEvidence:
                 "identity": self.identity, "events": len(self.events), "truncated": self.truncated,
                 "history_from": self.history_from, "state": self.state, "seconds": round(self.seconds, 3),
                 "clock_skew_s": None if self.clock_skew_s is None else round(self.clock_skew_s, 3),
-                "source": self.source}
+                "judging": None if self.judging is None else sorted(self.judging), "source": self.source}
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,9 @@ def fetch_node(node: str, access: Access, since: float, until: float, timeout_s:
             ev.clock_skew_s = float(current["now"]) - (asked + time.time()) / 2
         ev.identity = current.get("node")
         ev.findings = list(current.get("findings") or [])
+        judging = current.get("checks_judging")
+        if isinstance(judging, list):  # absent from an older daemon's answer: not known
+            ev.judging = frozenset(str(c) for c in judging)
         health = current.get("health") or {}
         ev.faults = list(health.get("faults") or [])
         ev.state = health.get("state")

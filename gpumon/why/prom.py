@@ -18,7 +18,9 @@ would have served (:class:`gpumon.why.collect.NodeEvidence`), so the same Reason
   check's window, else from that sample, a lower bound); still rising at the node's last sample:
   still down at the last reading; two rises less than a step apart are one outage;
 - ``gpumon_build_info``: that the node was scraped at all (first and last sample, its ``node`` label
-  as the identity), ``gpumon_health_state{component="node"}``: its state at the last sample.
+  as the identity), ``gpumon_health_state{component="node"}``: its state at the last sample;
+- ``gpumon_gpu_collective_hang``: its series present, the node was watched for the hung-collective
+  signature (``NodeEvidence.judging``; a collective_hang warn finding says when it showed).
 
 What it cannot know: Prometheus holds samples every scrape interval, so every time is known to one
 step (``--prometheus-step``, the scrape interval by default 30 s, gpumon's shipped scrape config's):
@@ -153,6 +155,8 @@ class _Node:
     xids: list[Series] = field(default_factory=list)
     downtime: list[Series] = field(default_factory=list)
     outages: dict[str, dict[float, float]] = field(default_factory=dict)  # component -> time -> count
+    # checks whose per-GPU series Prometheus holds for the node (they ran and judged it)
+    judging: set[str] = field(default_factory=set)
 
 
 def _runs(points: list[tuple[float, float]], step: float) -> list[tuple[float, float, float]]:
@@ -327,6 +331,10 @@ def fetch(nodes: Sequence[str], access: PromAccess, since: float, until: float) 
             n.downtime.append(s)
         for n, (labels, points) in ask(f"last_over_time(gpumon_ib_outages{{{sel}}}{rng}) > 0"):
             n.outages[labels.get("component", "")] = dict(points)
+        # the hung-collective check exports its flag for every GPU it judges, 0 or 1: a node with
+        # the series was watched for the signature (its warn findings say when it showed)
+        for n, _ in ask(f"max_over_time(gpumon_gpu_collective_hang{{{sel}}}{rng})"):
+            n.judging.add("collective_hang")
         for n, (labels, points) in ask(
                 f'last_over_time(gpumon_health_state{{{sel},component="node"}}{rng}) == 1'):
             if n.last is not None and points[-1][0] >= n.last - step * 0.5:
@@ -348,7 +356,8 @@ def fetch(nodes: Sequence[str], access: PromAccess, since: float, until: float) 
             continue
         events = sorted(_findings(n, step) + _outages(n, step), key=lambda e: float(e["time"]))
         ev = NodeEvidence(name, f"{base} ({label}=\"{n.instance}\")", identity=n.identity, events=events,
-                          history_from=n.first, state=n.state, seconds=seconds, source="prometheus")
+                          history_from=n.first, state=n.state, seconds=seconds, source="prometheus",
+                          judging=frozenset(n.judging))
         ev.notes.append(f"evidence from Prometheus ({base}), not the node's API: samples every scrape, "
                         f"read at a {step:g} s step, so times are known to ± one step; its last sample is "
                         f"at {_rel(n.last)}; the findings' words, reboots and GPU-lost flags are not "

@@ -47,6 +47,10 @@ _HW_ACTIONS = frozenset({"reset_gpu", "reboot_node", "check_cables", "inspect_ha
 # Tier-1 suspects that are the node's hardware (what an epilog may drain the node for). A reboot is
 # tier 1 but not one of them: an operator's reboot, or a kernel panic of software, look the same.
 HARDWARE_WHATS = frozenset({"gpu_lost", "xid", "ib_outage", "nvlink_down"})
+# The node check that names the hung-collective signature (checks/collective_hang): a GPU at ~100 %
+# utilization with little power, no memory activity and no PCIe traffic for a minute, the picture of
+# a rank spinning in a collective that waits for another rank
+HANG_CHECK = "collective_hang"
 
 
 def _version(text: str | None) -> tuple[int, int, int] | None:
@@ -349,6 +353,11 @@ class Reasoner:
                 out.append(Item(**base, what="nvlink_down", tier=1, summary=message,
                                 why="a collective's NVLink traffic over a lane that is down stalls or fails",
                                 action=action if action in _HW_ACTIONS else "reboot_node"))
+            elif check == HANG_CHECK and sev == "warn":
+                out.append(Item(**base, what="hang_signature", tier=3, summary=message,
+                                why="this GPU spun in a collective that did not complete: its rank waited "
+                                    "for another",
+                                evidence={"since": evidence.get("since"), "held_s": evidence.get("held_s")}))
             elif check in ("throttle", "thermal") and sev in ("fail", "warn"):
                 out.append(Item(**base, what="slowdown", tier=2 if sev == "fail" else 3, summary=message,
                                 why="a GPU held at low clocks makes its rank the slowest: every collective "
@@ -423,9 +432,12 @@ class Reasoner:
             s.score = self._score(s)
         suspects.sort(key=lambda i: (i.tier, -i.score, i.time))
         self._corroborate(suspects)
-        if self._flight_recorder(suspects):
-            # a suspect on the node of a rank that never entered the stuck collective explains more
-            suspects.sort(key=lambda i: (i.tier, "flight_recorder" not in i.evidence, -i.score, i.time))
+        waited = self._hang_signature(timeline, suspects)
+        if self._flight_recorder(suspects) or waited:
+            # a suspect on the node of a rank that never entered the stuck collective, or that the
+            # others' GPUs were seen waiting for, explains more
+            suspects.sort(key=lambda i: (i.tier, "flight_recorder" not in i.evidence
+                                         and "hang_signature" not in i.evidence, -i.score, i.time))
         reachable = [n for n in self.nodes if n.reachable]
         unreachable = [n for n in self.nodes if not n.reachable]
         for n in self.nodes:
@@ -475,6 +487,55 @@ class Reasoner:
                                   f"({n} line(s)): a rank there went away; no infrastructure event on it "
                                   "explains that")
 
+
+    def _hang_signature(self, timeline: list[Item], suspects: list[Item]) -> bool:
+        """The hung-collective signature across the job's nodes (issue 20): the GPUs of ranks that
+        wait in a collective spin at ~100 % utilization drawing little power; the rank they wait for
+        does not. A node whose check watched for it (``NodeEvidence.judging``) and did not show it
+        while others did is where the collective waited: evidence *on* a suspect of that node, and
+        never a suspect of its own, for the reason the Flight Recorder's missing ranks are not (the
+        rank that is late is as often the job's own code: a checkpoint write, a data loader, a
+        rank-dependent path). Returns whether a suspect was corroborated."""
+        shown: dict[str, list[Item]] = {}
+        for item in timeline:
+            if item.what == "hang_signature" and self._in_job(item):
+                shown.setdefault(item.node, []).append(item)
+        if not shown:
+            return False
+        reachable = [n for n in self.nodes if n.reachable]
+        quiet = [n for n in reachable
+                 if n.node not in shown and n.judging is not None and HANG_CHECK in n.judging]
+        unknown = [n.node for n in reachable if n.node not in shown and n not in quiet]
+
+        def began(items: list[Item]) -> float:
+            return min(float(i.evidence.get("since") or i.time) for i in items)
+
+        first = min(began(items) for items in shown.values())
+        gpus = sum(len({i.component for i in items}) for items in shown.values())
+        seen = (f"the hung-collective signature (GPUs at ~100 % utilization drawing little power, no memory "
+                f"or PCIe traffic) showed on {', '.join(sorted(shown))} ({gpus} GPU(s), from "
+                f"{_fmt_s(first - self.end)})")
+        if unknown:
+            self.notes.append(f"{', '.join(sorted(unknown))}: not known whether the hung-collective "
+                              f"signature showed there (its {HANG_CHECK} check did not judge the node at the "
+                              "last reading)")
+        if not quiet:
+            if not unknown:
+                self.notes.append(f"{seen}, on every node: a collective no rank could complete; nothing "
+                                  "here says which rank it waited for")
+            return False
+        corroborated = False
+        for n in quiet:
+            words = f"{seen}, not on {n.node}: the job's collectives waited for {n.node}"
+            hits = [s for s in suspects if s.node == n.node]
+            for s in hits:
+                s.why += f"; {words}"
+                s.evidence["hang_signature"] = {"shown_on": sorted(shown), "gpus": gpus, "since": first}
+                corroborated = True
+            if not hits:
+                self.notes.append(f"{words}; no infrastructure event recorded on {n.node} explains it: look "
+                                  "at what its rank(s) were doing then (their log, their stacks)")
+        return corroborated
 
     def _node_of(self, host: str) -> NodeEvidence | None:
         short = host.split(".")[0]

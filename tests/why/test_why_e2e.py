@@ -63,11 +63,20 @@ class Nodes:
         return out
 
 
+# two GPUs spinning in a collective: ~100 % utilization, little power, no memory or PCIe traffic, a
+# rank's process on each (tests/checks/test_collective_hang.py's HUNG)
+_SPINNING = "".join(f"  - {{at_s: 0, kind: activity, gpu: {g}, pct: 100, memory_pct: 0, power_w: 118, "
+                    f"pcie_mbps: 0.5}}\n  - {{at_s: 0, kind: compute_process, gpu: {g}, pid: {4200 + g}}}\n"
+                    for g in (0, 1))
 SCENARIOS = {
     "n-ib": "faults:\n  - {at_s: 5, kind: ib_down, device: mlx5_2, port: 1, duration_s: 3}\n",
     "n-xid": "faults:\n  - {at_s: 3, kind: xid, gpu: 3, code: 79}\n",
     "n-ok": "faults: []\n",
+    "n-wait1": "faults:\n" + _SPINNING,
+    "n-wait2": "faults:\n" + _SPINNING,
 }
+# the waiting nodes' hung-collective check samples every second and calls 2 s of the signature stuck
+_HANG_FAST = "checks:\n  collective_hang:\n    interval_s: 1\n    hold_s: 2\n    max_sample_gap_s: 5\n"
 
 
 def _get(nodes: Nodes, node: str, path: str, *, auth: bool = True) -> tuple[int, dict[str, Any]]:
@@ -99,7 +108,9 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
         d = tmp / name
         d.mkdir()
         (d / "s.yaml").write_text(f"name: {name}\nsku: h100-sxm\n{faults}")
-        config = f"node_name: {name}\n" + (f"exporter:\n  web_config_file: {web}\n" if name == "n-ib" else "")
+        config = f"node_name: {name}\n"
+        config += f"exporter:\n  web_config_file: {web}\n" if name == "n-ib" else ""
+        config += _HANG_FAST if name.startswith("n-wait") else ""
         (d / "gpumon.yaml").write_text(config)
         logs.append(open(d / "daemon.log", "w"))  # noqa: SIM115 (closed at teardown)
         procs.append(subprocess.Popen(
@@ -194,6 +205,52 @@ def test_api_findings_are_the_current_faults(nodes: Nodes) -> None:
     assert ("xid", "gpu/3") in faults, faults
     assert any(f["check"] == "xid" and f["evidence"].get("code") == 79
                for f in doc["findings"]), doc["findings"]
+
+
+def test_api_findings_say_which_checks_judge_the_node(nodes: Nodes) -> None:
+    """What lets a post-mortem tell "did not show it" from "not known": n-xid's hung-collective check
+    judges its GPUs (seven readable, idle, no process), and no ok finding is listed as a finding."""
+    _, doc = _get(nodes, "n-xid", "/api/v1/findings")
+    assert {"collective_hang", "xid", "throttle"} <= set(doc["checks_judging"]), doc["checks_judging"]
+    assert "fabric" not in doc["checks_judging"]  # skipped: no probe has run there
+    assert all(f["severity"] != "ok" for f in doc["findings"])
+
+
+def _stuck_on(nodes: Nodes, *names: str) -> None:
+    """Until each node's hung-collective check has held the signature long enough to warn."""
+    deadline = time.monotonic() + 40
+    waiting = set(names)
+    while waiting and time.monotonic() < deadline:
+        for name in sorted(waiting):
+            _, doc = _get(nodes, name, "/api/v1/findings")
+            if any(f["check"] == "collective_hang" and f["evidence"].get("activity") == "stuck"
+                   for f in doc["findings"]):
+                waiting.discard(name)
+        time.sleep(0.3)
+    assert not waiting, f"no hung-collective warning on {sorted(waiting)}"
+
+
+def test_why_says_the_job_waited_for_the_node_without_the_hung_signature(nodes: Nodes) -> None:
+    """Issue 20 point 2 through real daemons: two nodes' GPUs spin in a collective (the signature,
+    through the NVML injection library); n-xid, whose GPU fell off the bus, does not show it. Its
+    suspect says the job waited for it; with a healthy third node instead, a note says so and the
+    verdict stays "no infrastructure evidence"."""
+    _stuck_on(nodes, "n-wait1", "n-wait2")
+    code, doc = _why(nodes, "n-wait1", "n-wait2", "n-xid")
+    assert code == 2, doc
+    xid = next(s for s in doc["suspects"] if (s["node"], s["what"]) == ("n-xid", "xid"))
+    assert xid["evidence"]["hang_signature"]["shown_on"] == ["n-wait1", "n-wait2"], xid
+    assert xid["evidence"]["hang_signature"]["gpus"] == 4
+    assert "not on n-xid: the job's collectives waited for n-xid" in xid["why"]
+    assert doc["suspects"][0]["node"] == "n-xid"
+    assert "collective_hang" in next(n for n in doc["nodes"] if n["node"] == "n-xid")["judging"]
+    assert {(i["node"], i["component"]) for i in doc["timeline"] if i["what"] == "hang_signature"} \
+        == {(n, f"gpu/{g}") for n in ("n-wait1", "n-wait2") for g in (0, 1)}
+
+    code, doc = _why(nodes, "n-wait1", "n-wait2", "n-ok")
+    assert code == 0 and doc["verdict"] == "no_infrastructure_evidence", doc
+    assert any("not on n-ok: the job's collectives waited for n-ok; no infrastructure event" in n
+               for n in doc["notes"]), doc["notes"]
 
 
 @pytest.mark.parametrize(("query", "parameter", "words"), [

@@ -158,6 +158,8 @@ def test_a_node_that_is_gone_is_named_from_prometheus_alone(fleet: Fleet) -> Non
     assert by["n-a"]["identity"]["node"] == "n-a"  # gpumon_build_info's node label
     assert by["n-a"]["url"] == f'{fleet.prom} (instance="n-a.cluster.test")'
     assert by["n-a"]["state"] == "unhealthy"
+    # its hung-collective flags were scraped: the node was watched for the signature
+    assert by["n-a"]["judging"] == ["collective_hang"] and by["n-b"]["judging"] == ["collective_hang"]
     # never scraped: kept, said so
     assert doc["unreachable"] == ["n-c"]
     assert by["n-c"]["error"].startswith("no data in Prometheus"), by["n-c"]

@@ -126,3 +126,63 @@ def test_an_outage_seen_open_and_then_closed_is_one_outage() -> None:
     doc = _judge(_node("n1", [open_, closed]))
     outages = [i for i in doc["timeline"] if i["what"] == "ib_outage"]
     assert len(outages) == 1 and outages[0]["evidence"]["end"] == T0 + 112.8, outages
+
+
+def _stuck(t: float, gpu: int, held: float = 70.0) -> dict[str, Any]:
+    return {**_finding(t, "collective_hang", f"gpu/{gpu}", "warn", "none",
+                       f"GPU {gpu} looks stuck in a collective: util 100 %, power 118 W, memory 0 %",
+                       activity="stuck", since=t - held, held_s=held), "id": 100 + gpu}
+
+
+def _watching(node: NodeEvidence, judging: frozenset[str] | None = frozenset({"collective_hang"})
+              ) -> NodeEvidence:
+    node.judging = judging
+    return node
+
+
+def test_the_node_the_hung_signature_is_missing_from_corroborates_its_suspect() -> None:
+    """Two nodes' GPUs spin in a collective (the signature); the third, whose GPU fell off the bus,
+    does not show it: its suspect says the job waited for it, and is ranked first."""
+    waiting = [_watching(_node(f"n{i}", [_stuck(T0 + 480, g) for g in range(8)])) for i in (1, 2)]
+    # a tier-1 suspect on n1 at the expected moment (one watchdog timeout before the end) ranks
+    # above n3's earlier loss unless the signature says whom the job waited for
+    waiting[0].events.append({**_finding(T0 + 540, "nvlink", "nvlink/0/3", "fail", "reset_gpu",
+                                         "NVLink 3 of GPU 0 down"), "id": 99})
+    lost = _watching(_node("n3", [_finding(T0 + 400, "xid", "gpu/3", "fail", "reboot_node",
+                                           "Xid 79 on gpu/3", code=79)]))
+    doc = _judge(*waiting, lost)
+    top = doc["suspects"][0]
+    assert (top["node"], top["what"]) == ("n3", "xid"), doc["suspects"]
+    assert top["evidence"]["hang_signature"] == {"shown_on": ["n1", "n2"], "gpus": 16, "since": T0 + 410}
+    assert "not on n3: the job's collectives waited for n3" in top["why"]
+    assert [(x["node"], x["what"]) for x in doc["suspects"]] == [("n3", "xid"), ("n1", "nvlink_down")]
+    # the signature itself is context on the timeline, never a suspect
+    assert {i["what"] for i in doc["timeline"] if i["node"] in ("n1", "n2")} >= {"hang_signature"}
+    assert all(s["what"] != "hang_signature" for s in doc["suspects"])
+
+
+def test_a_node_missing_the_hung_signature_without_evidence_is_a_note_not_a_finding() -> None:
+    """The late rank's node has no infrastructure event (a checkpoint write, a data loader): the
+    verdict stays "no infrastructure evidence" and a note says where the job waited."""
+    doc = _judge(_watching(_node("n1", [_stuck(T0 + 500, 0)])), _watching(_node("n2", [_stuck(T0 + 500, 1)])),
+                 _watching(_node("n3", [])))
+    assert doc["verdict"] == "no_infrastructure_evidence", doc["suspects"]
+    [note] = [n for n in doc["notes"] if "hung-collective" in n]
+    assert ("showed on n1, n2 (2 GPU(s), from -2.8 min), not on n3: the job's collectives waited for n3"
+            in note)
+    assert "no infrastructure event recorded on n3" in note
+
+
+def test_no_node_is_named_when_every_node_or_an_unwatched_one_lacks_the_signature() -> None:
+    # every node shows it: nothing says which rank the collective waited for
+    doc = _judge(_watching(_node("n1", [_stuck(T0 + 500, 0)])), _watching(_node("n2", [_stuck(T0 + 500, 0)])))
+    assert any("on every node: a collective no rank could complete" in n for n in doc["notes"])
+    # a node whose check did not judge it (skipped, no NVML, an older daemon): not known, not named
+    doc = _judge(_watching(_node("n1", [_stuck(T0 + 500, 0)])), _watching(_node("n2", []), None),
+                 _watching(_node("n3", []), frozenset({"xid"})))
+    notes = [n for n in doc["notes"] if "hung-collective" in n]
+    assert notes == ["n2, n3: not known whether the hung-collective signature showed there (its "
+                     "collective_hang check did not judge the node at the last reading)"], notes
+    # a signature outside the job's run says nothing about it
+    doc = _judge(_watching(_node("n1", [_stuck(T0 - 3000, 0)])), _watching(_node("n2", [])))
+    assert not [n for n in doc["notes"] if "hung-collective" in n]
