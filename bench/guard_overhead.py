@@ -5,7 +5,8 @@ trained with real DDP.
 
 ``--world`` ranks are local processes (gloo on CPU, NCCL with ``--device cuda``, one GPU each),
 each training the same 2-layer ``nn.TransformerEncoder`` language model (d_model 128, 4 heads,
-sequence 64, micro-batch 8 per rank) on deterministic token batches. Configurations, each its own
+sequence 64, micro-batch 8 per rank; ``--size medium``: 4 layers, d_model 256, 8 heads, ff 1024) on
+deterministic token batches. Configurations, each its own
 DDP model, measured in interleaved rounds of ``--steps`` steps (so that load on a shared machine hits
 them alike), the median round per configuration:
 
@@ -51,6 +52,15 @@ from _machine import describe
 from gpumon.guard import Guard, deterministic
 
 VOCAB, SEQ, BATCH, D_MODEL, HEADS, LAYERS, FF = 256, 64, 8, 128, 4, 2, 256
+# --size: the model trained (d_model, heads, layers, ff); "small" is the default above (339k
+# parameters), "medium" a 4-layer d_model 256 one (3.3M) whose step is long enough for the guard's
+# fixed per-step costs to show what they weigh beside real work
+SIZES = {"small": (128, 4, 2, 256), "medium": (256, 8, 4, 1024)}
+
+
+def set_size(name: str) -> None:
+    global D_MODEL, HEADS, LAYERS, FF
+    D_MODEL, HEADS, LAYERS, FF = SIZES[name]
 
 
 class TinyLM(nn.Module):
@@ -81,6 +91,7 @@ def lm_loss(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Ten
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    set_size(args.size)  # a spawned process imports this module afresh
     cuda = args.device == "cuda"
     torch.set_num_threads(args.threads)
     if cuda:
@@ -189,9 +200,11 @@ def main() -> int:
                     help="straggler scores every K steps (Guard's default)")
     ap.add_argument("--weight-calls", type=int, default=20, help="timed weight checks")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--size", choices=sorted(SIZES), default="small", help="the model (default small)")
     ap.add_argument("--device", choices=("cpu", "cuda"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    set_size(args.size)
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         print(f"--device cuda: {torch.cuda.device_count()} GPU(s) for --world {args.world}")
         return 3

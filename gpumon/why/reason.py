@@ -520,7 +520,11 @@ class Reasoner:
                               f"signature showed there (its {HANG_CHECK} check did not judge the node at the "
                               "last reading)")
         if not quiet:
-            if not unknown:
+            gone = [n.node for n in self.nodes if not n.reachable]
+            if gone:
+                self.notes.append(f"{seen}, on every node that answered: the job may have waited for "
+                                  f"{', '.join(gone)}, which did not")
+            elif not unknown:
                 self.notes.append(f"{seen}, on every node: a collective no rank could complete; nothing "
                                   "here says which rank it waited for")
             return False

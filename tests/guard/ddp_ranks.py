@@ -155,6 +155,49 @@ def wedged_peer(rank: int, world: int, out: Path, at: int, late: int, timeout_s:
             "final": weights(model)}
 
 
+def reduce_nan(rank: int, world: int, out: Path, at: int, bad: int | None) -> dict[str, Any]:
+    """Every rank's local gradients finite, the all-reduce's result NaN: on rank ``bad`` only (its
+    copy of the result corrupted on the way in), or on every rank (``bad`` None: the reduce itself).
+    The fault is the loop's own comm hook (``comm_hook=``, the guard wraps it), DDP's default
+    all-reduce followed, at step ``at``, by a NaN written into the reduced bucket: from outside the
+    guard's code, as a corrupting transport would."""
+    model, opt = build()
+    calls = {"step": 0}
+
+    def corrupting(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        fut = default_hooks.allreduce_hook(state, bucket)
+        if calls["step"] != at or (bad is not None and rank != bad) or not bucket.is_last():
+            return fut
+
+        def poison(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            out = done.value()
+            out[0] = float("nan")
+            return out
+
+        return fut.then(poison)
+
+    told: list[int] = []  # the loop's callback= sees every alarm, with its step
+    guard = Guard(model, opt, weight_check_every=0, timeout_s=30, comm_hook=corrupting,
+                  spool_dir=out / f"spool-reduce-{'all' if bad is None else bad}-r{rank}",
+                  callback=lambda a: told.append(a.verdicts[0].step))
+    result: dict[str, Any] = {"alarms": [], "told": told}
+    for step in range(at + 2):
+        calls["step"] = step
+        opt.zero_grad()
+        forward_backward(model, rank, step)
+        before = weights(model)
+        try:
+            applied = guard.step()
+        except GuardAlarm as a:
+            result["alarms"].append({"step": step, **alarm_json(a)})
+            applied = False
+        if step == at:
+            result["applied_at"], result["unchanged_at"] = applied, weights(model) == before
+    result["files"] = sorted(str(p) for p in guard.verdict_files)
+    result["final"] = weights(model)
+    return result
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     scenarios = sys.argv[5].split(",")
@@ -173,6 +216,10 @@ def main() -> None:
             result[name] = nan_forward(rank, world, out, at=5, bad=world - 1)
         elif name == "flip":
             result[name] = weight_flip(rank, world, out, at=4, bad=1)
+        elif name == "reduce-nan":
+            result[name] = reduce_nan(rank, world, out, at=3, bad=1)
+        elif name == "reduce-nan-all":
+            result[name] = reduce_nan(rank, world, out, at=3, bad=None)
         elif name == "wedged":
             result[name] = wedged_peer(rank, world, out, at=2, late=world - 1, timeout_s=1.5, user_hook=True)
         elif name == "wedged-weights":

@@ -55,6 +55,38 @@ def test_nan_in_one_ranks_forward_is_named_before_the_update_and_no_weight_chang
     assert got.evidence["parameters"]  # the named rank says which of its gradients
 
 
+def test_nan_after_the_reduce_with_finite_inputs_names_the_result_or_the_reduce(
+        three: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Check 1's second half: every rank's local gradients finite, the all-reduce's result NaN (the
+    loop's own comm hook corrupts it, the guard wrapping that hook). On one rank only: that rank's
+    result is named, and it hands a verdict to its node; on every rank: the reduce itself is named,
+    and no node gets a file (no GPU is to blame). The update is skipped on every rank either way."""
+    _, ranks = three
+    for res in ranks:
+        one, every = res["reduce-nan"], res["reduce-nan-all"]
+        for got in (one, every):
+            assert [a["step"] for a in got["alarms"]] == [3], got["alarms"]
+            assert got["applied_at"] is False and got["unchanged_at"] is True
+            assert got["told"] == [3]  # callback= was called with the alarm, before it was raised
+        (a,) = one["alarms"]
+        assert a["ranks"] == [1] and a["skipped"] is True
+        (v,) = a["verdicts"]
+        assert v["check"] == "nonfinite_reduce" and v["subject"]["rank"] == 1
+        assert "NaN/Inf after the all-reduce with finite inputs everywhere: rank 1's result" in v["message"]
+        assert v["evidence"]["ranks_nonfinite_reduced"] == [1]
+        (a,) = every["alarms"]
+        assert sorted(v["subject"]["rank"] for v in a["verdicts"]) == [0, 1, 2]
+        assert all("the all-reduce itself" in v["message"] and v["evidence"]["reduce_on_every_rank"]
+                   for v in a["verdicts"])
+        assert every["files"] == []
+    assert ranks[0]["reduce-nan"]["files"] == ranks[2]["reduce-nan"]["files"] == []
+    (path,) = ranks[1]["reduce-nan"]["files"]
+    assert vf.read(Path(path)).check == "nonfinite_reduce"
+    # the replicas did not diverge: nobody applied the poisoned step
+    finals = [r["reduce-nan"]["final"] for r in ranks]
+    assert finals[0] == finals[1] == finals[2]
+
+
 def test_a_bit_flipped_in_one_ranks_weights_names_that_rank_and_the_parameter(
         three: tuple[Path, list[dict[str, Any]]]) -> None:
     _, ranks = three

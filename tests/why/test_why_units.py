@@ -177,6 +177,12 @@ def test_no_node_is_named_when_every_node_or_an_unwatched_one_lacks_the_signatur
     # every node shows it: nothing says which rank the collective waited for
     doc = _judge(_watching(_node("n1", [_stuck(T0 + 500, 0)])), _watching(_node("n2", [_stuck(T0 + 500, 0)])))
     assert any("on every node: a collective no rank could complete" in n for n in doc["notes"])
+    # ... but not when a node did not answer: the job may have waited for that one
+    gone = NodeEvidence("n3", "http://n3:9426", error="cannot connect: refused")
+    doc = _judge(_watching(_node("n1", [_stuck(T0 + 500, 0)])), _watching(_node("n2", [_stuck(T0 + 500, 0)])),
+                 gone)
+    assert any("on every node that answered: the job may have waited for n3, which did not" in n
+               for n in doc["notes"]), doc["notes"]
     # a node whose check did not judge it (skipped, no NVML, an older daemon): not known, not named
     doc = _judge(_watching(_node("n1", [_stuck(T0 + 500, 0)])), _watching(_node("n2", []), None),
                  _watching(_node("n3", []), frozenset({"xid"})))
