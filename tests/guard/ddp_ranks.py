@@ -46,6 +46,15 @@ def alarm_json(a: GuardAlarm) -> dict[str, Any]:
             "verdicts": [v.to_json() for v in a.verdicts]}
 
 
+def guarded_step(guard: Guard, step: int, result: dict[str, Any]) -> bool:
+    """``guard.step()``; an alarm is kept in ``result["alarms"]`` with its step. True: applied."""
+    try:
+        return guard.step()
+    except GuardAlarm as a:
+        result["alarms"].append({"step": step, **alarm_json(a)})
+        return False
+
+
 def forward_backward(model: DDP, rank: int, step: int, inject: FaultInjector | None = None) -> None:
     x, y = batch(rank, step)
     if inject is not None:
@@ -93,11 +102,7 @@ def nan_forward(rank: int, world: int, out: Path, at: int, bad: int) -> dict[str
         if inj is not None:
             result["flips"] = len(inj.flips)
         before = weights(model)
-        try:
-            applied = guard.step()
-        except GuardAlarm as a:
-            result["alarms"].append({"step": step, **alarm_json(a)})
-            applied = False
+        applied = guarded_step(guard, step, result)
         if step == at:
             result["applied_at"] = applied
             result["unchanged_at"] = weights(model) == before
@@ -186,11 +191,7 @@ def reduce_nan(rank: int, world: int, out: Path, at: int, bad: int | None) -> di
         opt.zero_grad()
         forward_backward(model, rank, step)
         before = weights(model)
-        try:
-            applied = guard.step()
-        except GuardAlarm as a:
-            result["alarms"].append({"step": step, **alarm_json(a)})
-            applied = False
+        applied = guarded_step(guard, step, result)
         if step == at:
             result["applied_at"], result["unchanged_at"] = applied, weights(model) == before
     result["files"] = sorted(str(p) for p in guard.verdict_files)
