@@ -34,6 +34,8 @@
 #   GPUMON_WHY_MAX_PERCENT    circuit breaker: no new drain while more than this percentage of the
 #                             cluster's nodes is drained by gpumon (default 20)
 #   GPUMON_WHY_ALL            1: a post-mortem of every job, failed or not (default 0)
+#   GPUMON_WHY_COMMENT_TRIES  how often sacctmgr is asked to store the AdminComment while the
+#                             job's record has not reached the database yet, 2 s apart (default 10)
 #   SLURM_CONF                where Slurm's clients find slurm.conf, when not in the default place
 #                             (slurmctld does not pass its own on to the epilog)
 # Needs jq (Debian package jq) to read the verdict.
@@ -65,6 +67,7 @@ GPUMON_WHY_METRICS_FILE=${GPUMON_WHY_METRICS_FILE:-}
 GPUMON_WHY_DRAIN=${GPUMON_WHY_DRAIN:-1}
 GPUMON_WHY_MAX_PERCENT=${GPUMON_WHY_MAX_PERCENT:-20}
 GPUMON_WHY_ALL=${GPUMON_WHY_ALL:-0}
+GPUMON_WHY_COMMENT_TRIES=${GPUMON_WHY_COMMENT_TRIES:-10}
 slurm_timeout=15
 
 job=${SLURM_JOB_ID:-}
@@ -147,16 +150,31 @@ jq -r '.nodes[]? | select(.reachable | not) | "unreachable: \(.node) (\(.url)): 
 # EpilogSlurmctld sees. A finished job's AdminComment is changed in the accounting database
 # (sacctmgr(1): "DerivedExitCode, AdminComment, Comment, SystemComment, and WCKey [...] can be
 # modified after job completion"), so it needs slurmdbd; without one the verdict is only logged.
-if [ -n "$comment" ]; then
+# slurmctld sends a job's records to slurmdbd through a queue, so the record may reach the
+# database a few seconds after the epilog starts: until then sacctmgr says "Nothing modified",
+# and it is asked again (GPUMON_WHY_COMMENT_TRIES times, 2 s apart). sacctmgr (22.05) stores the
+# value lower-cased, turns a ' into a ` and cuts it at a ": the quotes are left out there.
+store_comment() {
     if bounded "$slurm_timeout" scontrol update "job=$job" "AdminComment=$comment" 2>"$tmp/scontrol.err"; then
-        :
-    elif bounded "$slurm_timeout" sacctmgr -i modify job where "jobid=$job" set "AdminComment=$comment" \
-        >"$tmp/sacctmgr.out" 2>&1; then
-        :
-    else
-        say "AdminComment not stored: scontrol: $(tail -n 1 "$tmp/scontrol.err");" \
-            "sacctmgr: $(tail -n 1 "$tmp/sacctmgr.out")"
+        return 0
     fi
+    unquoted=$(printf '%s' "$comment" | tr -d "\"'")
+    try=1
+    while :; do
+        if bounded "$slurm_timeout" sacctmgr -i modify job where "jobid=$job" set "AdminComment=$unquoted" \
+            >"$tmp/sacctmgr.out" 2>&1; then
+            return 0
+        fi
+        grep -q 'Nothing modified' "$tmp/sacctmgr.out" || break
+        [ "$try" -lt "$GPUMON_WHY_COMMENT_TRIES" ] || break
+        try=$((try + 1))
+        sleep 2
+    done
+    say "AdminComment not stored: scontrol: $(tail -n 1 "$tmp/scontrol.err");" \
+        "sacctmgr: $(tr '\n' ' ' <"$tmp/sacctmgr.out" | cut -b 1-300)"
+}
+if [ -n "$comment" ]; then
+    store_comment
 fi
 
 [ "$verdict" = infrastructure ] || exit 0

@@ -2,7 +2,8 @@
 
 Slurm: ``sacct`` first (the accounting database keeps finished jobs; ``-X`` the allocation, not
 its steps), ``scontrol show job`` when sacct is missing or has no accounting storage (it knows a
-job only for ``MinJobAge`` after its end, 300 s by default). ``source`` says which answered.
+job only for ``MinJobAge`` after its end, 300 s by default), or has no end for the job yet while
+the controller has one. ``source`` says which answered.
 Slurm prints times in the controller's local time without a zone: they are read as this host's
 local time (run ``why`` where Slurm's clients run, as the epilog does).
 
@@ -11,6 +12,7 @@ Kubernetes (a Job's or a PyTorchJob's pods): gpumon.why.kube.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -106,6 +108,15 @@ def slurm_job(job_id: str, runner: ToolRunner | None = None, timeout_s: float = 
         job = _from_sacct(job_id, runner, timeout_s)
     except (HwCondition, JobError) as exc:
         why_not.append(f"sacct: {exc}")
+    if job is not None and job.end is None:
+        # slurmctld sends a job's records to slurmdbd through a queue: at an EpilogSlurmctld the
+        # database may still have the job PENDING or RUNNING, with no end; the controller knows
+        with contextlib.suppress(HwCondition, JobError):
+            live = _from_scontrol(job_id, runner, timeout_s)
+            if live.end is not None:
+                job = replace(live, nodes=live.nodes or job.nodes, notes=(
+                    f"sacct had job {job_id} {job.state} with no end (the accounting database had not "
+                    "recorded its end yet): its end, state and exit code are scontrol's",))
     if job is None:
         try:
             job = _from_scontrol(job_id, runner, timeout_s)

@@ -15,6 +15,8 @@
   own namespace; spool, pid and log files carry ``%n``.
 * srun runs in the switch namespace (it reaches slurmctld there and every slurmd through the bridge;
   slurmstepd connects back to srun's address as slurmctld and slurmd saw it, the bridge address).
+* ``accounting=True``: a MariaDB server and slurmdbd beside slurmctld (tests/fabric/slurm_accounting.py),
+  so that sacct and sacctmgr work; without it there is no accounting storage.
 * ``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``: no cgroups. CPUs and the socket
   layout of each node are those ``slurmd -C`` reports for this machine.
 
@@ -39,6 +41,7 @@ from typing import Any
 from slurm_conf import common_lines
 
 from .netns import SBIN_PATH, SWITCH_NAME, TestNet, unavailable, which
+from .slurm_accounting import Accounting
 
 CONTROLLER_NAME = SWITCH_NAME
 PARTITION = "fabric"
@@ -75,7 +78,8 @@ class SlurmCluster:
     """slurmctld + one slurmd per TestNet host, started in the constructor (it returns once every node
     is idle) and stopped by ``close()``, which does not close the TestNet."""
 
-    def __init__(self, net: TestNet, *, ready_timeout: float = 60.0, extra_conf: Sequence[str] = ()) -> None:
+    def __init__(self, net: TestNet, *, ready_timeout: float = 60.0, extra_conf: Sequence[str] = (),
+                 accounting: bool = False) -> None:
         self.exe = require_slurm()
         self.net = net
         self.nodes = [h.name for h in net.hosts]
@@ -84,8 +88,9 @@ class SlurmCluster:
         self.env: dict[str, str] = {**slurm_env(), "SLURM_CONF": str(self.conf), "PATH": SBIN_PATH}
         self._procs: list[subprocess.Popen[Any]] = []
         self._closed = False
+        self.accounting: Accounting | None = None
         try:
-            self._write_conf(extra_conf)
+            self._write_conf(extra_conf, accounting)
             self._start(ready_timeout)
         except BaseException:
             self.close()
@@ -93,7 +98,7 @@ class SlurmCluster:
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _write_conf(self, extra_conf: Sequence[str]) -> None:
+    def _write_conf(self, extra_conf: Sequence[str], accounting: bool) -> None:
         base = self.dir
         for sub in ("state", "spool"):  # slurmd creates spool/<node> but not its parent
             (base / sub).mkdir()
@@ -104,10 +109,14 @@ class SlurmCluster:
         self.munge_key.chmod(0o400)  # munged refuses a key others can read
         self.munge_socket = munge_dir / "munge.socket"
         hw = node_hardware(self.exe["slurmd"])
+        if accounting:
+            self.accounting = Accounting(base, CONTROLLER_NAME, self.net.switch_ip, self.munge_socket)
+            self.exe.update(self.accounting.exe)
+        dbd = (self.accounting.addr, self.accounting.port) if self.accounting else None
         self.conf.write_text("\n".join([
             "ClusterName=gpmfabric",
             f"SlurmctldHost={CONTROLLER_NAME}({self.net.switch_ip})",
-            *common_lines(base, self.munge_socket),
+            *common_lines(base, self.munge_socket, dbd),
             "SelectTypeParameters=CR_Core",
             # short waits: a test kills steps and restarts nodes, and must not sit in Slurm's defaults
             "KillWait=2",
@@ -141,6 +150,9 @@ class SlurmCluster:
             if munged.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("munged did not start:\n" + self.logs())
             time.sleep(0.05)
+        if self.accounting is not None:
+            self.accounting.start(lambda argv, log: self._daemon(sw, argv, log, CONTROLLER_NAME),
+                                  lambda argv: self.client(argv, timeout=10))
         self._daemon(sw, [self.exe["slurmctld"], "-D", "-i", "-f", str(self.conf)], "slurmctld.out.log",
                      CONTROLLER_NAME)
         for h in self.net.hosts:
@@ -257,8 +269,9 @@ class SlurmCluster:
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the slurmds, then slurmctld, then munged (SIGTERM, SIGKILL after 5 s), and remove the
-        directory. Job tasks still running are left to ``TestNet.close()``. Idempotent."""
+        """Stop the slurmds, then slurmctld, then slurmdbd and mariadbd if any, then munged (SIGTERM,
+        SIGKILL after 5 s), and remove the directory. Job tasks still running are left to
+        ``TestNet.close()``. Idempotent."""
         if self._closed:
             return
         self._closed = True
