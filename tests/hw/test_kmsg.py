@@ -23,6 +23,7 @@ from gpumon.hw.kmsg import (
     MAX_LINE_BYTES,
     KernelLogFollower,
     KernelRecord,
+    _LineBuffer,
     parse_line,
     records_from_bytes,
 )
@@ -609,6 +610,20 @@ def test_kmsg_dictionary_lines_in_a_file_belong_to_the_record(tmp_path: Path) ->
     with KernelLogFollower(log) as f:
         assert [r.text for r in f.read_available()] == ["NVRM: Xid (PCI:0000:38:00): 13, x", "next"]
         assert f.malformed_lines == 0
+
+
+@pytest.mark.parametrize("size", [1, 7, 4096, 65536, 1 << 20])
+def test_the_lines_and_their_malformed_count_do_not_depend_on_how_the_reads_cut_them(size: int) -> None:
+    """A NUL run, an over-long line and an undecodable one each count once, whatever the size of
+    the reads that carry them (the daemon reads a file in 64 KiB slices)."""
+    data = (b"[ 1.0] ok\n" + b"\x00" * 150000 + b"[ 2.0] after\n" + b"B" * (MAX_LINE_BYTES + 5000) + b"\n"
+            + b"[ 3.0] \xff bad\n" + b"\x00\x00[ 4.0] nul\x00s inside\n" + b"\x00" * 70000)
+    buf = _LineBuffer()
+    lines = [line for i in range(0, len(data), size) for line in buf.feed(data[i:i + size])]
+    assert [line[:9] for line in lines] == ["[ 1.0] ok", "[ 2.0] af", "B" * 9, "[ 3.0] \ufffd ", "[ 4.0] nu"]
+    assert len(lines[2]) == MAX_LINE_BYTES
+    # the first NUL run, the over-long line, the undecodable one, the two runs of line 4, the last run
+    assert buf.malformed == 6
 
 
 def test_robust_against_long_lines_bad_bytes_and_nuls(tmp_path: Path) -> None:
