@@ -9,9 +9,13 @@ rank. The scenarios run in the launch ``conftest.py`` shares with test_guard_ddp
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+from conftest import clean_env
 from gpumon.guard import rerun
 from gpumon.guard import verdict as vf
 from gpumon.sdc.bundle import read_manifest
@@ -66,6 +70,20 @@ def test_a_low_bit_flipped_in_one_ranks_backward_names_that_rank_not_its_auditor
     assert manifest["kind"] == "capture" and manifest["seed"] == got.evidence["bundle_seed"]
     assert (manifest["model_factory"]["qualname"], manifest["loss_fn"]["qualname"]) == ("make_net", "loss_fn")
     assert {p[0] for p in manifest["expected"]["points"]} >= {"loss", "batch.x", "grad.0.weight"}
+    # the step it holds is the disputed one: its loss is the loss rank 1 computed at step 5
+    own = got.evidence["disputes"][0]["computations"][0]
+    (loss,) = [p for p in manifest["expected"]["points"] if p[0] == "loss"]
+    assert own["rank"] == 1 and own["loss_bits"] in loss[3], (own, loss)
+    # and `gpumon canary replay` replays it offline, from the bundle alone, in a new process
+    replay = subprocess.run(
+        [str(Path(sys.executable).parent / "gpumon"), "canary", "replay", str(bundle), "--device", "cpu",
+         "--workers", "2", "--json", "--state-dir", str(out / "replay-state")],
+        capture_output=True, text=True, timeout=120, env=clean_env())
+    assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
+    doc = json.loads(replay.stdout)
+    assert doc["status"] == "ok" and len(doc["findings"]) == 2, doc["findings"]
+    assert all(f["severity"] == "ok" and f["message"].startswith("bit-exact") and
+               f["evidence"]["workloads"] == ["capture:guard-audit-step5-rank1"] for f in doc["findings"])
 
 
 def test_a_persistent_fault_is_named_on_its_own_micro_batch_and_the_one_it_audited(three: Launch) -> None:
