@@ -61,13 +61,22 @@ def in_ci() -> bool:
 def unavailable(reason: str) -> NoReturn:
     """A capability the tests need is missing: fail under CI (it must run there), skip elsewhere."""
     if in_ci():
-        pytest.fail(f"{reason} (CI must provide it: .ci/run runs as root and installs iproute2, "
-                    "slurm-wlm and munge)", pytrace=False)
+        pytest.fail(f"{reason} (CI must provide it: .ci/run runs as root and installs the Debian "
+                    "packages the tests use)", pytrace=False)
     pytest.skip(reason)
 
 
 def which(tool: str) -> str | None:
     return shutil.which(tool, path=SBIN_PATH)
+
+
+def require_tools(tools: Sequence[str], packages: str) -> dict[str, str]:
+    """Each tool's path; one missing is ``unavailable``, with the Debian packages that have them."""
+    found = {t: which(t) for t in tools}
+    missing = sorted(t for t, p in found.items() if p is None)
+    if missing:
+        unavailable(f"{', '.join(missing)} not installed (Debian packages {packages})")
+    return {t: p for t, p in found.items() if p is not None}
 
 
 def _sh(argv: Sequence[str], timeout: float = 20) -> subprocess.CompletedProcess[str]:

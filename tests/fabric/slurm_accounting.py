@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .netns import unavailable, which
+from .netns import require_tools
 
 ACCOUNTING_TOOLS = ("slurmdbd", "sacct", "sacctmgr", "mariadbd", "mariadb-install-db")
 DBD_PORT = 6819  # slurmdbd's default
@@ -32,12 +32,7 @@ DB_NAME = "slurm_acct_db"
 
 
 def require_accounting() -> dict[str, str]:
-    found = {t: which(t) for t in ACCOUNTING_TOOLS}
-    missing = sorted(t for t, p in found.items() if p is None)
-    if missing:
-        unavailable(f"{', '.join(missing)} not installed (Debian packages slurmdbd, mariadb-server-core, "
-                    "mariadb-client-core)")
-    return {t: p for t, p in found.items() if p is not None}
+    return require_tools(ACCOUNTING_TOOLS, "slurmdbd, mariadb-server-core and mariadb-client-core")
 
 
 class Accounting:

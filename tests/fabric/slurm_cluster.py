@@ -40,7 +40,7 @@ from typing import Any
 
 from slurm_conf import common_lines
 
-from .netns import SBIN_PATH, SWITCH_NAME, TestNet, unavailable, which
+from .netns import SBIN_PATH, SWITCH_NAME, TestNet, require_tools
 from .slurm_accounting import Accounting
 
 CONTROLLER_NAME = SWITCH_NAME
@@ -57,12 +57,7 @@ def slurm_env() -> dict[str, str]:
 
 
 def require_slurm() -> dict[str, str]:
-    found = {t: which(t) for t in SLURM_TOOLS}
-    missing = sorted(t for t, p in found.items() if p is None)
-    if missing:
-        unavailable(f"{', '.join(missing)} not installed (Debian packages slurm-wlm and munge: "
-                    "apt-get install slurm-wlm munge)")
-    return {t: p for t, p in found.items() if p is not None}
+    return require_tools(SLURM_TOOLS, "slurm-wlm and munge: apt-get install slurm-wlm munge")
 
 
 def node_hardware(slurmd: str) -> str:
