@@ -397,6 +397,22 @@ def _kmsg_block(lines: list[str]) -> list[KernelRecord] | None:
     return out
 
 
+def _device_records(chunks: list[bytes]) -> list[KernelRecord]:
+    """The records of ``chunks``, each what one read() of ``/dev/kmsg`` returned: decoded in one
+    call and made by _kmsg_block when each is one line ending in a newline (no dictionary lines),
+    else each parsed as :func:`parse_line` parses it. The same records either way."""
+    if not chunks:
+        return []
+    block = b"".join(chunks)
+    if block.count(b"\n") == len(chunks) and all(c[-1:] == b"\n" for c in chunks):
+        lines = block.decode("utf-8", "replace").split("\n")
+        lines.pop()  # after the last newline
+        made = _kmsg_block(lines)
+        if made is not None:
+            return made
+    return [parse_line(c.decode("utf-8", "replace")) for c in chunks]
+
+
 def _kmsg_record(raw: str) -> KernelRecord | None:
     """A ``/dev/kmsg`` record (``prio,seq,usec,flags[,more];message``): what the daemon reads, line
     after line, at up to tens of thousands a second. Exactly what ``_KMSG_RE`` accepts (one match:
@@ -726,7 +742,7 @@ class KernelLogFollower:
     ``boot_time`` then only dates records). The live log is never read this way.
 
     ``bounded`` (the daemon's follower) makes each call after the first read of a
-    file return at most about 1 MiB / 5,000 records; the rest comes with the next
+    file return at most about 256 KiB / 2,000 records; the rest comes with the next
     calls, at once (``wait()`` does not sleep while more is there). The first read of
     a file stays whole: its boot filter needs every line of it.
     """
@@ -902,9 +918,13 @@ class KernelLogFollower:
     # -- character device ------------------------------------------------------
 
     def _read_records(self) -> list[KernelRecord]:
-        out: list[KernelRecord] = []
+        # One read() is one record (the device's contract); the records of a turn are read
+        # first and parsed together (_device_records), which in a storm costs less than parsing
+        # each as it comes (bench/storm_device.py at 20,000 lines/s: 4.7-5.2 us a line, 5.3 before).
+        chunks: list[bytes] = []
+        gaps: set[int] = set()  # indices of chunks read right after an EPIPE
         limit = _TURN_RECORDS if self.bounded else None
-        while self._fd is not None and (limit is None or len(out) < limit):
+        while self._fd is not None and (limit is None or len(chunks) < limit):
             try:
                 data = self._reader(self._fd, _KMSG_READ_SIZE)
             except BlockingIOError:
@@ -914,7 +934,7 @@ class KernelLogFollower:
             except BrokenPipeError:
                 # The ring overwrote records we had not read; the next read
                 # returns the oldest survivor and its seq tells how many.
-                self._epipe = True
+                gaps.add(len(chunks))
                 continue
             except OSError as e:
                 self.last_error = e
@@ -922,8 +942,11 @@ class KernelLogFollower:
                 break
             if not data:
                 break
-            text = data.decode("utf-8", "replace")
-            rec = parse_line(text)
+            chunks.append(data)
+        out: list[KernelRecord] = []
+        for i, rec in enumerate(_device_records(chunks)):
+            if gaps and i in gaps:
+                self._epipe = True
             seq = rec.seq
             if seq is None:
                 self._record_malformed += 1
@@ -938,6 +961,8 @@ class KernelLogFollower:
                 self._last_seq = seq
             self._epipe = False
             out.append(rec)
+        if gaps and len(chunks) in gaps:  # an EPIPE after the last record read: the next one's
+            self._epipe = True
         return out
 
     # -- regular file ----------------------------------------------------------

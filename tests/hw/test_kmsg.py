@@ -23,6 +23,7 @@ from gpumon.hw.kmsg import (
     MAX_LINE_BYTES,
     KernelLogFollower,
     KernelRecord,
+    _device_records,
     _LineBuffer,
     parse_line,
     records_from_bytes,
@@ -681,6 +682,17 @@ def _device_follower(sock: socket.socket, reader: Callable[[int, int], bytes] = 
         return os.dup(sock.fileno())
 
     return KernelLogFollower(Path("/host/dev/kmsg"), opener=opener, reader=reader, poll_interval=0.05)
+
+
+def test_a_turn_of_device_records_parsed_together_is_what_each_parses_to_alone() -> None:
+    """_device_records (a turn's reads parsed in one block) gives parse_line's records, whether the
+    block path takes them (plain records) or not (a record with dictionary lines, a NUL)."""
+    plain = [(line + "\n").encode() for line in _lines("dev-kmsg-raw_nvswitch-open.log") if line]
+    assert len(plain) > 3
+    dictionary = b"4,3967,206764400,-;NVRM: Xid (PCI:0000:38:00): 13, x\n SUBSYSTEM=pci\n"
+    for chunks in (plain, [*plain[:2], dictionary, *plain[2:]], [*plain[:1], b"6,9,10,-;a\x00b\n"]):
+        assert _device_records(chunks) == [parse_line(c.decode("utf-8", "replace")) for c in chunks]
+    assert _device_records([]) == []
 
 
 def test_device_records(seqpacket: tuple[socket.socket, socket.socket]) -> None:
