@@ -1,7 +1,8 @@
 """What the in-job guard (gpumon.guard) costs per training step, per check, on a small transformer
 trained with real DDP.
 
-    .venv/bin/python bench/guard_overhead.py [--world 2] [--rounds 5] [--steps 100] [--device cpu|cuda]
+    .venv/bin/python bench/guard_overhead.py [--world 2] [--rounds 5] [--steps 100] [--launches 1]
+                                             [--device cpu|cuda]
 
 ``--world`` ranks are local processes (gloo on CPU, NCCL with ``--device cuda``, one GPU each),
 each training the same 2-layer ``nn.TransformerEncoder`` language model (d_model 128, 4 heads,
@@ -126,7 +127,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
 
     # the audit refuses a run that is not deterministic: every configuration runs so, alike
     deterministic()
-    kinds = ["none", "check1", "pace", "audit1", "all"]
+    kinds = list(args.order)
     setups = {kind: make(kind) for kind in kinds}
     notes: list[str] = []
     steps_done = dict.fromkeys(kinds, 0)
@@ -201,6 +202,9 @@ def main() -> int:
     ap.add_argument("--weight-calls", type=int, default=20, help="timed weight checks")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--size", choices=sorted(SIZES), default="small", help="the model (default small)")
+    ap.add_argument("--launches", type=int, default=1,
+                    help="fresh launches of the ranks, each with its own models and guards and the "
+                         "configurations in another order; rounds of every launch pooled (default 1)")
     ap.add_argument("--device", choices=("cpu", "cuda"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -209,11 +213,29 @@ def main() -> int:
         print(f"--device cuda: {torch.cuda.device_count()} GPU(s) for --world {args.world}")
         return 3
     load0 = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="guard-bench-") as out:
-        t0 = time.monotonic()
-        mp.spawn(worker, args=(args.world, _free_port(), args, out), nprocs=args.world, join=True)
-        wall = time.monotonic() - t0
-        res = json.loads(Path(out, "result.json").read_text())
+    # One process keeps one model and one guard per configuration: where each lands in memory, and
+    # which runs after which, moved a configuration's steps by more than check 1 costs (seen on
+    # this project's 2-core VM). Each launch builds them afresh, in another order, and the rounds
+    # of all launches are pooled.
+    kinds = ["none", "check1", "pace", "audit1", "all"]
+    t0 = time.monotonic()
+    res: dict[str, Any] = {}
+    for launch in range(max(1, args.launches)):
+        turned = kinds[launch % len(kinds):] + kinds[:launch % len(kinds)]
+        args.order = turned[::-1] if launch % 2 else turned
+        with tempfile.TemporaryDirectory(prefix="guard-bench-") as out:
+            mp.spawn(worker, args=(args.world, _free_port(), args, out), nprocs=args.world, join=True)
+            got = json.loads(Path(out, "result.json").read_text())
+        if not res:
+            res = got
+            continue
+        for key in ("rounds", "cpu"):
+            for kind, values in got[key].items():
+                res[key][kind] += values
+        res["weight_check_s"] += got["weight_check_s"]
+        res["notes"] += got["notes"]
+        res["disabled"].update(got["disabled"])
+    wall = time.monotonic() - t0
     load1 = os.getloadavg()
     what = (f"{torch.cuda.get_device_name(0)}, NCCL" if args.device == "cuda" else
             f"CPU, gloo, {args.threads} torch thread(s) per rank")
@@ -221,8 +243,9 @@ def main() -> int:
     print(f"torch {torch.__version__}; {args.world} ranks, {what}; TransformerEncoder {LAYERS} layers, "
           f"d_model {D_MODEL}, {HEADS} heads, ff {FF}, seq {SEQ}, micro-batch {BATCH}/rank, "
           f"{res['params']:,} parameters, AdamW")
-    print(f"{args.rounds} interleaved rounds x {args.steps} steps per configuration after {args.warmup} "
-          f"warm-up; load average {load0[0]:.1f} at start, {load1[0]:.1f} at end; wall {wall:.0f} s")
+    print(f"{max(1, args.launches)} launch(es) x {args.rounds} interleaved rounds x {args.steps} steps per "
+          f"configuration after {args.warmup} warm-up; load average {load0[0]:.1f} at start, "
+          f"{load1[0]:.1f} at end; wall {wall:.0f} s")
     for note in res["notes"]:
         print(note)
     if res["disabled"]:

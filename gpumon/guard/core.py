@@ -181,6 +181,19 @@ class Guard:
         self._local: dict[int, torch.Tensor] = {}  # param id -> local gradient's fingerprint
         self._flags: list[_BucketFlags] = []
         self._lock = threading.Lock()
+        # The all-reduce goes over the DDP model's own group. One that is not the whole job (data
+        # parallel inside tensor or pipeline parallelism) is refused: the guard's checks take every
+        # rank of the job for a replica of the same weights, and its all-reduce must never mix
+        # gradients of different data-parallel groups.
+        group = getattr(model, "process_group", None) or dist.group.WORLD
+        assert group is not None  # dist is initialised: DDP was built
+        self._ddp_group: dist.ProcessGroup = group
+        ddp_world = dist.get_world_size(self._ddp_group)
+        if ddp_world != dist.get_world_size():
+            raise ValueError(f"gpumon.guard: the DDP model's process group has {ddp_world} of the job's "
+                             f"{dist.get_world_size()} ranks: the guard compares every rank of the job as a "
+                             "replica of the same weights, so it guards DDP over the whole job only (with "
+                             "FSDP/HSDP use ShardedGuard)")
         self._inner: CommHook = comm_hook if comm_hook is not None else default_hooks.allreduce_hook
         self._inner_state = comm_state
         # Without a hook of the user's the guard does DDP's all-reduce itself, and the step's last
@@ -191,6 +204,7 @@ class Guard:
         # must be the same on every rank or the all-reduce would mix them.
         self._carry = comm_hook is None
         self._carried: torch.Tensor | None = None  # this step's flags, after the all-reduce
+        self._payload: torch.Tensor | None = None  # the last bucket's all-reduce buffer
         self._pending_local: list[torch.Tensor] = []  # this step's local flags, before it
         module = model.module
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -268,12 +282,10 @@ class Guard:
             self.pace.backward_done()  # this rank's backward is done; waiting for the others is not
         if self.disabled is None:
             try:
-                buf = bucket.buffer()
-                # one 0-d flag per bucket, on the device: no host sync inside the backward
-                flags = _BucketFlags(bucket.index(), nonfinite(buf),
+                # one 0-d flag per bucket, on the device: no host sync inside the backward (on the
+                # guard's own all-reduce it is taken there, on the divided buffer while it is hot)
+                flags = _BucketFlags(bucket.index(), None if self._carry else nonfinite(bucket.buffer()),
                                      params=list(bucket.parameters()))
-                assert flags.local_bad is not None
-                self._pending_local.append(flags.local_bad)
                 if self._auditor is not None and self._auditor.due(self.steps):
                     # the audited rank's own result: its LOCAL gradients, before the reduce changes
                     # them (fingerprints on the device, in stream order before the inner hook's div_)
@@ -283,8 +295,9 @@ class Guard:
                         self._local.update({k: v for k, v in got.items() if v is not None})
             except Exception as exc:
                 self._internal("the pre-reduce check", exc, raise_strict=False)
-        fut = (self._allreduce_carrying(state, bucket) if self._carry and bucket.is_last()
-               else self._inner(self._inner_state, bucket))
+        if self._carry:
+            return self._allreduce_own(bucket, flags)
+        fut = self._inner(self._inner_state, bucket)
         if flags is None:
             return fut
 
@@ -301,28 +314,64 @@ class Guard:
 
         return fut.then(after)
 
-    def _allreduce_carrying(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP's default all-reduce (sum of buffer / world) of the step's last bucket, with one
-        element per rank appended: 1 where that rank's local gradients had NaN/Inf. Runs on every
-        rank whatever the guard's state (a rank that is off sends 0), so the sizes always match."""
-        group = state if state is not None else dist.group.WORLD
-        world = dist.get_world_size(group)
+    def _allreduce_own(self, bucket: GradBucket,
+                       flags: _BucketFlags | None) -> torch.futures.Future[torch.Tensor]:
+        """DDP's default all-reduce (the sum of the buffer / world, over the model's group) with the
+        check on both sides: the local flag on the divided buffer (x / world is finite exactly when x
+        is), the reduced one in the all-reduce's one callback. The step's last bucket carries one
+        element per rank: 1 where that rank's local gradients had NaN/Inf. Runs on every rank
+        whatever the guard's state (a rank that is off sends 0), so the sizes always match. The
+        process group is called directly: the Python wrapper of ``dist.all_reduce`` and the
+        default hook's second callback cost more per bucket than the check (bench/guard_overhead.py)."""
+        group = self._ddp_group
+        world = group.size()
         buf = bucket.buffer()
+        last = bucket.is_last()
         n = buf.numel()
-        payload = torch.zeros(n + world, dtype=buf.dtype, device=buf.device)
-        payload[:n].copy_(buf).div_(world)
-        pending, self._pending_local = self._pending_local, []
-        if self.disabled is None and pending:
-            payload[n + dist.get_rank(group)] = torch.stack(pending).any().to(buf.dtype)
-        fut: torch.futures.Future[Any] = dist.all_reduce(payload, group=group, async_op=True).get_future()
+        if last:
+            sent = self._payload_for(n + world, buf)
+            torch.div(buf, world, out=sent[:n])
+            local = sent[:n]
+        else:
+            sent = local = buf.div_(world)
+        if flags is not None:
+            try:
+                flags.local_bad = nonfinite(local)
+                self._pending_local.append(flags.local_bad)
+            except Exception as exc:
+                self._internal("the pre-reduce check", exc, raise_strict=False)
+        if last:
+            tail = sent[n:]
+            tail.zero_()
+            pending, self._pending_local = self._pending_local, []
+            if self.disabled is None and pending:
+                tail[group.rank()] = torch.stack(pending).any()
+        fut: torch.futures.Future[Any] = group.allreduce([sent]).get_future()
 
-        def unpack(done: torch.futures.Future[Any]) -> torch.Tensor:
-            out = done.value()[0]
-            buf.copy_(out[:n])
-            self._carried = out[n:] != 0
+        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
+            if last:
+                out = f.value()[0]
+                buf.copy_(out[:n])
+                self._carried = out[n:] != 0
+            if flags is not None:
+                try:
+                    flags.reduced_bad = nonfinite(buf)
+                    with self._lock:
+                        self._flags.append(flags)
+                except Exception as exc:  # never fail the bucket's future: DDP would raise in backward
+                    self._internal("the post-reduce check", exc, raise_strict=False)
             return buf
 
-        return fut.then(unpack)
+        return fut.then(done)
+
+    def _payload_for(self, size: int, like: torch.Tensor) -> torch.Tensor:
+        """The last bucket's all-reduce buffer, kept from step to step (a fresh one of a bucket's
+        size each step cost more than the check on a CPU: allocation and page faults). Safe to
+        reuse: DDP waits for every bucket's future before backward() returns."""
+        p = self._payload
+        if p is None or p.numel() != size or p.dtype != like.dtype or p.device != like.device:
+            p = self._payload = torch.empty(size, dtype=like.dtype, device=like.device)
+        return p
 
     # -- before / after optimizer.step() ------------------------------------------------------------
 
@@ -507,20 +556,21 @@ class Guard:
                          carried: torch.Tensor | None = None) -> GuardAlarm | None:
         local = [f.local_bad for f in flags if f.local_bad is not None]
         reduced = [f.reduced_bad for f in flags if f.reduced_bad is not None]
-        mine = torch.zeros(2, dtype=torch.bool, device=self._device)
-        if local:
-            mine[0] = torch.stack(local).any()
-        if reduced:
-            mine[1] = torch.stack(reduced).any()
         step = self.steps
         if carried is not None and carried.numel() == self.world:
             # every rank's local flag came with the gradients: the same list on every rank
-            summary = torch.cat([carried, mine[1:]]).to("cpu")  # the one host sync of the step
+            summary = (torch.cat([carried, torch.stack(reduced).any().reshape(1)]) if reduced
+                       else carried).tolist()  # the one host sync of the step
             bad_local = [r for r in range(self.world) if summary[r]]
-            bad_reduced = [self.rank] if bool(summary[-1]) else []
+            bad_reduced = [self.rank] if reduced and summary[-1] else []
             if bad_reduced and not bad_local:
                 bad_reduced = self._exchange_reduced(step)
         else:
+            mine = torch.zeros(2, dtype=torch.bool, device=self._device)
+            if local:
+                mine[0] = torch.stack(local).any()
+            if reduced:
+                mine[1] = torch.stack(reduced).any()
             vec = torch.zeros(2, self.world, dtype=torch.int32)
             vec[:, self.rank] = mine.to("cpu", torch.int32)  # the one host sync of the step
             dist.all_reduce(vec, group=self._group)

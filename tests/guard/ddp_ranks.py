@@ -199,6 +199,52 @@ def reduce_nan(rank: int, world: int, out: Path, at: int, bad: int | None) -> di
     return result
 
 
+def same_bits(rank: int, world: int, out: Path, steps: int = 6) -> dict[str, Any]:
+    """Plain DDP (its built-in all-reduce) and a guarded DDP (the guard's own all-reduce, the flags
+    riding the last bucket) trained side by side from the same weights on the same micro-batches.
+    The sums are the same up to their order (gloo cuts a buffer of another size into other chunks,
+    and the guard divides before the sum as DDP's Python hook does): the largest difference of a
+    weight after each step, and the guarded weights' bits to compare across ranks."""
+    def wide() -> tuple[DDP, torch.optim.Optimizer]:
+        # 1.4 MB of gradients: more than DDP's first bucket (1 MiB) holds, so more than one bucket
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 600), torch.nn.Tanh(), torch.nn.Linear(600, 600),
+                                  torch.nn.Tanh(), torch.nn.Linear(600, 4))
+        model = DDP(net, bucket_cap_mb=0.5)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    plain, plain_opt = wide()
+    guarded, guarded_opt = wide()
+    guard = Guard(guarded, guarded_opt, weight_check_every=0, timeout_s=30, write_verdicts=False,
+                  pace_window=0)
+    worst: list[float] = []
+    buckets: list[int] = []
+    for step in range(steps):
+        for model, opt in ((plain, plain_opt), (guarded, guarded_opt)):
+            opt.zero_grad()
+            forward_backward(model, rank, step)
+        plain_opt.step()
+        buckets.append(len(guard._flags))  # one per bucket the hook saw
+        guard.step()
+        worst.append(max(float((a - b).abs().max()) for a, b in zip(
+            plain.module.state_dict().values(), guarded.module.state_dict().values(), strict=True)))
+    return {"worst": worst, "weights": weights(guarded), "alarms": guard.skipped_steps,
+            "buckets": buckets, "changed": weights(guarded) != weights(wide()[0])}
+
+
+def subgroup(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """DDP over a data-parallel group smaller than the job (ranks 0-1, and rank 2 alone): refused."""
+    groups = [dist.new_group([0, 1]), dist.new_group(list(range(2, world)))]
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = DDP(net, process_group=groups[0 if rank < 2 else 1])
+    try:
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.05), timeout_s=30, write_verdicts=False)
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    return {"refused": None}
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     scenarios = sys.argv[5].split(",")
@@ -221,6 +267,10 @@ def main() -> None:
             result[name] = reduce_nan(rank, world, out, at=3, bad=1)
         elif name == "reduce-nan-all":
             result[name] = reduce_nan(rank, world, out, at=3, bad=None)
+        elif name == "same-bits":
+            result[name] = same_bits(rank, world, out)
+        elif name == "subgroup":
+            result[name] = subgroup(rank, world, out)
         elif name == "wedged":
             result[name] = wedged_peer(rank, world, out, at=2, late=world - 1, timeout_s=1.5, user_hook=True)
         elif name == "wedged-weights":

@@ -29,6 +29,33 @@ def test_a_healthy_run_of_200_steps_raises_no_alarm(three: tuple[Path, list[dict
         assert ident["host"] == socket.gethostname()
 
 
+def test_the_guards_own_all_reduce_gives_plain_ddps_mean_and_equal_replicas(
+        three: tuple[Path, list[dict[str, Any]]]) -> None:
+    """The guard all-reduces the buckets itself (the flags ride the last one): the weights after
+    every step are plain DDP's up to the order of the sum (a wrong divisor, a missing bucket or the
+    wrong group would be off by far more than 1e-6), and every replica holds the same bits."""
+    _, ranks = three
+    for res in ranks:
+        sb = res["same-bits"]
+        # DDP rebuilds its buckets after the first step: then the last bucket and another
+        assert min(sb["buckets"][1:]) >= 2, sb["buckets"]
+        assert len(sb["worst"]) == 6 and max(sb["worst"]) < 1e-6, sb["worst"]
+        assert sb["changed"] is True  # the steps did train
+        assert sb["alarms"] == []
+    bits = [res["same-bits"]["weights"] for res in ranks]
+    assert bits[0] == bits[1] == bits[2]
+
+
+def test_ddp_over_a_group_smaller_than_the_job_is_refused(three: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Data parallel inside a larger job (DDP's process_group a subgroup): the guard would take
+    ranks of other groups for replicas, and its all-reduce must not mix their gradients."""
+    _, ranks = three
+    for r, res in enumerate(ranks):
+        said = res["subgroup"]["refused"]
+        assert said is not None, r
+        assert f"has {2 if r < 2 else 1} of the job's 3 ranks" in said and "ShardedGuard" in said
+
+
 def test_nan_in_one_ranks_forward_is_named_before_the_update_and_no_weight_changes(
         three: tuple[Path, list[dict[str, Any]]]) -> None:
     out, ranks = three
