@@ -16,10 +16,11 @@ fingerprints every ``--weight-check-every`` steps (check 3), and every ``--ckpt-
 
 - ``nan``: the last rank's forward at ``--fault-step`` gets one exponent bit flipped in one output
   of a matmul (a value in [1, 2) becomes Inf, its gradients NaN). The guard names that rank before
-  the update; no rank applies it; every rank exits 16.
+  the update; no rank applies it; every rank exits 16 (torchrun may stop a rank still on its way
+  out with SIGTERM once the first has exited; every verdict is written before any rank leaves).
 - ``weight-flip``: rank 1's ``optimizer.step()`` at ``--fault-step`` gets one low mantissa bit of
   one updated weight flipped (finite, wrong). The next weight check names rank 1 and the parameter;
-  every rank exits 16.
+  every rank exits 16 (or SIGTERM from torchrun, as above).
 
 Each rank that is named writes its verdict file into the node's guard spool (``$GPUMON_GUARD_DIR``,
 else ``OUT/spool`` here; on a node with gpumon's daemon it is /var/lib/gpumon/guard, which the daemon

@@ -616,7 +616,9 @@ class Guard:
                     "the update is skipped on every rank", ranks_nonfinite_reduced=bad_reduced,
                     reduce_on_every_rank=every))
             # The all-reduce on every rank names no GPU: no node file (the fabric probe is the tool).
-            return self._alarm(verdicts, skipped=True, write_files=not every)
+            # Ranks whose result was finite have no alarm: only with every rank's is it collective.
+            return self._alarm(verdicts, skipped=True, write_files=not every,
+                               every_rank=every or carried is None or carried.numel() != self.world)
         return None
 
     def _exchange_reduced(self, step: int) -> list[int]:
@@ -721,7 +723,11 @@ class Guard:
         return Verdict(check=check, fault=fault, step=step, message=message, subject=subject,
                        evidence=evidence, job=job_id(), time=when, id=new_id(subject, when))
 
-    def _alarm(self, verdicts: list[Verdict], *, skipped: bool, write_files: bool = True) -> GuardAlarm:
+    def _alarm(self, verdicts: list[Verdict], *, skipped: bool, write_files: bool = True,
+               every_rank: bool = True) -> GuardAlarm:
+        """The alarm of ``verdicts``, after each named rank wrote its verdict file. ``every_rank``:
+        every rank has this alarm now (the guard's decisions are collective, except a reduce result
+        that only some ranks saw non-finite); they then leave it together (``leave_together``)."""
         for v in verdicts:
             # each named rank reports itself, on its own node, to that node's daemon
             if write_files and self.write_verdicts and v.subject.rank == self.rank:
@@ -730,6 +736,11 @@ class Guard:
                 except OSError as exc:
                     log.error("gpumon.guard: could not write the verdict for the node's daemon: %s "
                               "(is the spool directory there and writable by this job?)", exc)
+        if every_rank and self.world > 1 and self.disabled is None:
+            failed = leave_together(self._group, self.timeout_s)
+            if failed is not None:
+                self._internal("waiting for every rank to have written its verdict", failed,
+                               raise_strict=False)
         return GuardAlarm(verdicts, skipped=skipped)
 
     def _raise_or_log(self, alarm: GuardAlarm) -> None:
@@ -751,6 +762,20 @@ class Guard:
                       "this run, training goes on", where, type(exc).__name__, exc)
         if self.strict and raise_strict:
             raise GuardError(f"gpumon.guard: internal error in {where}: {exc}") from exc
+
+
+def leave_together(group: Any, timeout_s: float) -> Exception | None:
+    """Every rank of ``group`` has the same alarm: wait until each has got this far, so that none
+    leaves it first. A loop exits on an alarm, and a launcher stops the other ranks as soon as one
+    exits (torchrun): a named rank still keeping its failing step or writing its verdict would be
+    killed before the node's daemon heard of its GPU (seen in CI). Bounded by ``timeout_s``; the
+    error (a rank that never came) is returned, never raised."""
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s),
+                               wait_all_ranks=True)
+    except Exception as exc:
+        return exc
+    return None
 
 
 def json_key(value: Any) -> str:

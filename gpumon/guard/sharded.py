@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from gpumon.guard.core import GuardAlarm, GuardError, nonfinite
+from gpumon.guard.core import GuardAlarm, GuardError, leave_together, nonfinite
 from gpumon.guard.identity import identify
 from gpumon.guard.verdict import Identity, Verdict, job_id, new_id, write
 from gpumon.sdc.fingerprint import Fingerprint, fingerprint_tensor
@@ -505,6 +505,11 @@ class ShardedGuard:
                     self.verdict_files.append(write(v, self.spool_dir))
                 except OSError as exc:
                     log.error("gpumon.guard: could not write the verdict for the node's daemon: %s", exc)
+        if self.world > 1 and self.disabled is None:  # every alarm here is every rank's
+            failed = leave_together(self._group, self.timeout_s)
+            if failed is not None:
+                self._internal("waiting for every rank to have written its verdict", failed,
+                               raise_strict=False)
         return GuardAlarm(verdicts, skipped=skipped)
 
     def _raise_or_log(self, alarm: GuardAlarm) -> None:

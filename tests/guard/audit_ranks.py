@@ -105,11 +105,13 @@ def train(guard: Guard, model: DDP, opt: torch.optim.Optimizer, rank: int, steps
         try:
             applied = guard.step(loss, batch)
         except GuardAlarm as a:
-            alarms.append({"step": step, "unchanged": weights(model) == before, **alarm_json(a)})
+            alarms.append({"step": step, "unchanged": weights(model) == before, "left_ns": time.time_ns(),
+                           **alarm_json(a)})
             applied = False
         del applied
     return {"alarms": alarms, "disabled": guard.disabled, "steps": guard.steps, "audits": guard.audits,
             "files": sorted(str(p) for p in guard.verdict_files),
+            "written_ns": [os.stat(p).st_mtime_ns for p in guard.verdict_files],
             "bundles": sorted(str(p) for p in guard.bundles), "final": weights(model)}
 
 

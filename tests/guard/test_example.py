@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     return done
 
 
+def exit_codes_ok(out: str) -> None:
+    """torchrun's failure summary: the first rank to exit left with 16; each other rank either
+    exited 16 too or was still on its way out when torchrun stopped it (SIGTERM). The ranks leave
+    the alarm together, after the named rank's verdict is written (the tests read it)."""
+    first = re.search(r"exitcode  : (-?\d+)", out[out.index("Root Cause (first observed failure)"):])
+    assert first is not None and first.group(1) == "16", out
+    codes = re.findall(r"exitcode  : (-?\d+)", out)
+    assert len(codes) == 3 and set(codes) <= {"16", "-15"} and "16" in codes, out
+
 def resume_point(capsys: pytest.CaptureFixture[str], ckpt: Path,
                  spool: Path | None = None) -> tuple[int, dict[str, Any]]:
     """What ``gpumon guard checkpoints CKPT [--verdicts SPOOL] --json`` says (in this process: the
@@ -89,7 +99,7 @@ def test_nan_in_one_ranks_forward_exits_16_names_it_and_resume_is_before_it(
     cwd, proc = runs["nan"]
     out = proc.stdout
     assert proc.returncode != 0  # torchrun's own code is 1; it lists what each rank exited with
-    assert out.count("exitcode  : 16") == 3, out
+    exit_codes_ok(out)
     assert "GUARD ALARM: step 11: rank 2's local gradients have NaN/Inf before the all-reduce" in out
     assert "ranks named: [2]; update skipped: True; exit code 16" in out
     (v,) = verdicts(cwd / "guard-demo" / "spool")
@@ -104,7 +114,8 @@ def test_a_flipped_weight_bit_exits_16_at_the_next_weight_check_and_names_rank_1
         capsys: pytest.CaptureFixture[str]) -> None:
     cwd, proc = runs["weight-flip"]
     out = proc.stdout
-    assert proc.returncode != 0 and out.count("exitcode  : 16") == 3, out
+    assert proc.returncode != 0
+    exit_codes_ok(out)
     assert "GUARD ALARM: after step 14: rank 1's weights differ from the majority (2 of 3" in out
     assert "ranks named: [1]; update skipped: False; exit code 16" in out
     (v,) = verdicts(cwd / "guard-demo" / "spool")

@@ -106,6 +106,18 @@ def test_a_persistent_fault_is_named_on_its_own_micro_batch_and_the_one_it_audit
     assert len(ranks[1]["persistent"]["files"]) == 1 and ranks[0]["persistent"]["files"] == []
 
 
+
+def test_no_rank_leaves_an_alarm_before_the_named_rank_has_written_its_verdict(three: Launch) -> None:
+    """A loop that exits on the alarm, under a launcher that stops the other ranks when one exits
+    (torchrun): the ranks not named must not get out of the alarm before the named rank's verdict
+    file is written (it keeps the failing step first, which takes longest), or the node's daemon
+    never hears of the GPU. Seen in CI: rank 1 stopped by torchrun, its spool empty."""
+    _, ranks = three
+    (written,) = ranks[1]["persistent"]["written_ns"]
+    for r, res in enumerate(ranks):
+        left = one_alarm(res["persistent"], 5)["left_ns"]
+        assert left >= written, f"rank {r} left the alarm {(written - left) / 1e6:.1f} ms before rank 1 wrote"
+
 def test_a_healthy_run_audited_every_5_steps_raises_no_alarm(three: Launch) -> None:
     """200 steps with dropout (seed_step), zero_grad(set_to_none=False), 40 audits: no alarm."""
     _, ranks = three
