@@ -24,7 +24,8 @@ fingerprints every ``--weight-check-every`` steps (check 3), and every ``--ckpt-
 
 Each rank that is named writes its verdict file into the node's guard spool (``$GPUMON_GUARD_DIR``,
 else ``OUT/spool`` here; on a node with gpumon's daemon it is /var/lib/gpumon/guard, which the daemon
-reads). Rank 0 prints the alarm and the command that names the checkpoint to resume from. Runs on
+reads) and logs its path (``gpumon.guard: rank R: verdict written for this node's daemon: PATH``)
+before any rank leaves the alarm. Rank 0 prints the alarm and the command that names the checkpoint to resume from. Runs on
 CPU (gloo) or, when torch sees CUDA, one GPU per rank (NCCL).
 
 Defaults scale with ``--steps``: a weight check and a checkpoint every ``steps // 4`` steps, the
@@ -140,18 +141,16 @@ def main() -> int:
                     if rank == 0:
                         print(f"checkpoint step {step}: {att.verdict}", flush=True)
     except GuardAlarm as alarm:
-        return on_alarm(alarm, guard, rank, args.out, spool)
+        return on_alarm(alarm, rank, args.out, spool)
     if rank == 0:
         print(f"done: {step} steps, no alarm; checkpoints in {ckpt_dir}", flush=True)
     dist.destroy_process_group()
     return 0
 
 
-def on_alarm(alarm: GuardAlarm, guard: Guard, rank: int, out: Path, spool: Path) -> int:
+def on_alarm(alarm: GuardAlarm, rank: int, out: Path, spool: Path) -> int:
     """What a training job does with an alarm: say it, and exit with the code a launcher reads
     (16: requeue from the last verified checkpoint without the named node)."""
-    for f in guard.verdict_files:
-        print(f"rank {rank}: verdict written for this node's daemon: {f}", flush=True)
     if rank == 0:
         print(f"GUARD ALARM: {alarm}", flush=True)
         print(f"ranks named: {alarm.ranks}; update skipped: {alarm.skipped}; exit code {alarm.exit_code}",

@@ -491,11 +491,7 @@ class Guard:
         log.warning("gpumon.guard: %s", "; ".join(v.message for v in verdicts))
         for v in verdicts:
             if self.write_verdicts and v.subject.rank == self.rank:
-                try:
-                    self.verdict_files.append(write(v, self.spool_dir))
-                except OSError as exc:
-                    log.error("gpumon.guard: could not write the straggler verdict for the node's daemon: "
-                              "%s", exc)
+                hand_over(v, self.spool_dir, self.verdict_files)
         if self.on_straggler is not None:
             try:
                 self.on_straggler(verdicts)
@@ -554,7 +550,6 @@ class Guard:
 
     def _judge_gradients(self, flags: list[_BucketFlags], batch: Any = None,
                          carried: torch.Tensor | None = None) -> GuardAlarm | None:
-        local = [f.local_bad for f in flags if f.local_bad is not None]
         reduced = [f.reduced_bad for f in flags if f.reduced_bad is not None]
         step = self.steps
         if carried is not None and carried.numel() == self.world:
@@ -566,6 +561,7 @@ class Guard:
             if bad_reduced and not bad_local:
                 bad_reduced = self._exchange_reduced(step)
         else:
+            local = [f.local_bad for f in flags if f.local_bad is not None]
             mine = torch.zeros(2, dtype=torch.bool, device=self._device)
             if local:
                 mine[0] = torch.stack(local).any()
@@ -731,11 +727,7 @@ class Guard:
         for v in verdicts:
             # each named rank reports itself, on its own node, to that node's daemon
             if write_files and self.write_verdicts and v.subject.rank == self.rank:
-                try:
-                    self.verdict_files.append(write(v, self.spool_dir))
-                except OSError as exc:
-                    log.error("gpumon.guard: could not write the verdict for the node's daemon: %s "
-                              "(is the spool directory there and writable by this job?)", exc)
+                hand_over(v, self.spool_dir, self.verdict_files)
         if every_rank and self.world > 1 and self.disabled is None:
             failed = leave_together(self._group, self.timeout_s)
             if failed is not None:
@@ -762,6 +754,20 @@ class Guard:
                       "this run, training goes on", where, type(exc).__name__, exc)
         if self.strict and raise_strict:
             raise GuardError(f"gpumon.guard: internal error in {where}: {exc}") from exc
+
+
+def hand_over(v: Verdict, spool_dir: str | Path | None, files: list[Path]) -> None:
+    """Write this rank's verdict for its node's daemon and say where, in the job's log, at once: a
+    launcher stops the other ranks when the first one exits, so a line printed after the alarm is
+    raised may never be written (torchrun's SIGTERM), while this one is out before the ranks leave."""
+    try:
+        path = write(v, spool_dir)
+    except OSError as exc:
+        log.error("gpumon.guard: rank %d: could not write the %s verdict for the node's daemon: %s (is the "
+                  "spool directory there and writable by this job?)", v.subject.rank, v.check, exc)
+        return
+    files.append(path)
+    log.warning("gpumon.guard: rank %d: verdict written for this node's daemon: %s", v.subject.rank, path)
 
 
 def leave_together(group: Any, timeout_s: float) -> Exception | None:

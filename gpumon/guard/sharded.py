@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from gpumon.guard.core import GuardAlarm, GuardError, leave_together, nonfinite
+from gpumon.guard.core import GuardAlarm, GuardError, hand_over, leave_together, nonfinite
 from gpumon.guard.identity import identify
-from gpumon.guard.verdict import Identity, Verdict, job_id, new_id, write
+from gpumon.guard.verdict import Identity, Verdict, job_id, new_id
 from gpumon.sdc.fingerprint import Fingerprint, fingerprint_tensor
 
 log = logging.getLogger("gpumon.guard")
@@ -501,10 +501,7 @@ class ShardedGuard:
     def _alarm(self, verdicts: Sequence[Verdict], *, skipped: bool, write_files: bool = True) -> GuardAlarm:
         for v in verdicts:
             if write_files and self.write_verdicts and v.subject.rank == self.rank:
-                try:
-                    self.verdict_files.append(write(v, self.spool_dir))
-                except OSError as exc:
-                    log.error("gpumon.guard: could not write the verdict for the node's daemon: %s", exc)
+                hand_over(v, self.spool_dir, self.verdict_files)
         if self.world > 1 and self.disabled is None:  # every alarm here is every rank's
             failed = leave_together(self._group, self.timeout_s)
             if failed is not None:
