@@ -12,6 +12,8 @@ DDP model, measured in interleaved rounds of ``--steps`` steps (so that load on 
 them alike), the median round per configuration:
 
 - ``none``: plain DDP, no guard;
+- ``hook``: plain DDP with its all-reduce as a Python comm hook and no check (``bare_hook``): the
+  floor of a check done in a comm hook, as check 1 is;
 - ``check 1``: ``Guard(weight_check_every=0)``: the non-finite gradient check every step (comm hook
   + one flag all-reduce on the guard's gloo group);
 - ``check 3``: the weight fingerprint check (``guard.check_weights()``), timed by itself and
@@ -114,6 +116,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if kind == "none":
             return model, opt, None
+        if kind == "hook":
+            model.register_comm_hook(None, bare_hook)
+            return model, opt, None
         extra: dict[str, Any] = {}
         if kind in ("audit1", "all"):
             extra = {"audit_every": 1 if kind == "audit1" else args.audit_every, "batch_for": rebuild,
@@ -189,6 +194,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def bare_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default all-reduce as a Python comm hook, with no check: what the guard's hook does
+    without its checks (the sum of buffer / world over the model's group, the process group called
+    directly, one callback). What it costs over DDP's built-in C++ all-reduce is the floor of any
+    check that is done in a DDP comm hook, as issue 19 asks for check 1."""
+    group = dist.group.WORLD
+    assert group is not None
+    buf = bucket.buffer().div_(group.size())
+    return group.allreduce([buf]).get_future().then(lambda f: f.value()[0])
+
+
+# DDP compares a hook's annotations with the real objects; this module's are strings (__future__)
+bare_hook.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
+                             "return": torch.futures.Future[torch.Tensor]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2, help="ranks (local processes), default 2")
@@ -217,7 +238,7 @@ def main() -> int:
     # which runs after which, moved a configuration's steps by more than check 1 costs (seen on
     # this project's 2-core VM). Each launch builds them afresh, in another order, and the rounds
     # of all launches are pooled.
-    kinds = ["none", "check1", "pace", "audit1", "all"]
+    kinds = ["none", "hook", "check1", "pace", "audit1", "all"]
     t0 = time.monotonic()
     res: dict[str, Any] = {}
     for launch in range(max(1, args.launches)):
@@ -264,6 +285,10 @@ def main() -> int:
           f"{'rank 0 CPU/step':>20}")
     print(f"{'none (plain DDP)':<44}{base * 1e3:>11.2f} ms{spread['none'][0] * 1e3:>11.2f}.."
           f"{spread['none'][1] * 1e3:<8.2f} ms{'':>8}{cpu['none'] * 1e3:>12.2f} ms")
+    hook = (med["hook"] - base) / base * 100
+    print(f"{'floor: a Python comm hook, no check':<44}{med['hook'] * 1e3:>11.2f} ms"
+          f"{spread['hook'][0] * 1e3:>11.2f}..{spread['hook'][1] * 1e3:<8.2f} ms{hook:>+10.2f} %"
+          f"{cpu_text('hook'):>21}")
     print(f"{'check 1 (non-finite gradients, every step)':<44}{med['check1'] * 1e3:>11.2f} ms"
           f"{spread['check1'][0] * 1e3:>11.2f}..{spread['check1'][1] * 1e3:<8.2f} ms{c1:>+10.2f} %"
           f"{cpu_text('check1'):>21}")
@@ -282,7 +307,10 @@ def main() -> int:
           f"{spread['all'][1] * 1e3:<8.2f} ms{c_all:>+10.2f} %{cpu_text('all'):>21}")
     total = c1 + cp + c2 + c3
     print(f"{'amortised sum (check 1 + pace + check 2 + 3)':<44}{'':>14}{'':>22}{total:>+10.2f} %")
-    print("\noverhead = (median step time - none's) / none's; check 3 = one check's time / N / none's "
+    print(f"{'check 1 over the floor':<44}{'':>14}{'':>22}{c1 - hook:>+10.2f} %")
+    print("\noverhead = (median step time - none's) / none's; floor = DDP's all-reduce as a Python "
+          "comm hook without a check (check 1 is such a hook: its cost over DDP's C++ all-reduce is "
+          "in every design that checks in the hook); check 3 = one check's time / N / none's "
           "step; check 2 = (a step audited every step - a check-1 step) / M / none's step; "
           "rank 0 CPU/step = that process's CPU time (all its threads) per step, which other "
           "load on the machine disturbs less than wall time. On a shared machine the rounds' spread is "
