@@ -25,8 +25,8 @@ fingerprints every ``--weight-check-every`` steps (check 3), and every ``--ckpt-
 Each rank that is named writes its verdict file into the node's guard spool (``$GPUMON_GUARD_DIR``,
 else ``OUT/spool`` here; on a node with gpumon's daemon it is /var/lib/gpumon/guard, which the daemon
 reads) and logs its path (``gpumon.guard: rank R: verdict written for this node's daemon: PATH``)
-before any rank leaves the alarm. Rank 0 prints the alarm and the command that names the checkpoint to resume from. Runs on
-CPU (gloo) or, when torch sees CUDA, one GPU per rank (NCCL).
+before any rank leaves the alarm. Rank 0 prints the alarm and the command that names the
+checkpoint to resume from. Runs on CPU (gloo) or, when torch sees CUDA, one GPU per rank (NCCL).
 
 Defaults scale with ``--steps``: a weight check and a checkpoint every ``steps // 4`` steps, the
 fault at ``steps * 0.55`` (with 200 steps: checks and checkpoints at 50, 100, 150, 200, the fault
