@@ -35,7 +35,16 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 from _machine import describe  # noqa: E402
-from storm import _free_port, _read_node, _scrape, _xid_bus, _xid_shown, storm_messages  # noqa: E402
+from storm import (  # noqa: E402
+    _bare,
+    _free_port,
+    _rate,
+    _read_node,
+    _scrape,
+    _xid_bus,
+    _xid_shown,
+    storm_messages,
+)
 
 from gpumon.hw.kernellog import KernelLogSource  # noqa: E402
 from gpumon.kernel_pump import KernelLogPump  # noqa: E402
@@ -188,7 +197,17 @@ def _daemon(args: argparse.Namespace, sim: Path, lines: Path, count: int, load: 
     print(f"Xid 79 on gpu/{PROBE_GPU} half-way through the storm -> /metrics: "
           + (f"{1e3 * (seen_at - written_at):.0f} ms" if seen_at is not None else "NOT SHOWN"))
     print(f"Xid 13 on gpu/1 on /metrics after the storm: {'yes' if shown else 'NO'}")
+    unit = bare_us(json.loads(lines.read_text()))
+    print(f"bare prefilter + one regex over the same lines: {unit:.3f} us a line; the daemon without the "
+          f"probe window: {1e6 * bare / args.rate / unit:.1f}x that")
     return 0
+
+def bare_us(messages: list[str]) -> float:
+    """This thread's CPU per line for a bare prefilter + one regex over the same lines (bench/
+    storm.py's yardstick): the per-line figures above divided by it travel between machines of
+    other speeds, as storm.py's same-run ratio does."""
+    return 1e6 / _rate(_bare, messages, 1.0)[0]
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,6 +282,9 @@ def main() -> int:
           f"merged repeats {stats['merged']}")
     print(f"pump thread: {cpu:.2f} s CPU = {1e6 * cpu / max(read, 1):.2f} us a line = "
           f"{100 * cpu / wall:.1f} % of a core at the rate achieved")
+    unit = bare_us([msg for _, msg in msgs])
+    print(f"bare prefilter + one regex over the same lines: {unit:.3f} us a line; the pump thread: "
+          f"{1e6 * cpu / max(read, 1) / unit:.1f}x that")
     return 0
 
 
