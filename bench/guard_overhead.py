@@ -14,8 +14,9 @@ them alike), the median round per configuration:
 - ``none``: plain DDP, no guard;
 - ``hook``: plain DDP with its all-reduce as a Python comm hook and no check (``bare_hook``): the
   floor of a check done in a comm hook, as check 1 is;
-- ``check 1``: ``Guard(weight_check_every=0)``: the non-finite gradient check every step (comm hook
-  + one flag all-reduce on the guard's gloo group);
+- ``check 1``: ``Guard(weight_check_every=0)``: the non-finite gradient check every step (the
+  guard's comm hook: a NaN/Inf test of each bucket before and after the all-reduce, every rank's
+  local flag carried in the last bucket, one host read of the flags before ``optimizer.step()``);
 - ``check 3``: the weight fingerprint check (``guard.check_weights()``), timed by itself and
   amortised over N = ``--weight-every`` (100) steps;
 - ``check 2``: the ring re-execution audit, measured as a guard auditing every step
