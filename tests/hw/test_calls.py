@@ -41,7 +41,7 @@ def test_a_hung_gpu_call_is_named_and_later_calls_are_answered_at_once(gate: thr
         assert (later.value.call, later.value.component, later.value.seconds) == (
             "nvmlDeviceGetTemperature(gpu/4)", "gpu/4", 0.2)
         assert "nvmlDeviceGetPowerUsage(gpu/4) not attempted" in str(later.value)
-    assert time.monotonic() - start < 0.1
+    assert time.monotonic() - start < 0.5  # five waits of 0.2 s would be 1 s
     assert caller.call("gpu5", "nvmlDeviceGetPowerUsage(gpu/5)", lambda: 5, 0.2) == 5  # other GPUs go on
     # the hung call returns: the lane recovers
     gate.set()

@@ -134,21 +134,21 @@ def test_a_hung_read_costs_only_that_file(fifo_root: Path) -> None:
 
 
 def test_a_file_still_stuck_is_refused_at_once_and_the_others_read(fifo_root: Path) -> None:
-    fs = Hardware(fifo_root, fs_timeout=0.2).fs
+    fs = Hardware(fifo_root, fs_timeout=0.5).fs
     rels = ["sys/before", "sys/stuck", "sys/after"]
     fs.read_batch(rels, label="sample")
     start = time.monotonic()
     again = fs.read_batch(rels, label="sample")
-    assert time.monotonic() - start < 0.1  # the stuck file is not waited for again
+    assert time.monotonic() - start < 0.25  # the stuck file is not waited for again (0.5 s)
     assert (again["sys/before"], again["sys/after"]) == ("before", "after")
     cond = again["sys/stuck"]
-    assert isinstance(cond, LaneHung) and cond.call == "read(sys/stuck)" and cond.seconds == 0.2
+    assert isinstance(cond, LaneHung) and cond.call == "read(sys/stuck)" and cond.seconds == 0.5
     assert "not attempted" in str(cond)
     # read on its own: the same answer, at once; other files and listings are not held up
     with pytest.raises(LaneHung):
         fs.read_text("sys/stuck")
     assert fs.read_text("sys/after") == "after" and "stuck" in fs.listdir("sys")
-    assert time.monotonic() - start < 0.2
+    assert time.monotonic() - start < 0.4
 
 
 def test_reads_of_different_files_do_not_wait_behind_a_stuck_one(fifo_root: Path) -> None:
