@@ -100,7 +100,81 @@ class WeightReport:
         return len(self.groups) == 1
 
 
-class Guard:
+class GuardBase:
+    """What ``Guard`` and ``ShardedGuard`` share: their options, the verdicts they make, how an
+    alarm is handed over and raised, and how an internal error turns the guard off."""
+
+    identities: list[Identity]
+    _group: Any
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 weight_check_every: int, on_alarm: str, callback: Callable[[GuardAlarm], None] | None,
+                 strict: bool, timeout_s: float, spool_dir: str | Path | None, write_verdicts: bool) -> None:
+        if on_alarm not in ("raise", "skip"):
+            raise ValueError(f"on_alarm: {on_alarm!r} is not one of raise, skip")
+        if weight_check_every < 0:
+            raise ValueError("weight_check_every: must be >= 0 (0: only on demand)")
+        self.model = model
+        self.optimizer = optimizer
+        self.weight_check_every = weight_check_every
+        self.on_alarm = on_alarm
+        self.callback = callback
+        self.strict = strict
+        self.timeout_s = timeout_s
+        self.spool_dir = spool_dir
+        self.write_verdicts = write_verdicts
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.steps = 0  # optimizer steps the guard has seen (applied or skipped)
+        self.skipped_steps: list[int] = []
+        self.disabled: str | None = None  # why the guard switched itself off
+        self.verdict_files: list[Path] = []
+
+    def _verdict(self, rank: int, check: str, step: int, message: str, *, fault: str = "unknown",
+                 **evidence: Any) -> Verdict:
+        subject = self.identities[rank]
+        when = time.time()
+        return Verdict(check=check, fault=fault, step=step, message=message, subject=subject,
+                       evidence=evidence, job=job_id(), time=when, id=new_id(subject, when))
+
+    def _alarm(self, verdicts: Sequence[Verdict], *, skipped: bool, write_files: bool = True,
+               every_rank: bool = True) -> GuardAlarm:
+        """The alarm of ``verdicts``, after each named rank wrote its verdict file. ``every_rank``:
+        every rank has this alarm now (the guard's decisions are collective, except a reduce result
+        that only some ranks saw non-finite); they then leave it together (``leave_together``)."""
+        for v in verdicts:
+            # each named rank reports itself, on its own node, to that node's daemon
+            if write_files and self.write_verdicts and v.subject.rank == self.rank:
+                hand_over(v, self.spool_dir, self.verdict_files)
+        if every_rank and self.world > 1 and self.disabled is None:
+            failed = leave_together(self._group, self.timeout_s)
+            if failed is not None:
+                self._internal("waiting for every rank to have written its verdict", failed,
+                               raise_strict=False)
+        return GuardAlarm(verdicts, skipped=skipped)
+
+    def _raise_or_log(self, alarm: GuardAlarm) -> None:
+        log.error("gpumon.guard: %s", alarm)
+        if self.callback is not None:
+            try:
+                self.callback(alarm)
+            except Exception as exc:
+                self._internal("the user's callback", exc, raise_strict=False)
+        if self.on_alarm == "raise":
+            raise alarm
+
+    def _internal(self, where: str, exc: BaseException, *, raise_strict: bool = True) -> None:
+        """An internal error: the guard switches itself off (its group may be out of step after a
+        timeout) and training goes on; in strict mode it is raised."""
+        if self.disabled is None:
+            self.disabled = f"{where}: {type(exc).__name__}: {exc}"
+            log.error("gpumon.guard: internal error in %s (%s: %s); the guard is off for the rest of "
+                      "this run, training goes on", where, type(exc).__name__, exc)
+        if self.strict and raise_strict:
+            raise GuardError(f"gpumon.guard: internal error in {where}: {exc}") from exc
+
+
+class Guard(GuardBase):
     """SDC checks in a DDP training step.
 
     - non-finite gradients: a comm hook flags NaN/Inf in each bucket's local gradients before the
@@ -144,10 +218,6 @@ class Guard:
                  model_kwargs: dict[str, Any] | None = None, bundle_dir: str | Path | None = None,
                  pace_window: int = 100, pace_of_last: int = 5, pace_need: int = 3,
                  on_straggler: Callable[[list[Verdict]], None] | None = None) -> None:
-        if on_alarm not in ("raise", "skip"):
-            raise ValueError(f"on_alarm: {on_alarm!r} is not one of raise, skip")
-        if weight_check_every < 0:
-            raise ValueError("weight_check_every: must be >= 0 (0: only on demand)")
         if audit_every < 0:
             raise ValueError("audit_every: must be >= 0 (0: no audit)")
         if audit_every and (batch_for is None or loss_fn is None):
@@ -155,21 +225,10 @@ class Guard:
                              "micro-batch) and loss_fn(model, batch) (the forward and the loss)")
         if audit_every and dist.get_world_size() < 2:
             raise ValueError("audit_every: the audit needs at least 2 ranks (a rank cannot audit itself)")
-        self.model = model
-        self.optimizer = optimizer
-        self.weight_check_every = weight_check_every
-        self.on_alarm = on_alarm
-        self.callback = callback
-        self.strict = strict
-        self.timeout_s = timeout_s
-        self.spool_dir = spool_dir
-        self.write_verdicts = write_verdicts
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.steps = 0  # optimizer steps the guard has seen (applied or skipped)
-        self.skipped_steps: list[int] = []
-        self.disabled: str | None = None  # why the guard switched itself off
-        self.verdict_files: list[Path] = []
+        super().__init__(model, optimizer, weight_check_every=weight_check_every, on_alarm=on_alarm,
+                         callback=callback, strict=strict, timeout_s=timeout_s, spool_dir=spool_dir,
+                         write_verdicts=write_verdicts)
+        self.model: torch.nn.parallel.DistributedDataParallel = model
         self.bundles: list[Path] = []  # failing steps this rank kept
         self.audits = 0  # audits run (every rank takes part in each)
         self.audit_every = audit_every
@@ -686,7 +745,7 @@ class Guard:
         if majority is not None:
             ref = gathered[majority[0]]
             for r in sorted(r for g in groups[1:] for r in g):
-                first, count = _first_difference(gathered[r], ref)
+                first, count = first_difference(gathered[r], ref)
                 name = self._named[first][0]
                 verdicts.append(self._verdict(
                     r, "weights", step,
@@ -694,13 +753,14 @@ class Guard:
                     f"{self.world} replicas agree), first at parameter {name!r} "
                     f"({self.identities[r].describe()}); not rerun, so transient or persistent is "
                     "unknown", first_parameter=name, parameter_index=first, parameters_differing=count,
-                    fingerprint=_fp(gathered[r][first]), majority_fingerprint=_fp(ref[first]),
+                    fingerprint=fingerprint_hex(gathered[r][first]),
+                    majority_fingerprint=fingerprint_hex(ref[first]),
                     majority_ranks=majority))
         else:
             for g in groups:
                 for r in g:
                     other = next(o for o in range(self.world) if o not in g)
-                    first, count = _first_difference(gathered[r], gathered[other])
+                    first, count = first_difference(gathered[r], gathered[other])
                     name = self._named[first][0]
                     why = ("two replicas cannot outvote each other" if self.world == 2
                            else f"no strict majority among {self.world} replicas")
@@ -709,55 +769,12 @@ class Guard:
                         f"{when}: weights disagree between replicas ({why}): rank {r} "
                         f"({self.identities[r].describe()}) differs from rank {other} first at parameter "
                         f"{name!r}; which is wrong is unknown", first_parameter=name, parameter_index=first,
-                        parameters_differing=count, fingerprint=_fp(gathered[r][first]),
+                        parameters_differing=count, fingerprint=fingerprint_hex(gathered[r][first]),
                         groups=groups, other_rank=other,
                         other=self.identities[other].describe()))
         return WeightReport(step, groups, verdicts)
 
     # -- verdicts ----------------------------------------------------------------------------------
-
-    def _verdict(self, rank: int, check: str, step: int, message: str, *, fault: str = "unknown",
-                 **evidence: Any) -> Verdict:
-        subject = self.identities[rank]
-        when = time.time()
-        return Verdict(check=check, fault=fault, step=step, message=message, subject=subject,
-                       evidence=evidence, job=job_id(), time=when, id=new_id(subject, when))
-
-    def _alarm(self, verdicts: list[Verdict], *, skipped: bool, write_files: bool = True,
-               every_rank: bool = True) -> GuardAlarm:
-        """The alarm of ``verdicts``, after each named rank wrote its verdict file. ``every_rank``:
-        every rank has this alarm now (the guard's decisions are collective, except a reduce result
-        that only some ranks saw non-finite); they then leave it together (``leave_together``)."""
-        for v in verdicts:
-            # each named rank reports itself, on its own node, to that node's daemon
-            if write_files and self.write_verdicts and v.subject.rank == self.rank:
-                hand_over(v, self.spool_dir, self.verdict_files)
-        if every_rank and self.world > 1 and self.disabled is None:
-            failed = leave_together(self._group, self.timeout_s)
-            if failed is not None:
-                self._internal("waiting for every rank to have written its verdict", failed,
-                               raise_strict=False)
-        return GuardAlarm(verdicts, skipped=skipped)
-
-    def _raise_or_log(self, alarm: GuardAlarm) -> None:
-        log.error("gpumon.guard: %s", alarm)
-        if self.callback is not None:
-            try:
-                self.callback(alarm)
-            except Exception as exc:
-                self._internal("the user's callback", exc, raise_strict=False)
-        if self.on_alarm == "raise":
-            raise alarm
-
-    def _internal(self, where: str, exc: BaseException, *, raise_strict: bool = True) -> None:
-        """An internal error: the guard switches itself off (its group may be out of step after a
-        timeout) and training goes on; in strict mode it is raised."""
-        if self.disabled is None:
-            self.disabled = f"{where}: {type(exc).__name__}: {exc}"
-            log.error("gpumon.guard: internal error in %s (%s: %s); the guard is off for the rest of "
-                      "this run, training goes on", where, type(exc).__name__, exc)
-        if self.strict and raise_strict:
-            raise GuardError(f"gpumon.guard: internal error in {where}: {exc}") from exc
 
 
 def hand_over(v: Verdict, spool_dir: str | Path | None, files: list[Path]) -> None:
@@ -804,12 +821,13 @@ def nonfinite(buf: torch.Tensor) -> torch.Tensor:
     return torch.logical_not(torch.isfinite(buf.sum(dtype=acc)))
 
 
-def _fp(row: torch.Tensor) -> str:
+def fingerprint_hex(row: torch.Tensor) -> str:
+    """A parameter's 128-bit fingerprint from its row of two int64s (as gathered), in hex."""
     plain, weighted = (int(v) & 0xFFFFFFFFFFFFFFFF for v in row.tolist())
     return Fingerprint(plain, weighted).hex()
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
     """(index of the first parameter whose fingerprints differ, how many differ)."""
     diff = (a != b).any(dim=1).nonzero().reshape(-1)
     return int(diff[0]), int(diff.numel())

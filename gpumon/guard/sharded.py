@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,10 +41,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from gpumon.guard.core import GuardAlarm, GuardError, hand_over, leave_together, nonfinite
+from gpumon.guard.core import GuardAlarm, GuardBase, GuardError, fingerprint_hex, first_difference, nonfinite
 from gpumon.guard.identity import identify
-from gpumon.guard.verdict import Identity, Verdict, job_id, new_id
-from gpumon.sdc.fingerprint import Fingerprint, fingerprint_tensor
+from gpumon.guard.verdict import Identity, Verdict
+from gpumon.sdc.fingerprint import fingerprint_tensor
 
 log = logging.getLogger("gpumon.guard")
 
@@ -189,7 +188,7 @@ def _flagging_reduce_scatter(guard: ShardedGuard) -> Any:
     return FlaggingReduceScatter()
 
 
-class ShardedGuard:
+class ShardedGuard(GuardBase):
     """SDC checks in an FSDP / HSDP training step (see this module's docstring for what applies).
 
     ``model``: the root ``FullyShardedDataParallel`` or the root ``fully_shard``'ed module;
@@ -203,27 +202,11 @@ class ShardedGuard:
                  callback: Callable[[GuardAlarm], None] | None = None, strict: bool = False,
                  timeout_s: float = 120.0, spool_dir: str | Path | None = None,
                  write_verdicts: bool = True) -> None:
-        if on_alarm not in ("raise", "skip"):
-            raise ValueError(f"on_alarm: {on_alarm!r} is not one of raise, skip")
-        if weight_check_every < 0:
-            raise ValueError("weight_check_every: must be >= 0 (0: only on demand)")
         from torch.distributed.fsdp import FSDPModule
 
-        self.model = model
-        self.optimizer = optimizer
-        self.weight_check_every = weight_check_every
-        self.on_alarm = on_alarm
-        self.callback = callback
-        self.strict = strict
-        self.timeout_s = timeout_s
-        self.spool_dir = spool_dir
-        self.write_verdicts = write_verdicts
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.steps = 0
-        self.skipped_steps: list[int] = []
-        self.disabled: str | None = None
-        self.verdict_files: list[Path] = []
+        super().__init__(model, optimizer, weight_check_every=weight_check_every, on_alarm=on_alarm,
+                         callback=callback, strict=strict, timeout_s=timeout_s, spool_dir=spool_dir,
+                         write_verdicts=write_verdicts)
         self.place = place_of(model, mesh)
         self._pending_local: list[torch.Tensor] = []
         self._pieces = local_pieces(model)
@@ -360,7 +343,7 @@ class ShardedGuard:
                 f"step {step}: rank {r}'s local gradients have NaN/Inf before the reduce-scatter "
                 f"({self.places[r].describe()}; {self.identities[r].describe()}); the update is skipped "
                 "on every rank", ranks_nonfinite_local=bad_local, ranks_nonfinite_shards=bad_shards,
-                **self._place_evidence(r), **({"parameters": where} if r == self.rank else {}))
+                **self._place_evidence(r, where))
                 for r in bad_local]
             return self._alarm(verdicts, skipped=True)
         if not bad_shards:
@@ -374,7 +357,7 @@ class ShardedGuard:
                 r, "nonfinite_reduce", step,
                 f"step {step}: {what} (rank {r}, {self.places[r].describe()}); the update is skipped on "
                 "every rank", ranks_nonfinite_shards=bad_shards, reduce_on_every_rank=every,
-                **self._place_evidence(r), **({"parameters": where} if r == self.rank else {}))
+                **self._place_evidence(r, where))
                 for r in bad_shards]
             return self._alarm(verdicts, skipped=True, write_files=not every)
         verdicts = [self._verdict(
@@ -383,7 +366,7 @@ class ShardedGuard:
             "which rank's gradients caused it is unknown (the reduce-scatter sums every rank's gradients "
             f"before any rank sees them, and {self._no_inputs_why()}); the update is skipped on every rank",
             ranks_nonfinite_shards=bad_shards, source_known=False,
-            **self._place_evidence(r), **({"parameters": where} if r == self.rank else {}))
+            **self._place_evidence(r, where))
             for r in bad_shards]
         # no GPU is named: nothing for a node's daemon
         return self._alarm(verdicts, skipped=True, write_files=False)
@@ -457,7 +440,7 @@ class ShardedGuard:
             if majority is not None:
                 ref = rows[majority[0]]
                 for r in sorted(r for g in split[1:] for r in g):
-                    first, count = _first_difference(rows[r], ref)
+                    first, count = first_difference(rows[r], ref)
                     verdicts.append(self._verdict(
                         r, "weights", step,
                         f"{when}: rank {r} ({self.places[r].describe()}) holds shard {j} differently from "
@@ -465,7 +448,8 @@ class ShardedGuard:
                         f"parameter {names[first]!r} ({self.identities[r].describe()}); not rerun, so "
                         "transient or persistent is unknown",
                         first_parameter=names[first], parameter_index=first, parameters_differing=count,
-                        fingerprint=_fp(rows[r][first]), majority_fingerprint=_fp(ref[first]),
+                        fingerprint=fingerprint_hex(rows[r][first]),
+                        majority_fingerprint=fingerprint_hex(ref[first]),
                         majority_ranks=majority, shard_group=members, **self._place_evidence(r)))
                 continue
             why = ("two replicas cannot outvote each other" if n == 2
@@ -473,66 +457,26 @@ class ShardedGuard:
             for g in split:
                 for r in g:
                     other = next(o for o in members if o not in g)
-                    first, count = _first_difference(rows[r], rows[other])
+                    first, count = first_difference(rows[r], rows[other])
                     verdicts.append(self._verdict(
                         r, "weights", step,
                         f"{when}: the replicas of shard {j} disagree ({why}): rank {r} "
                         f"({self.places[r].describe()}; {self.identities[r].describe()}) differs from rank "
                         f"{other} ({self.places[other].describe()}) first at parameter {names[first]!r}; "
                         "which is wrong is unknown", first_parameter=names[first], parameter_index=first,
-                        parameters_differing=count, fingerprint=_fp(rows[r][first]), groups=split,
+                        parameters_differing=count, fingerprint=fingerprint_hex(rows[r][first]), groups=split,
                         other_rank=other, other=self.identities[other].describe(), shard_group=members,
                         **self._place_evidence(r)))
         return ShardedWeightReport(step, True, "", groups, verdicts)
 
     # -- verdicts ----------------------------------------------------------------------------------
 
-    def _place_evidence(self, rank: int) -> dict[str, Any]:
+    def _place_evidence(self, rank: int, parameters: list[str] | None = None) -> dict[str, Any]:
+        """``rank``'s place in the mesh, and ``parameters`` (the non-finite ones this rank found)
+        when ``rank`` is this rank: only it has looked at its own gradients."""
         p = self.places[rank]
-        return {"replica": p.replica, "shard": p.shard, "replicas": p.replicas, "shards": p.shards,
-                "strategy": p.strategy}
-
-    def _verdict(self, rank: int, check: str, step: int, message: str, **evidence: Any) -> Verdict:
-        subject = self.identities[rank]
-        when = time.time()
-        return Verdict(check=check, fault="unknown", step=step, message=message, subject=subject,
-                       evidence=evidence, job=job_id(), time=when, id=new_id(subject, when))
-
-    def _alarm(self, verdicts: Sequence[Verdict], *, skipped: bool, write_files: bool = True) -> GuardAlarm:
-        for v in verdicts:
-            if write_files and self.write_verdicts and v.subject.rank == self.rank:
-                hand_over(v, self.spool_dir, self.verdict_files)
-        if self.world > 1 and self.disabled is None:  # every alarm here is every rank's
-            failed = leave_together(self._group, self.timeout_s)
-            if failed is not None:
-                self._internal("waiting for every rank to have written its verdict", failed,
-                               raise_strict=False)
-        return GuardAlarm(verdicts, skipped=skipped)
-
-    def _raise_or_log(self, alarm: GuardAlarm) -> None:
-        log.error("gpumon.guard: %s", alarm)
-        if self.callback is not None:
-            try:
-                self.callback(alarm)
-            except Exception as exc:
-                self._internal("the user's callback", exc, raise_strict=False)
-        if self.on_alarm == "raise":
-            raise alarm
-
-    def _internal(self, where: str, exc: BaseException, *, raise_strict: bool = True) -> None:
-        if self.disabled is None:
-            self.disabled = f"{where}: {type(exc).__name__}: {exc}"
-            log.error("gpumon.guard: internal error in %s (%s: %s); the guard is off for the rest of this "
-                      "run, training goes on", where, type(exc).__name__, exc)
-        if self.strict and raise_strict:
-            raise GuardError(f"gpumon.guard: internal error in {where}: {exc}") from exc
-
-
-def _fp(row: torch.Tensor) -> str:
-    plain, weighted = (int(v) & 0xFFFFFFFFFFFFFFFF for v in row.tolist())
-    return Fingerprint(plain, weighted).hex()
-
-
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
-    diff = (a != b).any(dim=1).nonzero().reshape(-1)
-    return int(diff[0]), int(diff.numel())
+        said: dict[str, Any] = {"replica": p.replica, "shard": p.shard, "replicas": p.replicas,
+                                "shards": p.shards, "strategy": p.strategy}
+        if parameters is not None and rank == self.rank:
+            said["parameters"] = parameters
+        return said
