@@ -129,6 +129,20 @@ class GuardBase:
         self.skipped_steps: list[int] = []
         self.disabled: str | None = None  # why the guard switched itself off
         self.verdict_files: list[Path] = []
+        # set once this step's gradients are known to be bad (on every rank that must skip its
+        # update): an error after that, while describing or keeping the step, skips it all the same
+        self._bad_step = False
+
+    def _judged_bad(self, where: str, exc: Exception) -> bool:
+        """``before_step``'s answer after an internal error in ``where``: the guard is off (or
+        ``GuardError`` in strict mode); the update is skipped if the step was already judged bad."""
+        self._internal(where, exc)
+        if not self._bad_step:
+            return True
+        log.error("gpumon.guard: step %d was judged bad before that error: its update is skipped",
+                  self.steps)
+        self.skipped_steps.append(self.steps)
+        return False
 
     def _verdict(self, rank: int, check: str, step: int, message: str, *, fault: str = "unknown",
                  **evidence: Any) -> Verdict:
@@ -477,6 +491,7 @@ class Guard(GuardBase):
             if self.strict:
                 raise GuardError(f"gpumon.guard is off: {self.disabled}")
             return True
+        self._bad_step = False
         try:
             alarm = self._judge_gradients(flags, batch, carried)
             if alarm is None and self.audit_due():
@@ -484,8 +499,7 @@ class Guard(GuardBase):
         except AuditError:
             raise
         except Exception as exc:
-            self._internal("the audit" if self.audit_due() else "the gradient check", exc)
-            return True
+            return self._judged_bad("the audit" if self.audit_due() else "the gradient check", exc)
         if alarm is None:
             return True
         self.skipped_steps.append(self.steps)
@@ -578,6 +592,7 @@ class Guard(GuardBase):
         self.audits += 1
         if not blames:
             return None
+        self._bad_step = True
         verdicts = [self._verdict(b.rank, b.check, step, b.message, fault=b.fault, **b.evidence)
                     for b in blames]
         verdicts = [self._keep(v, b.owner, step, batch if b.owner == self.rank else None)
@@ -585,10 +600,22 @@ class Guard(GuardBase):
         return self._alarm(verdicts, skipped=True)
 
     def _keep(self, v: Verdict, owner: int, step: int, batch: Any) -> Verdict:
-        """The named rank keeps the failing step (the micro-batch of ``owner``) and says where."""
+        """The named rank keeps the failing step (the micro-batch of ``owner``) and says where. Best
+        effort: the verdict goes out whatever keeping the step does (the user's loss_fn, a full disk)."""
         if v.subject.rank != self.rank or not self.write_verdicts or self._loss_fn is None:
             return v
+        try:
+            return self._keep_step(v, owner, step, batch)
+        except Exception as exc:
+            log.error("gpumon.guard: step %d: could not keep the failing step: %s: %s", step,
+                      type(exc).__name__, exc)
+            return replace(v, evidence={**v.evidence, "bundle": None,
+                                        "bundle_error": f"{type(exc).__name__}: {exc}"})
+
+    def _keep_step(self, v: Verdict, owner: int, step: int, batch: Any) -> Verdict:
         from gpumon.guard.keep import keep_step
+
+        assert self._loss_fn is not None  # (_keep)
 
         if batch is None and self._auditor is not None:
             try:
@@ -635,6 +662,8 @@ class Guard(GuardBase):
             dist.all_reduce(vec, group=self._group)
             bad_local = [r for r in range(self.world) if vec[0, r]]
             bad_reduced = [r for r in range(self.world) if vec[1, r]]
+        if bad_local or bad_reduced:
+            self._bad_step = True
         if bad_local:
             where = self._bad_params(flags, local=True) if self.rank in bad_local else []
             reran: dict[int, tuple[str, str, dict[str, Any]]] = {}
@@ -698,16 +727,21 @@ class Guard(GuardBase):
         return [r for r in range(self.world) if vec[r]]
 
     def _bad_params(self, flags: list[_BucketFlags], *, local: bool) -> list[str]:
-        """Names of this rank's parameters with non-finite gradients (only computed on an alarm)."""
+        """Names of this rank's parameters with non-finite gradients (only computed on an alarm; best
+        effort: none named when the look fails, e.g. out of memory for its per-element test)."""
         out: list[str] = []
-        for f in flags:
-            bad = f.local_bad if local else f.reduced_bad
-            if bad is None or not bool(bad):
-                continue
-            for p in f.params:
-                g = p.grad
-                if g is not None and not bool(torch.isfinite(g).all()):
-                    out.append(self._name_of.get(id(p), f"bucket {f.index}"))
+        try:
+            for f in flags:
+                bad = f.local_bad if local else f.reduced_bad
+                if bad is None or not bool(bad):
+                    continue
+                for p in f.params:
+                    g = p.grad
+                    if g is not None and not bool(torch.isfinite(g).all()):
+                        out.append(self._name_of.get(id(p), f"bucket {f.index}"))
+        except Exception as exc:
+            log.error("gpumon.guard: could not name the parameters with non-finite gradients: %s: %s",
+                      type(exc).__name__, exc)
         return out[:20]
 
     # -- weights -----------------------------------------------------------------------------------
@@ -786,6 +820,10 @@ def hand_over(v: Verdict, spool_dir: str | Path | None, files: list[Path]) -> No
     except OSError as exc:
         log.error("gpumon.guard: rank %d: could not write the %s verdict for the node's daemon: %s (is the "
                   "spool directory there and writable by this job?)", v.subject.rank, v.check, exc)
+        return
+    except Exception as exc:  # never out of an alarm: the ranks must still leave it together
+        log.error("gpumon.guard: rank %d: could not write the %s verdict for the node's daemon: %s: %s",
+                  v.subject.rank, v.check, type(exc).__name__, exc)
         return
     files.append(path)
     log.warning("gpumon.guard: rank %d: verdict written for this node's daemon: %s", v.subject.rank, path)

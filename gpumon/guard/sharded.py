@@ -300,11 +300,11 @@ class ShardedGuard(GuardBase):
             if self.strict:
                 raise GuardError(f"gpumon.guard is off: {self.disabled}")
             return True
+        self._bad_step = False
         try:
             alarm = self._judge_gradients(pending)
         except Exception as exc:
-            self._internal("the gradient check", exc)
-            return True
+            return self._judged_bad("the gradient check", exc)
         if alarm is None:
             return True
         self.skipped_steps.append(self.steps)
@@ -336,6 +336,7 @@ class ShardedGuard(GuardBase):
         bad_shards = [r for r in range(self.world) if vec[1, r]]
         inputs_seen = bool(vec[2].all())
         step = self.steps
+        self._bad_step = bool(bad_local or bad_shards)
         if bad_local:
             where = self._bad_params() if self.rank in bad_local else []
             verdicts = [self._verdict(
@@ -381,9 +382,15 @@ class ShardedGuard(GuardBase):
         return "the guard has no hook before FSDP1's reduce-scatter (not built)"
 
     def _bad_params(self) -> list[str]:
-        """This rank's parameters whose local gradient shard is non-finite (only on an alarm)."""
-        return [n for n, g in local_pieces(self.model, grads=True)
-                if g.numel() and not bool(torch.isfinite(g).all())][:20]
+        """This rank's parameters whose local gradient shard is non-finite (only on an alarm; best
+        effort, as Guard's)."""
+        try:
+            return [n for n, g in local_pieces(self.model, grads=True)
+                    if g.numel() and not bool(torch.isfinite(g).all())][:20]
+        except Exception as exc:
+            log.error("gpumon.guard: could not name the parameters with non-finite gradients: %s: %s",
+                      type(exc).__name__, exc)
+            return []
 
     def after_step(self) -> None:
         """Count the step; the weight check when it is due."""

@@ -112,6 +112,35 @@ def nan_forward(rank: int, world: int, out: Path, at: int, bad: int) -> dict[str
     return result
 
 
+def nan_then_internal_error(rank: int, world: int, out: Path, at: int, bad: int) -> dict[str, Any]:
+    """NaN in rank ``bad``'s forward at step ``at``, and the guard's own look at that rank's
+    gradients then fails (as an out-of-memory of its per-element test would): an internal error
+    after the step was judged bad. Injected into the guard's code on that rank only, since no input
+    makes that look fail on a CPU."""
+    model, opt = build()
+    guard = Guard(model, opt, weight_check_every=0, spool_dir=out / f"spool-ie-r{rank}", timeout_s=2)
+    if rank == bad:
+        def fails(*args: Any, **kwargs: Any) -> list[str]:
+            raise RuntimeError("out of memory (injected into the guard's look at the gradients)")
+
+        guard._bad_params = fails  # type: ignore[method-assign]
+    spec = FaultSpec.parse(f"worker={bad},dtype=fp32,ops=addmm,range=1:1.99,bits=30:30,max_flips=1")
+    result: dict[str, Any] = {"alarms": []}
+    for step in range(at + 2):
+        opt.zero_grad()
+        forward_backward(model, rank, step, FaultInjector(spec) if (rank == bad and step == at) else None)
+        before = weights(model)
+        applied = guarded_step(guard, step, result)
+        if step == at:
+            result["applied_at"] = applied
+            result["unchanged_at"] = weights(model) == before
+    result["skipped"] = guard.skipped_steps
+    result["disabled"] = guard.disabled
+    result["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    result["final"] = weights(model)
+    return result
+
+
 def weight_flip(rank: int, world: int, out: Path, at: int, bad: int) -> dict[str, Any]:
     model, opt = build()
     guard = Guard(model, opt, weight_check_every=1, spool_dir=out / f"spool-w-r{rank}", timeout_s=30)
@@ -261,6 +290,8 @@ def main() -> None:
             result[name] = healthy(rank, world, out, int(os.environ.get("GUARD_HEALTHY_STEPS", "200")))
         elif name == "nan":
             result[name] = nan_forward(rank, world, out, at=5, bad=world - 1)
+        elif name == "nan-internal-error":
+            result[name] = nan_then_internal_error(rank, world, out, at=3, bad=world - 1)
         elif name == "flip":
             result[name] = weight_flip(rank, world, out, at=4, bad=1)
         elif name == "reduce-nan":

@@ -82,6 +82,25 @@ def test_nan_in_one_ranks_forward_is_named_before_the_update_and_no_weight_chang
     assert got.evidence["parameters"]  # the named rank says which of its gradients
 
 
+def test_an_internal_error_after_a_step_is_judged_bad_still_skips_its_update_on_every_rank(
+        three: tuple[Path, list[dict[str, Any]]]) -> None:
+    """The guard fails on the NaN rank while it describes the step (its look at the gradients):
+    that rank's guard is off, but the update it knew to be bad is not applied there either; the
+    other ranks raise the alarm, wait for it (bounded: timeout_s) and skip too. Before, that rank
+    applied the NaN gradients and the replicas diverged, one of them NaN."""
+    _, ranks = three
+    for r, res in enumerate(ranks):
+        ie = res["nan-internal-error"]
+        assert ie["applied_at"] is False and ie["unchanged_at"] is True, r
+        assert ie["skipped"] == [3] and ie["finite"] is True, r
+    bad = ranks[2]["nan-internal-error"]
+    assert bad["alarms"] == [] and "out of memory (injected" in bad["disabled"]
+    for res in ranks[:2]:
+        (alarm,) = res["nan-internal-error"]["alarms"]
+        assert alarm["step"] == 3 and alarm["ranks"] == [2]
+    assert len({res["nan-internal-error"]["final"][0] for res in ranks}) == 1  # the replicas agree
+
+
 def test_nan_after_the_reduce_with_finite_inputs_names_the_result_or_the_reduce(
         three: tuple[Path, list[dict[str, Any]]]) -> None:
     """Check 1's second half: every rank's local gradients finite, the all-reduce's result NaN (the
