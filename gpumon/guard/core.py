@@ -239,6 +239,18 @@ class Guard(GuardBase):
                              "micro-batch) and loss_fn(model, batch) (the forward and the loss)")
         if audit_every and dist.get_world_size() < 2:
             raise ValueError("audit_every: the audit needs at least 2 ranks (a rank cannot audit itself)")
+        syncing = [n or "the model" for n, m in model.module.named_modules()
+                   if isinstance(m, torch.nn.SyncBatchNorm)] if loss_fn is not None else []
+        if syncing:
+            # The audit, the reruns and a kept step run loss_fn on some ranks only (or on other
+            # micro-batches than the step's): a SyncBatchNorm forward then all-gathers on the
+            # job's default group with ranks that are not in it (a hang until NCCL's timeout) or
+            # mixes other micro-batches' statistics (false alarms). Refused on every rank alike.
+            raise ValueError(f"loss_fn: the model has SyncBatchNorm ({', '.join(syncing[:3])}), whose "
+                             "forward all-gathers across ranks; the guard's recomputations (audit, reruns, "
+                             "kept steps) run it on some ranks only and would hang or disagree. Leave "
+                             "loss_fn, batch_for and audit_every out (checks 1 and 3 still apply) or use "
+                             "BatchNorm")
         super().__init__(model, optimizer, weight_check_every=weight_check_every, on_alarm=on_alarm,
                          callback=callback, strict=strict, timeout_s=timeout_s, spool_dir=spool_dir,
                          write_verdicts=write_verdicts)

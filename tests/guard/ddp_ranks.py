@@ -274,6 +274,33 @@ def subgroup(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"refused": None}
 
 
+def sync_batchnorm(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """A model with SyncBatchNorm: its forward all-gathers, so the guard's recomputations (which
+    some ranks run and others do not) are refused; checks 1 and 3 still are the guard's. DDP
+    refuses SyncBatchNorm on a CPU module, so the layer is put in after wrapping (the guard looks
+    at the module tree only; nothing here runs a forward)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(),
+                              torch.nn.Linear(32, 4))
+    model = DDP(net)
+    net[1] = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net[1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def loss_fn(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    said: dict[str, Any] = {}
+    try:
+        Guard(model, opt, timeout_s=30, write_verdicts=False, audit_every=10, batch_for=batch,
+              loss_fn=loss_fn)
+        said["refused"] = None
+    except ValueError as exc:
+        said["refused"] = str(exc)
+    plain = Guard(model, opt, timeout_s=30, write_verdicts=False)  # no recomputation: guarded
+    said["plain_on"] = plain.disabled is None
+    return said
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     scenarios = sys.argv[5].split(",")
@@ -292,6 +319,8 @@ def main() -> None:
             result[name] = nan_forward(rank, world, out, at=5, bad=world - 1)
         elif name == "nan-internal-error":
             result[name] = nan_then_internal_error(rank, world, out, at=3, bad=world - 1)
+        elif name == "syncbn":
+            result[name] = sync_batchnorm(rank, world, out)
         elif name == "flip":
             result[name] = weight_flip(rank, world, out, at=4, bad=1)
         elif name == "reduce-nan":

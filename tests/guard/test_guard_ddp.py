@@ -56,6 +56,18 @@ def test_ddp_over_a_group_smaller_than_the_job_is_refused(three: tuple[Path, lis
         assert f"has {2 if r < 2 else 1} of the job's 3 ranks" in said and "ShardedGuard" in said
 
 
+def test_recomputations_are_refused_with_syncbatchnorm_on_every_rank(
+        three: tuple[Path, list[dict[str, Any]]]) -> None:
+    """SyncBatchNorm all-gathers in its forward: the audit's, the reruns' and a kept step's
+    forwards run on some ranks only, and would wait on the others until NCCL's timeout."""
+    _, ranks = three
+    for r, res in enumerate(ranks):
+        said = res["syncbn"]
+        assert said["refused"] is not None, r
+        assert "SyncBatchNorm (1)" in said["refused"] and "checks 1 and 3 still apply" in said["refused"]
+        assert said["plain_on"] is True
+
+
 def test_nan_in_one_ranks_forward_is_named_before_the_update_and_no_weight_changes(
         three: tuple[Path, list[dict[str, Any]]]) -> None:
     out, ranks = three
