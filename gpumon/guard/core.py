@@ -257,6 +257,7 @@ class Guard(GuardBase):
         self.model: torch.nn.parallel.DistributedDataParallel = model
         self.bundles: list[Path] = []  # failing steps this rank kept
         self.audits = 0  # audits run (every rank takes part in each)
+        self.audit_off: str | None = None  # why the audit stopped (an AuditError after the first)
         self.audit_every = audit_every
         self.seed = seed
         self.model_factory = model_factory
@@ -508,8 +509,16 @@ class Guard(GuardBase):
             alarm = self._judge_gradients(flags, batch, carried)
             if alarm is None and self.audit_due():
                 alarm = self._audit(loss, batch, local)
-        except AuditError:
-            raise
+        except AuditError as exc:
+            # at the first audit (step 0) it is the setup (batch_for, loss_fn, determinism): said at
+            # once, on every rank; later it is one step's data (a shard that fails to read): the
+            # audit is off for the rest of the run, its other checks and the training go on
+            if self.audits == 0 or self.strict:
+                raise
+            self.audit_off = str(exc)
+            log.error("gpumon.guard: step %d: the audit is off for the rest of this run, the other checks "
+                      "go on: %s", self.steps, exc)
+            return True
         except Exception as exc:
             return self._judged_bad("the audit" if self.audit_due() else "the gradient check", exc)
         if alarm is None:
@@ -589,7 +598,7 @@ class Guard(GuardBase):
 
     def audit_due(self) -> bool:
         """The step being taken (``steps``) is an audit step: 0, M, 2M, ... (``audit_every`` M)."""
-        return self._auditor is not None and self._auditor.due(self.steps)
+        return self._auditor is not None and self.audit_off is None and self._auditor.due(self.steps)
 
     def _audit(self, loss: torch.Tensor | None, batch: Any,
                local: dict[int, torch.Tensor]) -> GuardAlarm | None:

@@ -244,6 +244,19 @@ def contents(rank: int, out: Path) -> dict[str, Any]:
     return {"error": None}
 
 
+def later_shape(rank: int, out: Path) -> dict[str, Any]:
+    """The micro-batches rebuild right at step 0's audit and not at step 3's (rank 1 rebuilds rank
+    2's with 6 samples from then on: one shard of the data read differently): not a setup mistake,
+    so no AuditError into the training loop; the audit goes off and the run goes on."""
+    def bf(r: int, step: int) -> Batch:
+        b = batch_for(r, step)
+        return {k: v[:6] for k, v in b.items()} if (rank, r, step >= 3) == (1, 2, True) else b
+
+    model, opt = build()
+    guard = guard_for(model, opt, out, "later-shape", rank, bf=bf, audit_every=3)
+    return {**train(guard, model, opt, rank, 7, bf=bf), "audit_off": guard.audit_off}
+
+
 def dies(rank: int, world: int, out: Path, at: int, result: dict[str, Any]) -> None:
     """Rank 1's own backward at audit step ``at`` is wrong (one low bit, once), and rank 2 exits
     while it settles that disagreement (called on to compute rank 1's micro-batch). The others must
@@ -289,7 +302,7 @@ def dies(rank: int, world: int, out: Path, at: int, result: dict[str, Any]) -> N
 
 
 SCENARIOS = ("audit-healthy", "transient", "persistent", "nan-transient", "nan-persistent", "nan-application",
-             "nan-rerun-fails", "unseeded", "refuse", "shape", "contents", "dies")
+             "nan-rerun-fails", "unseeded", "refuse", "shape", "contents", "later-shape", "dies")
 
 
 def run(name: str, rank: int, world: int, out: Path, result: dict[str, Any]) -> None:
@@ -311,6 +324,8 @@ def run(name: str, rank: int, world: int, out: Path, result: dict[str, Any]) -> 
         result[name] = shape(rank, out)
     elif name == "contents":
         result[name] = contents(rank, out)
+    elif name == "later-shape":
+        result[name] = later_shape(rank, out)
     elif name == "dies":
         dies(rank, world, out, 2, result)
     else:

@@ -196,6 +196,22 @@ def test_a_rebuilt_micro_batch_with_other_contents_is_a_clear_error(three: Launc
         assert "rank 0's batch_for(1, 0) differs from what rank 1 trained on" in res["contents"]["error"]
 
 
+def test_a_micro_batch_that_no_longer_rebuilds_later_turns_the_audit_off_not_the_training(
+        three: Launch) -> None:
+    """Step 0's audit passed; at step 3's rank 1 rebuilds rank 2's micro-batch with another shape:
+    no AuditError reaches the loop (it would end a long run for one shard of data), every rank turns
+    the audit off with the reason, and the run, check 1 and the weight check go on."""
+    _, ranks = three
+    finals = set()
+    for r, res in enumerate(ranks):
+        ls = res["later-shape"]
+        assert ls["steps"] == 7 and ls["audits"] == 1 and ls["alarms"] == [] and ls["disabled"] is None, r
+        assert "another shape than the audited rank's" in ls["audit_off"], r
+        assert "rank 1 rebuilt rank 2's micro-batch of step 3" in ls["audit_off"], r
+        finals.add(ls["final"][0])
+    assert len(finals) == 1
+
+
 def test_a_rank_that_dies_during_an_audit_costs_the_others_at_most_the_timeout(three: Launch) -> None:
     """Rank 1's step 2 is wrong and rank 2 exits while it settles the disagreement (timeout_s 3):
     ranks 0 and 1 come back, skip the disputed update, name both GPUs of the dispute ``unknown``,
