@@ -321,7 +321,8 @@ class Guard(GuardBase):
             self._auditor.step_now = lambda: self.steps
             if audit_every:
                 self._refuse_unless_deterministic()
-            module.register_forward_pre_hook(self._auditor.pre_forward)
+            module.register_forward_pre_hook(self._never_raises("the audit's copy of the buffers",
+                                                                self._auditor.pre_forward))
         # stragglers: every rank times its own compute; every pace_window steps they are scored
         self.on_straggler = on_straggler
         self.pace: PaceMeter | None = None
@@ -331,6 +332,17 @@ class Guard(GuardBase):
             module.register_forward_pre_hook(self.pace.forward_pre)
         self._step_work: float | None = None
         model.register_comm_hook(None, self._hook)
+
+    def _never_raises(self, where: str, hook: Callable[..., None]) -> Callable[..., None]:
+        """``hook`` as a hook in the user's forward: never raises into it (an error turns the guard
+        off), and does nothing once the guard is off."""
+        def guarded(*args: Any) -> None:
+            if self.disabled is None:
+                try:
+                    hook(*args)
+                except Exception as exc:
+                    self._internal(where, exc, raise_strict=False)
+        return guarded
 
     def _refuse_unless_deterministic(self) -> None:
         """The audit compares bits across GPUs: every rank must be deterministic and alike. Refused

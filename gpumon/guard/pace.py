@@ -149,22 +149,37 @@ class PaceMeter:
         self._history: list[deque[bool]] = [deque(maxlen=of_last) for _ in range(world)]
         self._named: set[int] = set()
         self.active = True  # False while the guard itself computes (audit, reruns)
+        self._mark_failed = False
         self.windows: list[PaceWindow] = []
 
     # -- the step's time points (hooks) -------------------------------------------------------
 
+    # They run inside the user's forward, backward and optimizer step: they never raise (a time
+    # point that cannot be taken, e.g. a CUDA event out of memory, leaves that step unscored).
+
+    def _mark(self) -> Any:
+        try:
+            return self._marks.now()
+        except Exception as exc:
+            if not self._mark_failed:
+                self._mark_failed = True
+                log.error("gpumon.guard: pace: a step's time point could not be taken (%s: %s); such "
+                          "steps are left out of the straggler scores", type(exc).__name__, exc)
+            return None
+
     def forward_pre(self, *_: Any) -> None:
         if self.active and self._marks.start is None:
-            self._marks.start = self._marks.now()
+            self._marks.start = self._mark()
 
     def backward_done(self) -> None:
         if self.active and self._marks.start is not None:
-            self._marks.backward_done = self._marks.now()
+            self._marks.backward_done = self._mark()
 
     def optimizer(self, step_fn: Callable[[], Any]) -> None:
-        self._marks.opt_start = self._marks.now()
+        """Run ``step_fn`` (the optimizer's step) once, timed."""
+        self._marks.opt_start = self._mark()
         step_fn()
-        self._marks.opt_end = self._marks.now()
+        self._marks.opt_end = self._mark() if self._marks.opt_start is not None else None
 
     def end_step(self, work: float | None) -> None:
         """Close this step's record (whether or not the update was applied)."""

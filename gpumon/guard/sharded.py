@@ -218,11 +218,15 @@ class ShardedGuard(GuardBase):
         # FSDP never reshards differently), so that each check gathers only fingerprints.
         mine = (self.identity, self.place, [n for n, _ in self._pieces])
         said: list[Any] = [None] * self.world
-        dist.all_gather_object(said, mine, group=self._group)
+        try:
+            dist.all_gather_object(said, mine, group=self._group)
+        except Exception as exc:  # a rank later than timeout_s: off (as Guard), training goes on
+            self._internal("gathering the ranks' identities and places", exc)
+            said = [mine] * self.world
         self.identities: list[Identity] = [s[0] for s in said]
         self.places: list[Place] = [s[1] for s in said]
         self._names: list[list[str]] = [s[2] for s in said]
-        self._problem = self._check_layout()
+        self._problem = self._check_layout() if self.disabled is None else ""
         if self._problem:
             raise ValueError(f"ShardedGuard: {self._problem}")
         self.replicas = self.place.replicas
