@@ -54,8 +54,10 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 # How long ranks whose all-reduce result was non-finite wait for each other: every rank that got
 # such a result arrives within one step's skew (the result reached them all at once); one that never
 # arrives got a finite result. Bounded well below the guard's timeout_s (120 s): the job waits this
-# long once, on such a step only.
+# long once, on such a step only, and the ranks that did not come, already waiting in the guard's
+# next collective (the weight check, bounded by timeout_s), are still there when the wait ends.
 REDUCE_EXCHANGE_TIMEOUT_S = 15.0
+REDUCE_EXCHANGE_SHARE = 0.25  # of timeout_s, when that is less
 
 
 class GuardError(RuntimeError):
@@ -304,7 +306,9 @@ class Guard(GuardBase):
         # here: if that is every rank they learn it at once, if not the others never come and the
         # wait is short (an all-reduce that gave different ranks different results).
         self._reduce_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(
-            seconds=min(timeout_s, REDUCE_EXCHANGE_TIMEOUT_S))) if self._carry else self._group)
+            seconds=min(timeout_s * REDUCE_EXCHANGE_SHARE, REDUCE_EXCHANGE_TIMEOUT_S))) if self._carry
+            else self._group)
+        self._exchange_off: str | None = None  # why that group is out of step (a wait that timed out)
         self.identity = identify(self.rank, self.world, self._device)
         gathered: list[Any] = [None] * self.world
         self.identities: list[Identity] = [self.identity] * self.world
@@ -726,6 +730,11 @@ class Guard(GuardBase):
             return self._alarm(verdicts, skipped=True)
         if bad_reduced:
             every = len(bad_reduced) == self.world
+            # carried, some ranks only: the others saw a finite result and no alarm, and applied it
+            alone = carried is not None and carried.numel() == self.world and not every
+            skipped = ("the update is skipped on this rank only: the ranks whose result was finite applied "
+                       "it, so this replica's weights now differ from theirs (the weight check names it)"
+                       if alone else "the update is skipped on every rank")
             verdicts = []
             for r in bad_reduced:
                 what = ("the all-reduce itself (every rank's inputs were finite, every rank's result is "
@@ -734,28 +743,33 @@ class Guard(GuardBase):
                 verdicts.append(self._verdict(
                     r, "nonfinite_reduce", step,
                     f"step {step}: NaN/Inf after the all-reduce with finite inputs everywhere: {what}; "
-                    "the update is skipped on every rank", ranks_nonfinite_reduced=bad_reduced,
-                    reduce_on_every_rank=every))
+                    f"{skipped}", ranks_nonfinite_reduced=bad_reduced, reduce_on_every_rank=every,
+                    replica_diverged=alone))
             # The all-reduce on every rank names no GPU: no node file (the fabric probe is the tool).
             # Ranks whose result was finite have no alarm: only with every rank's is it collective.
-            return self._alarm(verdicts, skipped=True, write_files=not every,
-                               every_rank=every or carried is None or carried.numel() != self.world)
+            return self._alarm(verdicts, skipped=True, write_files=not every, every_rank=not alone)
         return None
 
     def _exchange_reduced(self, step: int) -> list[int]:
         """This rank's reduced gradients are non-finite, every rank's inputs were finite: which ranks
         got such a result? Every rank that did comes here; if one did not, the wait ends after
         REDUCE_EXCHANGE_TIMEOUT_S and this rank names itself alone (the all-reduce gave ranks
-        different results), the guard then off on this rank (its exchange group is out of step)."""
+        different results). That group is then out of step and not used again (a later such result
+        names this rank at once); the guard's other checks go on."""
+        if self._exchange_off is not None:
+            return [self.rank]
         vec = torch.zeros(self.world, dtype=torch.int32)
         vec[self.rank] = 1
         try:
             dist.all_reduce(vec, group=self._reduce_group)
         except Exception as exc:
+            # Only the exchange's own group is out of step (the others never came): the rest of the
+            # guard stays on, so that the next weight check, on its own group, names this replica,
+            # which skipped an update the others applied.
+            self._exchange_off = f"{type(exc).__name__}: {exc}"
             log.error("gpumon.guard: step %d: this rank's all-reduce result has NaN/Inf and not every "
-                      "rank's does (%s: %s)", step, type(exc).__name__, exc)
-            self._internal("the reduce-result exchange (other ranks' results were finite)", exc,
-                           raise_strict=False)
+                      "rank's does (%s); this rank skips the update the others apply, so its weights now "
+                      "differ from theirs and the weight check names it", step, self._exchange_off)
             return [self.rank]
         return [r for r in range(self.world) if vec[r]]
 

@@ -16,7 +16,8 @@ import pytest
 
 RANKS = Path(__file__).with_name("ddp_ranks.py")
 # "dies" last: a rank exits in it, and the default group cannot be used after
-THREE = ("healthy,same-bits,subgroup,syncbn,nan,nan-internal-error,reduce-nan,reduce-nan-all,flip,wedged,"
+THREE = ("healthy,same-bits,subgroup,syncbn,nan,nan-internal-error,reduce-nan,reduce-nan-all,"
+         "reduce-nan-own,reduce-nan-own-all,flip,wedged,"
          "wedged-weights,audit-healthy,transient,persistent,nan-transient,nan-persistent,nan-application,"
          "nan-rerun-fails,unseeded,refuse,shape,contents,later-shape,dies")
 TWO = "flip,transient"

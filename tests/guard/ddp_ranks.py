@@ -228,6 +228,64 @@ def reduce_nan(rank: int, world: int, out: Path, at: int, bad: int | None) -> di
     return result
 
 
+class CorruptingTransport(dist.ProcessGroup):
+    """The DDP model's process group: gloo's, with rank ``bad``'s copy of every all-reduce result
+    of step ``at`` (``state["step"]``) given a NaN on the way in, as a NIC or PCIe path corrupting
+    incoming data would. The fault sits below the guard, in the transport its own all-reduce uses."""
+
+    def __init__(self, inner: dist.ProcessGroup, state: dict[str, int], at: int, bad: int | None) -> None:
+        super().__init__(inner.rank(), inner.size())
+        self.inner, self.state, self.at, self.bad = inner, state, at, bad
+
+    def getBackendName(self) -> str:
+        return "corrupting-gloo"
+
+    def allreduce(self, tensors: list[torch.Tensor], *opts: Any) -> Any:
+        work = self.inner.allreduce(tensors, *opts)
+        if self.state["step"] == self.at and self.bad in (None, self.rank()):
+            work.wait()
+            tensors[0].view(-1)[0] = float("nan")
+        return work
+
+    # what DDP's construction and the guard use besides (the options passed on as they came)
+    def broadcast(self, tensors: list[torch.Tensor], *opts: Any) -> Any:
+        return self.inner.broadcast(tensors, *opts)
+
+    def allgather(self, out: list[list[torch.Tensor]], tensors: list[torch.Tensor], *opts: Any) -> Any:
+        return self.inner.allgather(out, tensors, *opts)
+
+    def barrier(self, *opts: Any) -> Any:
+        return self.inner.barrier(*opts)
+
+
+def reduce_nan_own(rank: int, world: int, out: Path, at: int, bad: int | None) -> dict[str, Any]:
+    """The guard's own all-reduce (no comm hook of the loop's: the flags ride the last bucket), its
+    result NaN at step ``at`` on rank ``bad`` only, or on every rank (``bad`` None), through a
+    corrupting transport under DDP. On one rank, only that rank knows: it skips the update the
+    others apply, and the weight check after step ``at + 1`` must name its replica."""
+    state = {"step": -1}
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = DDP(net, process_group=CorruptingTransport(dist.new_group(backend="gloo"), state, at, bad))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # weight check after every second step: not the step of the fault, the next one
+    guard = Guard(model, opt, weight_check_every=2, timeout_s=4,
+                  spool_dir=out / f"spool-own-{'all' if bad is None else bad}-r{rank}")
+    result: dict[str, Any] = {"alarms": []}
+    for step in range(at + 3):
+        state["step"] = step
+        opt.zero_grad()
+        forward_backward(model, rank, step)
+        before = weights(model)
+        applied = guarded_step(guard, step, result)
+        if step == at:
+            result["applied_at"], result["unchanged_at"] = applied, weights(model) == before
+    result["disabled"] = guard.disabled
+    result["files"] = sorted(str(p) for p in guard.verdict_files)
+    result["final"] = weights(model)
+    return result
+
+
 def same_bits(rank: int, world: int, out: Path, steps: int = 6) -> dict[str, Any]:
     """Plain DDP (its built-in all-reduce) and a guarded DDP (the guard's own all-reduce, the flags
     riding the last bucket) trained side by side from the same weights on the same micro-batches.
@@ -327,6 +385,10 @@ def main() -> None:
             result[name] = reduce_nan(rank, world, out, at=3, bad=1)
         elif name == "reduce-nan-all":
             result[name] = reduce_nan(rank, world, out, at=3, bad=None)
+        elif name == "reduce-nan-own":
+            result[name] = reduce_nan_own(rank, world, out, at=2, bad=1)
+        elif name == "reduce-nan-own-all":
+            result[name] = reduce_nan_own(rank, world, out, at=2, bad=None)
         elif name == "same-bits":
             result[name] = same_bits(rank, world, out)
         elif name == "subgroup":

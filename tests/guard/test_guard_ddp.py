@@ -145,6 +145,42 @@ def test_nan_after_the_reduce_with_finite_inputs_names_the_result_or_the_reduce(
     assert finals[0] == finals[1] == finals[2]
 
 
+def test_nan_in_one_ranks_result_of_the_guards_own_all_reduce_is_named_then_its_replica(
+        three: tuple[Path, list[dict[str, Any]]]) -> None:
+    """The guard's own all-reduce (the flags riding the last bucket), corrupted below it by the DDP
+    model's transport on rank 1 only: only rank 1 sees NaN/Inf; it names its own result, skips the
+    update the others apply (nobody else knows), and the guard stays on, so that the next weight
+    check names rank 1's replica on every rank (before: rank 1's guard went off after the wait, the
+    others' weight check timed out waiting for it, and the diverged replica trained on unnamed).
+    On every rank: the reduce itself, every rank skips, no node file."""
+    _, ranks = three
+    for r, res in enumerate(ranks):
+        one, every = res["reduce-nan-own"], res["reduce-nan-own-all"]
+        assert one["disabled"] is None and every["disabled"] is None
+        weights_alarm = one["alarms"][-1]
+        assert weights_alarm["step"] == 3 and weights_alarm["ranks"] == [1]
+        (v,) = weights_alarm["verdicts"]
+        assert v["check"] == "weights" and v["evidence"]["majority_ranks"] == [0, 2]
+        assert v["evidence"]["first_parameter"] == "0.weight"
+        if r == 1:
+            assert one["applied_at"] is False and one["unchanged_at"] is True
+            (a, _) = one["alarms"]
+            assert a["step"] == 2 and a["ranks"] == [1] and a["skipped"] is True
+            (v,) = a["verdicts"]
+            assert v["check"] == "nonfinite_reduce" and v["evidence"]["replica_diverged"] is True
+            assert "skipped on this rank only" in v["message"]
+            assert sorted(vf.read(Path(p)).check for p in one["files"]) == ["nonfinite_reduce", "weights"]
+        else:
+            assert one["applied_at"] is True and len(one["alarms"]) == 1 and one["files"] == []
+        (a,) = every["alarms"]
+        assert a["step"] == 2 and a["skipped"] is True and every["unchanged_at"] is True
+        assert sorted(v["subject"]["rank"] for v in a["verdicts"]) == [0, 1, 2]
+        assert all("the all-reduce itself" in v["message"] for v in a["verdicts"])
+        assert every["files"] == []
+    assert ranks[0]["reduce-nan-own"]["final"] == ranks[2]["reduce-nan-own"]["final"]
+    assert len({res["reduce-nan-own-all"]["final"][0] for res in ranks}) == 1
+
+
 def test_a_bit_flipped_in_one_ranks_weights_names_that_rank_and_the_parameter(
         three: tuple[Path, list[dict[str, Any]]]) -> None:
     _, ranks = three
