@@ -189,6 +189,25 @@ def wedged_peer(rank: int, world: int, out: Path, at: int, late: int, timeout_s:
             "final": weights(model)}
 
 
+def train_through(guard: Guard, rank: int, now: dict[str, int], at: int, steps: int,
+                  result: dict[str, Any]) -> dict[str, Any]:
+    """``steps`` guarded steps (``now["step"]`` tells the fault which), the update at step ``at``
+    (applied, weights unchanged), the verdict files and the final weights in ``result``."""
+    model = guard.model
+    for step in range(steps):
+        now["step"] = step
+        guard.optimizer.zero_grad()
+        forward_backward(model, rank, step)
+        before = weights(model)
+        applied = guarded_step(guard, step, result)
+        if step == at:
+            result["applied_at"], result["unchanged_at"] = applied, weights(model) == before
+    result["disabled"] = guard.disabled
+    result["files"] = sorted(str(p) for p in guard.verdict_files)
+    result["final"] = weights(model)
+    return result
+
+
 def reduce_nan(rank: int, world: int, out: Path, at: int, bad: int | None) -> dict[str, Any]:
     """Every rank's local gradients finite, the all-reduce's result NaN: on rank ``bad`` only (its
     copy of the result corrupted on the way in), or on every rank (``bad`` None: the reduce itself).
@@ -214,18 +233,7 @@ def reduce_nan(rank: int, world: int, out: Path, at: int, bad: int | None) -> di
     guard = Guard(model, opt, weight_check_every=0, timeout_s=30, comm_hook=corrupting,
                   spool_dir=out / f"spool-reduce-{'all' if bad is None else bad}-r{rank}",
                   callback=lambda a: told.append(a.verdicts[0].step))
-    result: dict[str, Any] = {"alarms": [], "told": told}
-    for step in range(at + 2):
-        calls["step"] = step
-        opt.zero_grad()
-        forward_backward(model, rank, step)
-        before = weights(model)
-        applied = guarded_step(guard, step, result)
-        if step == at:
-            result["applied_at"], result["unchanged_at"] = applied, weights(model) == before
-    result["files"] = sorted(str(p) for p in guard.verdict_files)
-    result["final"] = weights(model)
-    return result
+    return train_through(guard, rank, calls, at, at + 2, {"alarms": [], "told": told})
 
 
 class CorruptingTransport(dist.ProcessGroup):
@@ -271,19 +279,7 @@ def reduce_nan_own(rank: int, world: int, out: Path, at: int, bad: int | None) -
     # weight check after every second step: not the step of the fault, the next one
     guard = Guard(model, opt, weight_check_every=2, timeout_s=4,
                   spool_dir=out / f"spool-own-{'all' if bad is None else bad}-r{rank}")
-    result: dict[str, Any] = {"alarms": []}
-    for step in range(at + 3):
-        state["step"] = step
-        opt.zero_grad()
-        forward_backward(model, rank, step)
-        before = weights(model)
-        applied = guarded_step(guard, step, result)
-        if step == at:
-            result["applied_at"], result["unchanged_at"] = applied, weights(model) == before
-    result["disabled"] = guard.disabled
-    result["files"] = sorted(str(p) for p in guard.verdict_files)
-    result["final"] = weights(model)
-    return result
+    return train_through(guard, rank, state, at, at + 3, {"alarms": [], "disabled": None})
 
 
 def same_bits(rank: int, world: int, out: Path, steps: int = 6) -> dict[str, Any]:
