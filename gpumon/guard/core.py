@@ -488,8 +488,11 @@ class Guard(GuardBase):
         straggler scores (default: the element count of the micro-batch's first tensor)."""
         try:
             ok = self.before_step(loss, batch, work=work)
-        except GuardAlarm:
-            self.after_step()
+        except GuardAlarm as alarm:
+            try:
+                self.after_step()
+            except GuardAlarm as later:  # the weight check due after this step: one alarm with both
+                raise GuardAlarm(alarm.verdicts + later.verdicts, skipped=alarm.skipped) from None
             raise
         if ok:
             if self.pace is not None:
@@ -620,6 +623,10 @@ class Guard(GuardBase):
                local: dict[int, torch.Tensor]) -> GuardAlarm | None:
         assert self._auditor is not None
         step = self.steps
+        diverged = self._diverged_before(step, "the audit")
+        if diverged is not None:
+            self._bad_step = True
+            return self._alarm(diverged.verdicts, skipped=True)
         own = self._auditor.own(loss, local)
         try:
             blames = self._auditor.audit(step, own, batch)
@@ -704,7 +711,17 @@ class Guard(GuardBase):
         if bad_local:
             where = self._bad_params(flags, local=True) if self.rank in bad_local else []
             reran: dict[int, tuple[str, str, dict[str, Any]]] = {}
-            if self._auditor is not None:
+            # A rerun elsewhere starts from that rank's weights: if a replica already diverged, a NaN
+            # its own weights produce reproduces on its GPU and not on another node's, which would
+            # read as a persistent GPU fault. The weights are compared first (check 3's verdict).
+            diverged = self._diverged_before(step, "the rerun of check 1") if self._auditor is not None \
+                else None
+            if diverged is not None:
+                not_rerun = ("not rerun: the replicas' weights differ (see the weight verdict), so a rerun "
+                             "on another GPU would start from other weights")
+                reran = {r: ("unknown", not_rerun, {"rerun_skipped": "replicas_diverged",
+                                                    "replica_groups": diverged.groups}) for r in bad_local}
+            elif self._auditor is not None:
                 try:
                     reran = self._auditor.rerun_nonfinite(step, bad_local)
                 except Exception as exc:
@@ -727,6 +744,8 @@ class Guard(GuardBase):
                     fault=fault, ranks_nonfinite_local=bad_local, ranks_nonfinite_reduced=bad_reduced,
                     **evidence, **({"parameters": where} if r == self.rank else {}))
                 verdicts.append(self._keep(v, r, step, batch if r == self.rank else None))
+            if diverged is not None:
+                verdicts = diverged.verdicts + verdicts
             return self._alarm(verdicts, skipped=True)
         if bad_reduced:
             every = len(bad_reduced) == self.world
@@ -807,7 +826,20 @@ class Guard(GuardBase):
             self._raise_or_log(self._alarm(report.verdicts, skipped=False))
         return report
 
-    def _compare_weights(self) -> WeightReport:
+    def _diverged_before(self, step: int, what: str) -> WeightReport | None:
+        """The audit and check 1's reruns compare computations across GPUs, each made from its own
+        replica's weights: they judge a GPU only if every replica holds the same weights. A replica
+        that already diverged (a flipped bit in its optimizer state or weight storage, an update
+        only it skipped) would recompute its own wrong result on its own GPU and be called a
+        persistent fault. So the weights are compared first (check 3, on every rank alike); if they
+        differ, the report of check 3 is returned (the odd replica by strict majority, ``unknown``)
+        and ``what`` is not judged. None: the replicas agree."""
+        report = self._compare_weights(before=(step, what))
+        return None if report.agree else report
+
+    def _compare_weights(self, before: tuple[int, str] | None = None) -> WeightReport:
+        """Check 3. ``before``: (step, what) when the comparison precedes a recomputation of that
+        step (the audit, check 1's reruns), which is then not judged if the replicas differ."""
         with torch.no_grad():
             pairs = [fingerprint_tensor(p.detach()) for _, p in self._named]
             local = (torch.stack(pairs) if pairs else torch.zeros(0, 2, dtype=torch.int64)).to("cpu")
@@ -821,6 +853,12 @@ class Guard(GuardBase):
         when = f"after step {step}" if step >= 0 else "before the first step"
         if len(groups) == 1:
             return WeightReport(step, groups, [])
+        tail, found = "", {}
+        if before is not None:
+            tail = (f"; found before {before[1]} of step {before[0]}, which is not judged: its "
+                    "computations would start from different weights, so a disagreement would say nothing "
+                    "about a GPU; the update is skipped on every rank")
+            found = {"found_before": before[1], "not_judged_step": before[0]}
         verdicts: list[Verdict] = []
         majority = groups[0] if self.world >= 3 and len(groups[0]) * 2 > self.world else None
         if majority is not None:
@@ -833,10 +871,10 @@ class Guard(GuardBase):
                     f"{when}: rank {r}'s weights differ from the majority ({len(majority)} of "
                     f"{self.world} replicas agree), first at parameter {name!r} "
                     f"({self.identities[r].describe()}); not rerun, so transient or persistent is "
-                    "unknown", first_parameter=name, parameter_index=first, parameters_differing=count,
+                    f"unknown{tail}", first_parameter=name, parameter_index=first, parameters_differing=count,
                     fingerprint=fingerprint_hex(gathered[r][first]),
                     majority_fingerprint=fingerprint_hex(ref[first]),
-                    majority_ranks=majority))
+                    majority_ranks=majority, **found))
         else:
             for g in groups:
                 for r in g:
@@ -849,10 +887,10 @@ class Guard(GuardBase):
                         r, "weights", step,
                         f"{when}: weights disagree between replicas ({why}): rank {r} "
                         f"({self.identities[r].describe()}) differs from rank {other} first at parameter "
-                        f"{name!r}; which is wrong is unknown", first_parameter=name, parameter_index=first,
-                        parameters_differing=count, fingerprint=fingerprint_hex(gathered[r][first]),
-                        groups=groups, other_rank=other,
-                        other=self.identities[other].describe()))
+                        f"{name!r}; which is wrong is unknown{tail}", first_parameter=name,
+                        parameter_index=first, parameters_differing=count,
+                        fingerprint=fingerprint_hex(gathered[r][first]), groups=groups, other_rank=other,
+                        other=self.identities[other].describe(), **found))
         return WeightReport(step, groups, verdicts)
 
     # -- verdicts ----------------------------------------------------------------------------------

@@ -83,13 +83,15 @@ def alarm_json(a: GuardAlarm) -> dict[str, Any]:
 
 def guard_for(model: DDP, opt: torch.optim.Optimizer, out: Path, name: str, rank: int,
               bf: Callable[[int, int], Batch] = batch_for, **kw: Any) -> Guard:
-    return Guard(model, opt, weight_check_every=0, spool_dir=out / f"spool-{name}-r{rank}", timeout_s=20,
+    kw.setdefault("weight_check_every", 0)
+    return Guard(model, opt, spool_dir=out / f"spool-{name}-r{rank}", timeout_s=20,
                  batch_for=bf, loss_fn=loss_fn, backward=backward, seed=7, model_factory=make_net,
                  model_kwargs={"hidden": 32}, **kw)
 
 
 def train(guard: Guard, model: DDP, opt: torch.optim.Optimizer, rank: int, steps: int,
-          bf: Callable[[int, int], Batch] = batch_for, set_to_none: bool = True) -> dict[str, Any]:
+          bf: Callable[[int, int], Batch] = batch_for, set_to_none: bool = True,
+          after: Callable[[int], None] | None = None) -> dict[str, Any]:
     alarms = []
     for step in range(steps):
         opt.zero_grad(set_to_none=set_to_none)
@@ -109,6 +111,8 @@ def train(guard: Guard, model: DDP, opt: torch.optim.Optimizer, rank: int, steps
                            **alarm_json(a)})
             applied = False
         del applied
+        if after is not None:
+            after(step)
     return {"alarms": alarms, "disabled": guard.disabled, "steps": guard.steps, "audits": guard.audits,
             "files": sorted(str(p) for p in guard.verdict_files),
             "written_ns": [os.stat(p).st_mtime_ns for p in guard.verdict_files],
@@ -174,6 +178,53 @@ def nan_fault(rank: int, out: Path, bad: int, at: int, kind: str) -> dict[str, A
         return train(guard, model, opt, rank, at + 2, bf=bf)
     finally:
         reset()
+
+
+def flip_bit(t: torch.Tensor, bit: int) -> None:
+    """One bit of ``t``'s first element flipped in place (fp32), as a memory fault would."""
+    with torch.no_grad():
+        t.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << bit)
+
+
+# (audit_every, weight_check_every) of the optimizer-state scenarios: the weight check never, later
+# than the audit, and at a period that is not a multiple of the audit's
+DIVERGED = {"diverged-w0": (3, 0), "diverged-w5": (3, 5), "diverged-a2w3": (2, 3)}
+
+
+def diverged(rank: int, out: Path, name: str, bad: int) -> dict[str, Any]:
+    """A mantissa bit flips in rank ``bad``'s optimizer state (SGD's momentum of the first weight)
+    after step 1: step 2's update leaves its replica's weights different from the others', on a GPU
+    that computes correctly. Every alarm must be check 3's (the replica by majority, ``unknown``),
+    never the audit's: the audit recomputing that rank's step from other weights would disagree on
+    every GPU of the dispute and call its GPU persistent."""
+    audit_every, weight_every = DIVERGED[name]
+    torch.manual_seed(0)
+    model = DDP(make_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    guard = guard_for(model, opt, out, name, rank, audit_every=audit_every, weight_check_every=weight_every)
+    first = next(iter(model.parameters()))
+
+    def corrupt(step: int) -> None:
+        if rank == bad and step == 1:
+            flip_bit(opt.state[first]["momentum_buffer"], 20)
+
+    return train(guard, model, opt, rank, 6, after=corrupt)
+
+
+def nan_diverged(rank: int, out: Path, bad: int) -> dict[str, Any]:
+    """Rank ``bad``'s weight storage gets one element of the last layer at 3e38 after step 1: its own
+    forward overflows at step 2 (check 1: non-finite local gradients). Its rerun on its own GPU
+    overflows again and a GPU of another node computes finite gradients from ITS weights, which
+    would read as a persistent GPU fault; the weights are compared first and differ."""
+    model, opt = build()
+    guard = guard_for(model, opt, out, "nan-diverged", rank)  # audit off: check 1 and its reruns
+
+    def corrupt(step: int) -> None:
+        if rank == bad and step == 1:
+            with torch.no_grad():
+                model.module[3].weight.view(-1)[0] = 3e38
+
+    return train(guard, model, opt, rank, 4, after=corrupt)
 
 
 def healthy(rank: int, out: Path, steps: int, every: int) -> dict[str, Any]:
@@ -302,7 +353,8 @@ def dies(rank: int, world: int, out: Path, at: int, result: dict[str, Any]) -> N
 
 
 SCENARIOS = ("audit-healthy", "transient", "persistent", "nan-transient", "nan-persistent", "nan-application",
-             "nan-rerun-fails", "unseeded", "refuse", "shape", "contents", "later-shape", "dies")
+             "nan-rerun-fails", "nan-diverged", *DIVERGED, "unseeded", "refuse", "shape", "contents",
+             "later-shape", "dies")
 
 
 def run(name: str, rank: int, world: int, out: Path, result: dict[str, Any]) -> None:
@@ -314,6 +366,10 @@ def run(name: str, rank: int, world: int, out: Path, result: dict[str, Any]) -> 
         result[name] = audit_fault(rank, out, bad=1, at=5, persistent=False, name=name)
     elif name == "persistent":
         result[name] = audit_fault(rank, out, bad=1, at=5, persistent=True, name=name)
+    elif name in DIVERGED:
+        result[name] = diverged(rank, out, name, bad=1)
+    elif name == "nan-diverged":
+        result[name] = nan_diverged(rank, out, bad=world - 1)
     elif name.startswith("nan-"):
         result[name] = nan_fault(rank, out, bad=world - 1, at=3, kind=name.removeprefix("nan-"))
     elif name == "refuse":

@@ -19,7 +19,8 @@ RANKS = Path(__file__).with_name("ddp_ranks.py")
 THREE = ("healthy,same-bits,subgroup,syncbn,nan,nan-internal-error,reduce-nan,reduce-nan-all,"
          "reduce-nan-own,reduce-nan-own-all,flip,wedged,"
          "wedged-weights,audit-healthy,transient,persistent,nan-transient,nan-persistent,nan-application,"
-         "nan-rerun-fails,unseeded,refuse,shape,contents,later-shape,dies")
+         "nan-rerun-fails,nan-diverged,diverged-w0,diverged-w5,diverged-a2w3,unseeded,refuse,shape,contents,"
+         "later-shape,dies")
 TWO = "flip,transient"
 
 

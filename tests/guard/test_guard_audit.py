@@ -171,6 +171,68 @@ def test_a_rerun_that_cannot_rebuild_the_micro_batch_still_skips_the_update(thre
         assert r["disabled"] is None and r["steps"] == 5
 
 
+def _checks(alarm: dict[str, Any]) -> list[tuple[str, str, int]]:
+    return [(v["check"], v["fault"], v["subject"]["rank"]) for v in alarm["verdicts"]]
+
+
+def test_a_replica_diverged_by_its_optimizer_state_is_check_3s_never_a_persistent_gpu(three: Launch) -> None:
+    """A bit flipped in rank 1's momentum after step 1 makes its weights differ from step 2's update
+    on. Whatever the periods (no weight check, a later one, one at a period that is not a multiple
+    of the audit's), every alarm is check 3's: rank 1 by majority, ``unknown``, exit 16; an audit
+    due while the replicas differ is not judged (before: the audit named rank 1 persistent, 17)."""
+    out, ranks = three
+    # (the alarm's step, found before the audit of that step?) per scenario (periods in audit_ranks)
+    expected = {"diverged-w0": [(3, True)], "diverged-w5": [(3, True), (4, False)],
+                "diverged-a2w3": [(2, False), (4, True), (5, False)]}
+    for name, alarms in expected.items():
+        for res in ranks:
+            got = res[name]["alarms"]
+            assert [a["step"] for a in got] == [s for s, _ in alarms], (name, got)
+            for alarm, (step, audit) in zip(got, alarms, strict=True):
+                assert _checks(alarm) == [("weights", "unknown", 1)], (name, alarm)
+                assert alarm["exit_code"] == 16 and alarm["ranks"] == [1]
+                (v,) = alarm["verdicts"]
+                assert v["evidence"]["majority_ranks"] == [0, 2]
+                assert v["evidence"]["first_parameter"] == "0.weight"
+                if audit:
+                    assert v["evidence"]["found_before"] == "the audit"
+                    assert v["evidence"]["not_judged_step"] == step
+                    assert f"found before the audit of step {step}, which is not judged" in v["message"]
+                    assert alarm["skipped"] is True and alarm["unchanged"] is True
+                else:
+                    assert "found_before" not in v["evidence"]
+            assert res[name]["disabled"] is None
+        # rank 1 reports its node, never as a persistent fault (the node's RMA path)
+        files = ranks[1][name]["files"]
+        assert len(files) == len(alarms)
+        assert {vf.read(Path(f)).fault for f in files} == {"unknown"}
+        assert ranks[0][name]["files"] == ranks[2][name]["files"] == []
+        assert all(Path(f).parent == out / f"spool-{name}-r1" for f in files)
+
+
+def test_check_1s_rerun_is_not_judged_when_the_nan_comes_from_a_diverged_replica(three: Launch) -> None:
+    """Rank 2's weight storage holds 3e38 from step 2 on: its gradients overflow, and its rerun on
+    its own GPU overflows again while node-1 computes finite gradients from its own weights (before:
+    'persistent', exit 17). The weights are compared first: check 3 names rank 2 (unknown), the
+    NaN verdict says why it was not rerun, every rank skips the update, exit 16."""
+    _, ranks = three
+    for res in ranks:
+        r = res["nan-diverged"]
+        assert [a["step"] for a in r["alarms"]] == [2, 3]
+        for alarm in r["alarms"]:
+            assert _checks(alarm) == [("weights", "unknown", 2), ("nonfinite_grad", "unknown", 2)]
+            assert alarm["exit_code"] == 16 and alarm["skipped"] is True and alarm["unchanged"] is True
+            weights, nan = alarm["verdicts"]
+            assert weights["evidence"]["found_before"] == "the rerun of check 1"
+            assert weights["evidence"]["first_parameter"] == "3.weight"
+            assert nan["evidence"]["rerun_skipped"] == "replicas_diverged"
+            assert nan["evidence"]["replica_groups"] == [[0, 1], [2]]
+            assert "reruns" not in nan["evidence"]
+            assert "not rerun: the replicas' weights differ" in nan["message"]
+        assert r["disabled"] is None
+    assert {vf.read(Path(f)).fault for f in ranks[2]["nan-diverged"]["files"]} == {"unknown"}
+
+
 def test_a_non_deterministic_setup_is_refused_on_every_rank(three: Launch) -> None:
     _, ranks = three
     for res in ranks:
