@@ -853,7 +853,7 @@ class Guard(GuardBase):
         when = f"after step {step}" if step >= 0 else "before the first step"
         if len(groups) == 1:
             return WeightReport(step, groups, [])
-        tail, found = "", {}
+        tail, found = "", dict[str, Any]()
         if before is not None:
             tail = (f"; found before {before[1]} of step {before[0]}, which is not judged: its "
                     "computations would start from different weights, so a disagreement would say nothing "
