@@ -157,8 +157,14 @@ class RankRun:
     def _agree(self, ranks: Sequence[int], value: float) -> float:
         """The largest ``value`` of ``ranks``, through the rendezvous store (never the data path under
         test). Every rank of ``ranks`` makes the same agreements in the same order, so the n-th one of
-        a group is the same key everywhere. Waits in short turns: rank 0 gives up as soon as a rank
-        of the group is lost, the others as soon as rank 0 has ended the probe."""
+        a group is the same key everywhere. Waits in short turns: rank 0 gives up once a rank of the
+        group has been silent for ``op_timeout_s``, the others as soon as rank 0 has ended the probe.
+
+        Not sooner: a rank silent for a few heartbeats may be cut off only for a moment (a link that
+        flaps, its path to the store alone, a rank starved of CPU). A collective waits
+        ``op_timeout_s`` on such a peer, so its agreement must too: giving up after ``STALE_BEATS``
+        heartbeats turned a 2 s flap that fell on an agreement into an incomplete probe with the host
+        "lost" and no stall, where the same flap in a collective is a stall naming the host."""
         assert self.store is not None
         store, group = self.store, list(ranks)
         name = "all" if group == list(range(self.world)) else "-".join(map(str, group))
@@ -172,7 +178,8 @@ class RankRun:
             except Exception:
                 if time.monotonic() >= self.deadline:
                     raise
-                gone = sorted(set(self.lost()) & set(group)) if self.rank == 0 else []
+                silent = self.lost(self.s.settings.op_timeout_s) if self.rank == 0 else {}
+                gone = sorted(set(silent) & set(group))
                 if gone:
                     raise RuntimeError(f"rank(s) {', '.join(map(str, gone))} stopped answering") from None
                 if self.rank != 0 and store.has("verdict"):
@@ -230,10 +237,11 @@ class RankRun:
         floor = s.cpu.stall_floor_s if self.cpu else s.stall_floor_s
         return 2 * s.heartbeat_s + floor
 
-    def lost(self) -> dict[int, str]:
-        """Ranks not heard from for ``STALE_BEATS`` heartbeats: rank -> what they last said."""
+    def lost(self, silent_s: float | None = None) -> dict[int, str]:
+        """Ranks not heard from for ``silent_s`` (default ``STALE_BEATS`` heartbeats): rank -> what
+        they last said."""
         now = time.monotonic()
-        limit = STALE_BEATS * self.s.settings.heartbeat_s
+        limit = STALE_BEATS * self.s.settings.heartbeat_s if silent_s is None else silent_s
         out = {}
         for r in range(self.world):
             beat, when = self._heard.get(r, ("0|never heard from", self.start))

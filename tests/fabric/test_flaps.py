@@ -1,6 +1,7 @@
 """Issue 23: the fabric probe on test hosts with real faults that come and go: a link that flaps
 (``ip link set down``, 2 s, ``up``) mid-sweep, a slow switch path next to a pair that reads slow once
-(htb on the hosts' own eth0), and the pairing seed that changes every run."""
+(htb on the hosts' own eth0), and the pairing seed that changes every run. Issue 34: a host's path to
+the rendezvous store cut for 2 s just as the others wait on it in an agreement."""
 
 from __future__ import annotations
 
@@ -13,30 +14,36 @@ from typing import Any
 from gpumon.fabric.isolate import Isolator
 
 from .netns import TestNet
-from .probe_run import ProbeRun, start_static
+from .probe_run import GPUMON, ProbeRun, start_static
+
+STORE_OUTAGE = str(Path(__file__).with_name("store_outage_rank.py"))
 
 _ports = itertools.count(29910)
 FLAP_S = 2.0
 
 
-def _flap_when(run: ProbeRun, net: TestNet, host: int, text: str, timeout: float) -> threading.Thread:
-    """Take ``host``'s link down for FLAP_S seconds once rank 0 logs ``text`` (in a thread)."""
+def _flap_when(run: ProbeRun, net: TestNet, host: int, text: str, timeout: float) -> threading.Event:
+    """Take ``host``'s link down for FLAP_S seconds once rank 0 logs ``text`` (in a thread); the event
+    is set once the link is back up."""
+    flapped = threading.Event()
+
     def flap() -> None:
         if run.wait_for(0, text, timeout):
             net.link_down(host)
-            time.sleep(FLAP_S)
+            time.sleep(FLAP_S)  # the fault's length, not a wait for the probe
             net.link_up(host)
+            flapped.set()
 
-    t = threading.Thread(target=flap, daemon=True)
-    t.start()
-    return t
+    threading.Thread(target=flap, daemon=True).start()
+    return flapped
 
 
 def _flapped(net: TestNet, tmp_path: Path, when: str) -> dict[str, Any]:
     run = start_static(net, tmp_path, next(_ports), collectives=["all_reduce", "all_gather"], deadline_s=40)
-    flapper = _flap_when(run, net, 2, when, 30)
+    flapped = _flap_when(run, net, 2, when, 30)
     run.wait(60)
-    flapper.join(5)
+    # a run that never reached ``when`` has not tested a flap: say so, not "no stall"
+    assert flapped.wait(5), f"rank 0 never logged {when!r}: no flap\n{run.logs()}"
     assert None not in run.codes.values(), run.logs()
     return run.report()
 
@@ -69,6 +76,31 @@ def test_a_link_flap_in_the_pair_rounds_is_a_finding_naming_the_host(testnet: An
     report = _flapped(net, tmp_path, "rank 0: round 1")
     _assert_not_ok(report)
     assert any("node2" in st["nodes"] for st in report["stalls"]), report["stalls"]
+
+
+def test_a_2_s_outage_of_the_rendezvous_path_at_an_agreement_is_a_stall_naming_the_host(
+        testnet: Any, tmp_path: Path) -> None:
+    """node2 cannot reach the rendezvous store for 2 s, cut just before it posts its value for an
+    agreement (its 5th all_gather call: the third timed one of 16 B), while its data path stays up:
+    the others wait on node2 in that agreement, as they wait on a peer in a stalled collective. The
+    probe finishes and names node2 by its silence. Before issue 34: rank 0 gave up on node2 after
+    three heartbeats, ended the probe 'incomplete' with node2 'lost' and no stall (what a link flap
+    that lands on an agreement did, by chance, in the flap test above)."""
+    net = testnet(4)
+    python = str(Path(GPUMON).with_name("python"))
+    run = start_static(net, tmp_path, next(_ports), wrapper=[python, STORE_OUTAGE],
+                       env={"GPUMON_TEST_STORE_OUTAGE": f"2:5:{FLAP_S}"},
+                       collectives=["all_reduce", "all_gather"], deadline_s=40)
+    run.wait(60)
+    assert None not in run.codes.values(), run.logs()
+    report = run.report()
+    assert report["outcome"] == "completed" and not report["lost"], (report, run.logs())
+    _assert_not_ok(report)
+    agreement = [st for st in report["stalls"] if st["where"] == "all_gather 16 B agreement"]
+    assert agreement and agreement[0]["seconds"] >= FLAP_S, report["stalls"]
+    assert any(st["named"] and st["nodes"] == ["node2"] for st in report["stalls"]), report["stalls"]
+    f = report["findings"]["node2"]
+    assert f["action"] == "check_cables" and "stall" in f["message"], f
 
 
 def _plan(nodes: list[str], seed: int) -> list[tuple[str, str]]:
