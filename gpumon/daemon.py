@@ -142,7 +142,7 @@ class Daemon:
         # the daemon sets a corrupt health.db aside and starts afresh (gpumon.health.store)
         self.health = Health.open(agent.state_dir, boot_id=agent.hw.fs.boot_id(), recover=True)
         self.remediation = RemediationLoop.build(agent.config.remediation, self.health,
-                                                 agent.config.node_name, agent.hw.tools)
+                                                 agent.config.node_name, agent.hw.tools, agent.config.layers)
         if self.remediation is not None:
             self.remediation.start()
         self.exporter.health, self.exporter.remediation = self.health, self.remediation

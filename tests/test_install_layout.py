@@ -32,18 +32,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from wheel_build import ROOT, build_wheel, copy_sources
 
 from conftest import need_tool
 from gpumon.distribution import DISTRIBUTION
 
-ROOT = Path(__file__).resolve().parents[1]
 UNITS = ("gpumon.service", "gpumon-bootstrap.service")
 VENV = Path("opt/gpumon")  # relative to a root tree; /opt/gpumon on a node
 DOC = Path("opt/gpumon/share/doc/gpumon-node/README.md")
 WRAPPER = ROOT / "contrib" / "slurm-healthcheck.sh"
-# what a wheel build reads from the checkout (setup.py finds the packages; pyproject's package-dir
-# maps checks/ and config/)
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "gpumon", "checks", "config")
 # tomllib is 3.11+ and gpumon supports 3.10
 _version = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
 assert _version
@@ -53,25 +50,6 @@ VERSION = _version[1]
 def _run(*cmd: str | Path, **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=120,
                           **kw)  # type: ignore[call-overload]
-
-
-def _copy_sources(src: Path) -> Path:
-    # a copy, so that the build's build/ and egg-info never land in (or race in) the checkout
-    src.mkdir(exist_ok=True)
-    for name in SOURCES:
-        if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(ROOT / name, src / name)
-    return src
-
-
-def _build(src: Path, out: Path) -> Path:
-    proc = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                "-q", "-w", out, src)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (built,) = out.glob("*.whl")
-    return built
 
 
 # A check package a newcomer adds to checks/, and a subpackage of gpumon: in the one wheel the tests
@@ -150,8 +128,8 @@ def _add_new_packages(src: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src = _add_new_packages(_copy_sources(tmp_path_factory.mktemp("src")))
-    return _build(src, tmp_path_factory.mktemp("dist"))
+    src = _add_new_packages(copy_sources(tmp_path_factory.mktemp("src")))
+    return build_wheel(src, tmp_path_factory.mktemp("dist"))
 
 
 def _dist_info(whl: zipfile.ZipFile, name: str) -> str:
@@ -357,6 +335,9 @@ def test_every_package_of_the_checkout_is_in_the_wheel(wheel: Path) -> None:
             if p.is_file() and p.suffix in (".yaml", ".json")}
     assert data and not {f"gpumon_config/{d}" for d in data} - names
     assert "gpumon/sim/nvml_inject/nvml_inject.c" in names and "gpumon/export/nvhcd/nvhcd.proto" in names
+    # the verdict schema the node's guard check validates every spool file against
+    schemas = {p.relative_to(ROOT).as_posix() for p in (ROOT / "gpumon").rglob("*.schema.json")}
+    assert "gpumon/guard/schema/verdict-v1.schema.json" in schemas and not schemas - names
 
 
 def test_a_new_check_package_is_in_the_wheel_and_registered_without_listing_it(wheel: Path) -> None:

@@ -40,6 +40,7 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import CollectorRegistry
 
+from gpumon.distribution import ExtraMissing, require
 from gpumon.errors import ConfigError
 from gpumon.schema import build, load_yaml_file
 
@@ -86,16 +87,16 @@ def load_web_config(path: Path) -> WebConfig:
                               "as htpasswd -nB writes them)", file=str(path),
                               line=src.line(("basic_auth_users", user)), key=f"basic_auth_users.{user}")
     if config.basic_auth_users:
-        _bcrypt()  # fail at startup, not at the first scrape
+        try:
+            _bcrypt()  # fail at startup, not at the first scrape
+        except ExtraMissing as exc:
+            raise ConfigError(str(exc), file=str(path), line=src.line(("basic_auth_users",)),
+                              key="basic_auth_users") from None
     return config
 
 
 def _bcrypt() -> Any:
-    try:
-        import bcrypt
-    except ImportError:
-        raise ConfigError("basic_auth_users needs the bcrypt package (pip install bcrypt)") from None
-    return bcrypt
+    return require("bcrypt", extra="basic-auth", library="bcrypt", needed_by="basic auth")
 
 
 class BasicAuth:

@@ -14,18 +14,29 @@ import threading
 from typing import Any
 
 from gpumon.config import RemediationSettings
-from gpumon.errors import StartupError
+from gpumon.distribution import ExtraMissing, require
+from gpumon.errors import ConfigError, StartupError
 from gpumon.health import Health
 from gpumon.hw.tools import ToolRunner
 from gpumon.model import Action
 from gpumon.remediate.base import Mode, SchedulerBackend
 from gpumon.remediate.policy import PolicyResult, RemediationPolicy
+from gpumon.schema import Source
 
 log = logging.getLogger("gpumon.remediate")
 
 
-def make_backend(settings: RemediationSettings, node_name: str | None, tools: ToolRunner) -> SchedulerBackend:
+def make_backend(settings: RemediationSettings, node_name: str | None, tools: ToolRunner,
+                 src: Source | None = None) -> SchedulerBackend:
+    """``src``: where the settings were read (the config's layers), for an error naming the file and
+    line that chose the backend."""
     if settings.backend == "kubernetes":
+        try:
+            require("kubernetes", extra="kubernetes", library="the kubernetes client", needed_by="kubernetes")
+        except ExtraMissing as exc:
+            if src is None:
+                raise ConfigError(str(exc), key="remediation.backend") from None
+            raise src.error(("remediation", "backend"), str(exc)) from None
         from gpumon.remediate.kubernetes import KubernetesBackend, KubernetesError
 
         k = settings.kubernetes
@@ -58,10 +69,10 @@ class RemediationLoop:
 
     @classmethod
     def build(cls, settings: RemediationSettings, health: Health, node_name: str | None,
-              tools: ToolRunner) -> RemediationLoop | None:
+              tools: ToolRunner, src: Source | None = None) -> RemediationLoop | None:
         if settings.backend == "none":
             return None
-        backend = make_backend(settings, node_name, tools)
+        backend = make_backend(settings, node_name, tools, src)
         policy = RemediationPolicy(backend, health, mode=Mode(settings.mode),
                                    breaker_share=settings.breaker.share,
                                    breaker_window_s=settings.breaker.window_s,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpumon.distribution import ExtraMissing, require
 from gpumon.errors import ConfigError
 from gpumon.why import prom
 from gpumon.why.collect import DEFAULT_TEMPLATE, Access, collect
@@ -118,6 +119,12 @@ def resolve(args: argparse.Namespace) -> Job:
     if args.job:
         return slurm_job(args.job, nodes=args.job_nodes)
     if args.k8s_job or args.pytorchjob:
+        flag = "--k8s-job" if args.k8s_job else "--pytorchjob"
+        try:
+            require("kubernetes", extra="kubernetes", library="the kubernetes client",
+                    needed_by="reading the job from Kubernetes")
+        except ExtraMissing as exc:
+            raise ConfigError(str(exc), key=flag) from None
         from gpumon.why import kube  # the kubernetes client only where it is used
         if args.k8s_job:
             return kube.kubernetes_job(args.k8s_job, kubeconfig=args.kubeconfig)
