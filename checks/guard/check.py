@@ -19,9 +19,11 @@ Judged once, lost never, across daemon restarts too:
 - once judged, a persistent verdict is no longer reported: its fault stays until set-healthy (a
   reboot does not bring back a fault the operator closed). A transient or unknown one is reported
   for ``warn_hold_s`` after it was written, then resolves like any warning whose condition is gone;
-- a file that is not a verdict this gpumon reads (bad JSON, missing fields, a newer ``version``) is
-  left where it is and reported (warn, on ``node``, naming the file and what is wrong) on every run
-  until someone removes or fixes it, or a newer gpumon reads it. Temp files of ``write_atomic``
+- a file that is not a verdict this gpumon reads (bad JSON, a newer ``version``, or anything the
+  verdict's JSON Schema refuses: ``gpumon/guard/schema/verdict-v1.schema.json``, the one the package
+  ships, compiled once per process) is left where it is and reported (warn, on ``node``, naming the
+  file, what is wrong and, for the schema, the JSON path of the value refused) on every run until
+  someone removes or fixes it, or a newer gpumon reads it. Temp files of ``write_atomic``
   (``.<name>.tmp``) are not verdicts yet and are skipped.
 """
 
@@ -104,6 +106,12 @@ class GuardCheck(Check):
         except OSError as exc:
             return [self.finding(NODE, Severity.UNKNOWN, f"cannot list the guard spool {spool}: {exc}",
                                  spool=str(spool))]
+        try:
+            vf.validator()
+        except Exception as exc:  # a broken install: judging no file beats calling every file bad
+            return [self.finding(NODE, Severity.UNKNOWN, f"cannot load the guard verdict schema "
+                                 f"({vf.SCHEMA_PACKAGE}/{vf.SCHEMA_FILE}): {type(exc).__name__}: {exc}; "
+                                 "the spool is not read (reinstall gpumon)", spool=str(spool))]
         now = ctx.clock()
         by_uuid = {normalize_uuid(g.uuid): g.index for g in ctx.inventory.gpus}
         reported: dict[str, str] = dict(ctx.state.get("reported", {}))
@@ -171,9 +179,12 @@ class GuardCheck(Check):
     def _bad_file(self, path: Path, exc: Exception) -> Finding:
         future = isinstance(exc, vf.FutureVerdict)
         what = "a newer guard's verdict" if future else "not a guard verdict this gpumon reads"
+        said: dict[str, Any] = {}
+        if isinstance(exc, vf.SchemaViolation):
+            said = {"schema": vf.SCHEMA_ID, "schema_error_path": exc.where, "schema_rule": exc.rule}
         return self.finding(NODE, Severity.WARN, f"guard spool file {path}: {what}: {exc}; left in place "
                             "(remove or fix it; it is read again every run)", file=str(path),
-                            error=str(exc), fault_key=f"file:{path.name}")
+                            error=str(exc), fault_key=f"file:{path.name}", **said)
 
     def _finding(self, v: vf.Verdict, path: Path, by_uuid: dict[str | None, int]) -> Finding:
         s = v.subject

@@ -9,11 +9,15 @@ both sides and imports nothing heavy (no torch).
 Format ``gpumon-guard-verdict``, ``version`` 1::
 
     {"format": "gpumon-guard-verdict", "version": 1, "id": "...", "time": 1800000000.0,
-     "check": "nonfinite_grad" | "nonfinite_reduce" | "weights" | "audit",
+     "check": "nonfinite_grad" | "nonfinite_reduce" | "weights" | "straggler" | "audit",
      "fault": "persistent" | "transient" | "unknown" | "application",
      "step": 57, "message": "...", "job": "slurm:1234" | null,
      "subject": {identity of the rank named, see Identity},
      "evidence": {...}}
+
+The contract is the JSON Schema the package ships (``schema()``: ``gpumon/guard/schema/
+verdict-v1.schema.json``, every field and the common evidence keys described); ``read`` validates
+every file against it before building the ``Verdict``.
 
 ``fault`` is what the daemon acts on: ``persistent`` (the fault reproduced on this GPU, and GPUs of
 other nodes computed otherwise) is fail / inspect_hardware; ``transient`` (a rerun on the same GPU
@@ -24,6 +28,7 @@ GPU.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -33,7 +38,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jsonschema.protocols import Validator
 
 FORMAT = "gpumon-guard-verdict"
 VERSION = 1
@@ -43,6 +51,9 @@ CHECKS = ("nonfinite_grad", "nonfinite_reduce", "weights", "straggler", "audit")
 FAULTS = ("persistent", "transient", "unknown", "application")
 # a verdict is a few KiB; anything far larger is not one (and must not cost the daemon memory)
 MAX_BYTES = 1 << 20
+SCHEMA_PACKAGE = "gpumon.guard.schema"
+SCHEMA_FILE = f"verdict-v{VERSION}.schema.json"
+SCHEMA_ID = f"urn:gpumon:{FORMAT}:{VERSION}"
 
 # Exit codes for launchers (Megatron-LM's RerunStateMachine uses the same two numbers, so a launcher
 # or Slurm epilog that knows Megatron's needs no second table):
@@ -52,6 +63,21 @@ EXIT_FAILED_VALIDATION = 17  # validation failed for good (a persistent fault): 
 
 class VerdictError(ValueError):
     """A verdict file that is not one this reader can judge; says why."""
+
+
+class SchemaViolation(VerdictError):
+    """JSON of the right format and version that the schema refuses. ``where``: the JSON path of the
+    value refused (``$.subject.rank``; a missing key is refused at its parent's path, and the
+    message names it); ``rule``: the schema keyword that refused it
+    (``/properties/subject/properties/rank/type``); ``problems``: how many the file has."""
+
+    def __init__(self, where: str, rule: str, problem: str, problems: int) -> None:
+        self.where = where
+        self.rule = rule
+        self.problem = problem
+        self.problems = problems
+        more = f"; {problems - 1} more problem(s)" if problems > 1 else ""
+        super().__init__(f"{where}: {problem} (schema {SCHEMA_FILE}, {rule}{more})")
 
 
 @dataclass(frozen=True)
@@ -107,6 +133,9 @@ class Identity:
 
 @dataclass(frozen=True)
 class Verdict:
+    """One verdict: the file's fields but ``format`` and ``version`` (``to_json`` adds them). Each
+    field is described in the schema (``schema()``) and the README's "The guard's contract"."""
+
     check: str
     fault: str
     step: int
@@ -126,16 +155,7 @@ class Verdict:
     def from_json(cls, data: Any) -> Verdict:
         """Parse a verdict; raises VerdictError saying what is wrong (``FutureVerdict`` for a newer
         version than this reader knows)."""
-        if not isinstance(data, Mapping):
-            raise VerdictError("not a JSON object")
-        if data.get("format") != FORMAT:
-            raise VerdictError(f"format is {data.get('format')!r}, not {FORMAT!r}")
-        version = data.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise VerdictError(f"version {version!r} is not a positive integer")
-        if version > VERSION:
-            raise FutureVerdict(f"version {version} is newer than this gpumon reads ({VERSION}): "
-                                "upgrade gpumon on the node; the file is kept until then")
+        _envelope(data)
         check, fault, step = data.get("check"), data.get("fault"), data.get("step")
         if check not in CHECKS:
             raise VerdictError(f"check {check!r} is not one of {', '.join(CHECKS)}")
@@ -161,6 +181,72 @@ class Verdict:
 
 class FutureVerdict(VerdictError):
     """Written by a newer guard than this reader: kept for a daemon that can read it."""
+
+
+def _envelope(data: Any) -> None:
+    # format and version before the schema: a newer version is FutureVerdict (kept until a newer
+    # gpumon reads it), never a schema violation of this version
+    if not isinstance(data, Mapping):
+        raise VerdictError("not a JSON object")
+    if data.get("format") != FORMAT:
+        raise VerdictError(f"format is {data.get('format')!r}, not {FORMAT!r}")
+    version = data.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise VerdictError(f"version {version!r} is not a positive integer")
+    if version > VERSION:
+        raise FutureVerdict(f"version {version} is newer than this gpumon reads ({VERSION}): "
+                            "upgrade gpumon on the node; the file is kept until then")
+
+
+@functools.cache
+def _schema_text() -> str:
+    from importlib.resources import files
+
+    return (files(SCHEMA_PACKAGE) / SCHEMA_FILE).read_text(encoding="utf-8")
+
+
+def schema() -> dict[str, Any]:
+    """The verdict file's JSON Schema (draft 2020-12) as the package ships it; a fresh copy."""
+    loaded: dict[str, Any] = json.loads(_schema_text())
+    return loaded
+
+
+@functools.cache
+def validator() -> Validator:
+    """The schema's validator, built once per process: the daemon validates every spool file with
+    it, and checking the schema itself (``check_schema``) per file would cost more than the file."""
+    from jsonschema.validators import validator_for
+
+    loaded = schema()
+    cls = validator_for(loaded)
+    cls.check_schema(loaded)
+    return cls(loaded)
+
+
+def validate(data: Any) -> None:
+    """Raise ``VerdictError`` unless ``data`` is a verdict of this version by the schema:
+    ``FutureVerdict`` for a newer version, ``SchemaViolation`` (the most relevant problem, its path
+    and the rule) for one the schema refuses."""
+    from jsonschema.exceptions import best_match
+
+    _envelope(data)
+    errors = list(validator().iter_errors(data))
+    if not errors:
+        return
+    best = best_match(errors)
+    assert best is not None  # (errors is not empty)
+    rule = "/" + "/".join(str(part) for part in best.schema_path)
+    problems = len(errors)
+    if best.validator == "required" and isinstance(best.instance, Mapping):
+        # one error per missing key: said as one problem naming them all
+        missing = [str(k) for k in best.validator_value if k not in best.instance]
+        noun = "property" if len(missing) == 1 else "properties"
+        problem = f"required {noun} missing: {', '.join(missing)}"
+        problems -= len(missing) - 1
+    else:
+        # the message quotes the refused value, which can be as large as the file
+        problem = best.message if len(best.message) <= 300 else best.message[:297] + "..."
+    raise SchemaViolation(best.json_path, rule, problem, problems)
 
 
 def spool_dir(explicit: str | Path | None = None) -> Path:
@@ -190,7 +276,8 @@ def write(verdict: Verdict, directory: str | Path | None = None) -> Path:
 
 
 def read(path: Path) -> Verdict:
-    """Read one verdict file; raises VerdictError (bad content) or OSError (unreadable)."""
+    """Read one verdict file, validated against the schema; raises VerdictError (bad content:
+    ``SchemaViolation`` where the schema refuses it) or OSError (unreadable)."""
     with path.open("rb") as fh:
         raw = fh.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:
@@ -199,6 +286,7 @@ def read(path: Path) -> Verdict:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise VerdictError(f"not JSON: {exc}") from None
+    validate(data)
     return Verdict.from_json(data)
 
 

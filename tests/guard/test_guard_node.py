@@ -114,9 +114,58 @@ def test_bad_and_future_files_are_named_kept_and_never_crash_the_check(nvml_stat
         assert all(f.severity is Severity.WARN for f in bad.values())
         assert "not JSON" in bad["garbage.json"].message
         assert "newer than this gpumon reads" in bad["from-a-newer-guard.json"].message
-        assert "check None is not one of" in bad["missing.json"].message
+        assert ("$: required properties missing: id, time, check, fault, step, message, subject"
+                in bad["missing.json"].message)
+        assert bad["missing.json"].evidence["schema_error_path"] == "$"
     assert sorted(p.name for p in spool.glob("*.json")) == sorted(
         ["garbage.json", "from-a-newer-guard.json", "missing.json", *[p.name for p in spool.glob("2*.json")]])
+
+
+def test_a_file_the_schema_refuses_is_named_with_its_path_and_the_valid_ones_are_judged_as_ever(
+        nvml_state: Path, tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    good = put(spool, "transient")
+    data = json.loads(good.read_text())
+    data["subject"]["rank"] = "seven"  # JSON, the right format and version, not what the schema allows
+    bad = spool / "hand-written.json"
+    bad.write_text(json.dumps(data))
+    state: dict[str, Any] = {}
+    for n in range(3):
+        found = run(nvml_state, tmp_path, spool, state)
+        (refused,) = [f for f in found if f.evidence.get("file") == str(bad)]
+        assert refused.component == NODE and refused.severity is Severity.WARN
+        assert refused.message == (
+            f"guard spool file {bad}: not a guard verdict this gpumon reads: $.subject.rank: 'seven' is not "
+            "of type 'integer' (schema verdict-v1.schema.json, /properties/subject/properties/rank/type); "
+            "left in place (remove or fix it; it is read again every run)")
+        assert refused.evidence["schema_error_path"] == "$.subject.rank"
+        assert refused.evidence["schema_rule"] == "/properties/subject/properties/rank/type"
+        assert refused.evidence["schema"] == vf.SCHEMA_ID
+        assert refused.evidence["fault_key"] == f"file:{bad.name}"
+        assert bad.exists()  # never moved to judged/, never lost
+        # the valid verdict beside it: reported, then judged once (moved by this process's second run)
+        assert good.exists() == (n == 0) and (spool / "judged" / good.name).exists() == (n > 0)
+        assert any(f.component == "gpu/5" for f in found)
+
+
+def test_a_schema_the_install_lacks_is_said_once_and_the_spool_left_alone(
+        nvml_state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spool = tmp_path / "spool"
+    path = put(spool, "persistent")
+    vf.validator.cache_clear()
+    vf._schema_text.cache_clear()
+    monkeypatch.setattr(vf, "SCHEMA_FILE", "verdict-v0.schema.json")
+    try:
+        state: dict[str, Any] = {}
+        for _ in range(2):
+            (f,) = run(nvml_state, tmp_path, spool, state)
+            assert (f.component, f.severity) == (NODE, Severity.UNKNOWN)
+            assert ("cannot load the guard verdict schema (gpumon.guard.schema/verdict-v0.schema.json)"
+                    in f.message)
+        assert path.exists() and not (spool / "judged").exists()
+    finally:
+        vf.validator.cache_clear()
+        vf._schema_text.cache_clear()
 
 
 def test_a_verdict_is_judged_once_kept_through_a_restart_and_stays_in_health(
