@@ -141,24 +141,28 @@ def main() -> int:
                     if rank == 0:
                         print(f"checkpoint step {step}: {att.verdict}", flush=True)
     except GuardAlarm as alarm:
-        return on_alarm(alarm, rank, args.out, spool)
-    if rank == 0:
-        print(f"done: {step} steps, no alarm; checkpoints in {ckpt_dir}", flush=True)
+        code = on_alarm(alarm, rank, args.out, spool)
+    else:
+        code = 0
+        if rank == 0:
+            print(f"done: {step} steps, no alarm; checkpoints in {ckpt_dir}", flush=True)
+    # The end, alarm or not: the guard first (its collectives done, its own groups destroyed), then
+    # the job's groups; then a normal exit, so that the job's own atexit handlers and buffered
+    # writers still run (the ranks left the alarm together: every verdict is written).
+    guard.close()
     dist.destroy_process_group()
-    return 0
+    return code
 
 
 def on_alarm(alarm: GuardAlarm, rank: int, out: Path, spool: Path) -> int:
-    """What a training job does with an alarm: say it, and exit with the code a launcher reads
+    """What a training job does with an alarm: say it, and return the exit code a launcher reads
     (16: requeue from the last verified checkpoint without the named node)."""
     if rank == 0:
         print(f"GUARD ALARM: {alarm}", flush=True)
         print(f"ranks named: {alarm.ranks}; update skipped: {alarm.skipped}; exit code {alarm.exit_code}",
               flush=True)
         print(f"resume from: gpumon guard checkpoints {out / 'ckpt'} --verdicts {spool}", flush=True)
-    # no destroy_process_group: the others may already be gone; the exit code is what matters
-    sys.stdout.flush()
-    os._exit(alarm.exit_code)
+    return alarm.exit_code
 
 
 if __name__ == "__main__":

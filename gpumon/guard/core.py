@@ -4,15 +4,17 @@ No ``from __future__ import annotations`` here: DDP checks a comm hook's annotat
 ``GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, and strings would not match.
 """
 
+import atexit
 import datetime
 import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -102,9 +104,32 @@ class WeightReport:
         return len(self.groups) == 1
 
 
+@dataclass(frozen=True)
+class GuardState:
+    """What the guard does now (``guard.state``): ``on``: its checks run; ``audit``: ``"on"``,
+    ``"off"`` (it was on and stopped), ``"not configured"`` (``audit_every=0``) or ``"not applicable"``
+    (``ShardedGuard``); ``reason``: why the guard is off, or, while it is on, why the audit is off
+    (None when nothing is off); ``closed``: ``close()`` was called (or ran at exit)."""
+
+    on: bool
+    audit: str
+    reason: str | None
+    closed: bool = False
+
+
+CLOSED = "closed (guard.close() or the interpreter's exit)"
+_G = TypeVar("_G", bound="GuardBase")
+
+
+def _close_at_exit(ref: "weakref.ReferenceType[GuardBase]") -> None:
+    guard = ref()
+    if guard is not None:
+        guard.close()
+
+
 class GuardBase:
     """What ``Guard`` and ``ShardedGuard`` share: their options, the verdicts they make, how an
-    alarm is handed over and raised, and how an internal error turns the guard off."""
+    alarm is handed over and raised, how an internal error turns the guard off, and ``close()``."""
 
     identities: list[Identity]
     _group: Any
@@ -134,6 +159,61 @@ class GuardBase:
         # set once this step's gradients are known to be bad (on every rank that must skip its
         # update): an error after that, while describing or keeping the step, skips it all the same
         self._bad_step = False
+        self._closed = False
+        # A loop that never calls close() still ends cleanly: the guard's groups are gone before the
+        # interpreter tears down (a weak reference: registering does not keep the guard alive).
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- state and the end -------------------------------------------------------------------------
+
+    @property
+    def state(self) -> GuardState:
+        """What the guard does now: on or off (with the reason), and the audit's state."""
+        audit = self._audit_state()
+        if self.disabled is not None:
+            return GuardState(False, "off" if audit == "on" else audit, self.disabled, self._closed)
+        return GuardState(True, audit, getattr(self, "audit_off", None), self._closed)
+
+    def _audit_state(self) -> str:
+        return "not applicable"
+
+    def __enter__(self: _G) -> _G:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the guard in this process: its checks stop (training may go on unguarded: the comm
+        hook then only does DDP's all-reduce), its own process groups are destroyed and every
+        reference it held to them, to their results and to its buffers is dropped, so that their
+        C++ threads are joined now, while the interpreter is whole. Call it when the training loop
+        is done and BEFORE ``dist.destroy_process_group()`` (or leave the ``with Guard(...)`` block
+        first); it also runs at the interpreter's exit if never called. Every collective of the guard
+        completes before the guard returns from the call that made it, so none is pending here.
+        Idempotent; never raises (a failure is logged)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.disabled is None:
+            self.disabled = CLOSED
+        groups = self._release()
+        for g in groups:
+            try:
+                dist.destroy_process_group(g)
+            except ValueError:
+                pass  # destroyed already (dist.destroy_process_group() destroys every group)
+            except Exception as exc:
+                log.warning("gpumon.guard: close: destroying the guard's process group: %s: %s",
+                            type(exc).__name__, exc)
+        groups.clear()
+
+    def _release(self) -> list[Any]:
+        """Drop this guard's references to its own process groups (returned, each once) and to what
+        their collectives used."""
+        group = getattr(self, "_group", None)  # (a constructor that raised before making it)
+        self._group = None
+        return [group] if group is not None else []
 
     def _judged_bad(self, where: str, exc: Exception) -> bool:
         """``before_step``'s answer after an internal error in ``where``: the guard is off (or
@@ -337,6 +417,30 @@ class Guard(GuardBase):
         self._step_work: float | None = None
         model.register_comm_hook(None, self._hook)
 
+    def _audit_state(self) -> str:
+        if not self.audit_every:
+            return "not configured"
+        return "off" if self.audit_off is not None else "on"
+
+    def _release(self) -> list[Any]:
+        groups = super()._release()
+        reduce_group = getattr(self, "_reduce_group", None)
+        if reduce_group is not None and all(g is not reduce_group for g in groups):
+            groups.append(reduce_group)
+        self._reduce_group = None
+        auditor = getattr(self, "_auditor", None)
+        if auditor is not None:
+            auditor.group = None
+            auditor._buffers = None
+        pace = getattr(self, "pace", None)
+        if pace is not None:
+            pace.group = None
+        with self._lock:
+            self._flags, self._local = [], {}
+        self._payload = self._carried = None
+        self._pending_local = []
+        return groups
+
     def _never_raises(self, where: str, hook: Callable[..., None]) -> Callable[..., None]:
         """``hook`` as a hook in the user's forward: never raises into it (an error turns the guard
         off), and does nothing once the guard is off."""
@@ -520,7 +624,7 @@ class Guard(GuardBase):
             self.pace.active = False  # the audit's and reruns' forwards are not the step's
             self._step_work = work if work is not None else (work_of(batch) if batch is not None else None)
         if self.disabled is not None:
-            if self.strict:
+            if self.strict and not self._closed:
                 raise GuardError(f"gpumon.guard is off: {self.disabled}")
             return True
         self._bad_step = False

@@ -301,7 +301,7 @@ class ShardedGuard(GuardBase):
         group). False (or ``GuardAlarm``): do not call ``optimizer.step()``, on any rank."""
         pending, self._pending_local = self._pending_local, []
         if self.disabled is not None:
-            if self.strict:
+            if self.strict and not self._closed:
                 raise GuardError(f"gpumon.guard is off: {self.disabled}")
             return True
         self._bad_step = False

@@ -16,7 +16,7 @@ import pytest
 
 RANKS = Path(__file__).with_name("ddp_ranks.py")
 # "dies" last: a rank exits in it, and the default group cannot be used after
-THREE = ("healthy,same-bits,subgroup,syncbn,nan,nan-internal-error,reduce-nan,reduce-nan-all,"
+THREE = ("healthy,same-bits,subgroup,syncbn,close,nan,nan-internal-error,reduce-nan,reduce-nan-all,"
          "reduce-nan-own,reduce-nan-own-all,flip,wedged,"
          "wedged-weights,audit-healthy,transient,persistent,nan-transient,nan-persistent,nan-application,"
          "nan-rerun-fails,nan-diverged,diverged-w0,diverged-w5,diverged-a2w3,unseeded,refuse,shape,contents,"
