@@ -480,8 +480,10 @@ class Auditor:
                             f"rank {t}'s own ({self.identities[g].describe()}); the round that would settle "
                             f"it failed ({type(exc).__name__}: {exc}): which GPU is wrong is unknown; the "
                             "update is skipped on every rank",
-                            {"micro_batch_of": t, "audited_by": r,
-                             "settle_error": f"{type(exc).__name__}: {exc}"}, t)
+                            {"disputes": [{"step": step, "micro_batch_of": t, "audited_by": r,
+                                           "judgement": "not settled: the round that would settle it "
+                                                        "failed"}],
+                             "settle_error": f"{type(exc).__name__}: {exc}", **self._ring_evidence(g)}, t)
                       for r, t in disputes for g in (t, r)]
             raise SettleFailed(blames, exc) from exc
 

@@ -289,6 +289,11 @@ def test_a_rank_that_dies_during_an_audit_costs_the_others_at_most_the_timeout(t
         assert alarm["skipped"] is True and alarm["ranks"] == [0, 1]
         assert {v["fault"] for v in alarm["verdicts"]} == {"unknown"}
         assert "the round that would settle it failed" in alarm["verdicts"][0]["message"]
+        for v in alarm["verdicts"]:  # the dispute in disputes, audited_by a list as in every audit verdict
+            (dispute,) = v["evidence"]["disputes"]
+            assert (dispute["micro_batch_of"], dispute["audited_by"]) == (1, 0)
+            assert isinstance(v["evidence"]["audited_by"], list) and "settle_error" in v["evidence"]
+            vf.validate(v)
 
 
 def test_with_two_nodes_a_rerun_that_changes_to_the_other_result_is_transient(two: Launch) -> None:
