@@ -137,13 +137,16 @@ class SdcCanaryCheck(Check):
         from gpumon.sdc.bundle import BundleError, expected_golden
         from gpumon.sdc.golden import Golden, cpu_model_of
 
+        bundles, refused = trusted_bundles(self, options.bundles)
+        if refused and not bundles and not options.workloads:
+            return refused  # nothing left of what was asked for (the built-ins were not)
         try:
             golden = Golden.load(Path(options.golden_file)) if options.golden_file else Golden()
-            for b in options.bundles:
-                for key, points in expected_golden(Path(b)).entries.items():
+            for b in bundles:
+                for key, points in expected_golden(b).entries.items():
                     golden.entries.setdefault(key, points)
         except (ConfigError, BundleError) as exc:
-            return [self.finding(NODE, Severity.UNKNOWN, f"cannot load canary inputs: {exc}")]
+            return [*refused, self.finding(NODE, Severity.UNKNOWN, f"cannot load canary inputs: {exc}")]
         try:
             cpu = cpu_model_of(ctx.hw.fs.read_text("proc/cpuinfo"))
         except HwCondition:
@@ -167,7 +170,7 @@ class SdcCanaryCheck(Check):
             device, inject = ctx.hw.devices.only_device or "cpu", stand_in_sdc(stand_ins, idle)
         run_options = runner.Options(
             workers=len(idle), device_indices=tuple(idle), iterations=options.iterations,
-            workloads=tuple(options.workloads), bundles=tuple(Path(b) for b in options.bundles),
+            workloads=tuple(options.workloads), bundles=tuple(bundles),
             golden=golden, bundle_dir=bundle_dir(options, ctx), device=device,
             timeout_s=options.iteration_timeout_s, driver=ctx.inventory.driver_version, cpu_model=cpu,
             should_stop=wanted_elsewhere if others else None, inject=inject, inject_origin="simulated",
@@ -176,14 +179,38 @@ class SdcCanaryCheck(Check):
         try:
             report = runner.run(run_options)
         except (runner.CanaryError, BundleError, workers.DevicesBusy) as exc:
-            return [self.finding(NODE, Severity.UNKNOWN, f"canary could not run: {exc}")]
-        return self.canary_verdict(report)
+            return [*refused, self.finding(NODE, Severity.UNKNOWN, f"canary could not run: {exc}")]
+        return [*refused, *self.canary_verdict(report)]
 
     def canary_verdict(self, report: Report) -> list[Finding]:
         """One finding per GPU from a canary run (also what ``gpumon canary`` judges by)."""
         from . import verdict
 
         return verdict.findings(report, self.name)
+
+
+def trusted_bundles(check: Check, configured: list[str]) -> tuple[list[Path], list[Finding]]:
+    """The configured bundles the daemon may replay (as root, with its workers checking them again
+    before importing their code), and an ``unknown`` finding for each it refuses: one that anyone
+    but root could have written or could change (``gpumon.sdc.trust``), or that cannot be read."""
+    from gpumon.sdc.trust import BundleError, UntrustedBundle, check_bundle
+
+    ok: list[Path] = []
+    refused: list[Finding] = []
+    for b in configured:
+        try:
+            ok.append(check_bundle(Path(b)).path)
+        except UntrustedBundle as exc:
+            refused.append(check.finding(
+                NODE, Severity.UNKNOWN,
+                f"{exc}: the daemon does not replay a bundle another user could have written; look at the "
+                f"bundle, then make it root's and writable by root only, or replay it as its owner "
+                f"(gpumon canary replay --as-owner {b})",
+                bundle=b, path=str(exc.path), owner_uid=exc.owner))
+        except BundleError as exc:
+            refused.append(check.finding(NODE, Severity.UNKNOWN, f"cannot load canary inputs: {exc}",
+                                         bundle=b))
+    return ok, refused
 
 
 def with_idle_gate(findings: list[Finding], gates: dict[int, dict[str, Any]]) -> list[Finding]:

@@ -15,8 +15,9 @@ fingerprints) and ``torch.save`` files. Two kinds:
   (``--with-injection``, ``replay_fault``).
 
 Bundles are loaded with ``torch.load(weights_only=True)``: tensors and plain containers only. A
-capture bundle names code to import (the model factory and loss function): replay only bundles you
-trust, as you would run only scripts you trust.
+capture bundle names code to import (the model factory and loss function), which runs with the
+privileges of whoever replays it: ``workload_from_bundle`` refuses a bundle that anyone but root and
+the replaying user could have written (``gpumon.sdc.trust``) unless the caller trusts it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from gpumon.hw import local_cpu_model
 from gpumon.sdc.fingerprint import words
 from gpumon.sdc.golden import Golden, GoldenKey, device_key, first_difference
 from gpumon.sdc.inject import FaultSpec, FaultSpecError
+from gpumon.sdc.trust import CODE_REFS, check_bundle
+from gpumon.sdc.trust import MANIFEST as MANIFEST
+from gpumon.sdc.trust import BundleError as BundleError
 from gpumon.sdc.workloads import (
     Point,
     Recorder,
@@ -53,12 +57,8 @@ from gpumon.sdc.workloads import (
 )
 
 FORMAT = "gpumon-sdc-bundle/1"
-MANIFEST = "manifest.json"
 STATE = "state.pt"
-
-
-class BundleError(Exception):
-    """A bundle that cannot be written, read or run; says which and why."""
+# BundleError and MANIFEST are gpumon.sdc.trust's (a module without torch), imported from here too
 
 
 # -- code references -------------------------------------------------------------------------------
@@ -81,17 +81,19 @@ def callable_ref(obj: Any) -> dict[str, str]:
     return ref
 
 
-def resolve_ref(ref: Mapping[str, str]) -> Any:
+def resolve_ref(ref: Mapping[str, str], file: Path | None = None) -> Any:
+    """The function or class ``ref`` names: imported by its module name, else from its file
+    (``file``: the file as a trust check resolved it, instead of the one the ref names)."""
     try:
         target: Any = None
-        if "module" in ref:
+        if "module" in ref and file is None:
             try:
                 target = importlib.import_module(ref["module"])
             except ImportError:
                 if "file" not in ref:
                     raise
         if target is None:
-            path = Path(ref["file"])
+            path = file if file is not None else Path(ref["file"])
             name = "gpumon_sdc_user_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
             target = sys.modules.get(name)
             if target is None:
@@ -116,6 +118,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise BundleError(f"{file}: not a readable bundle manifest: {exc}") from None
+    return _valid(data, file)
+
+
+def _valid(data: Any, file: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BundleError(f"{file}: not a gpumon replay bundle (want format {FORMAT!r})")
     return data
@@ -209,7 +215,8 @@ def capture(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimi
     _write_manifest(folder, manifest)
     default = params[0].device if params else torch.device("cpu")
     dev = torch.device(device) if device is not None else default
-    workload = workload_from_bundle(folder, dev.type)
+    # the code is the caller's own, already imported in this process: nothing to check it against
+    workload = workload_from_bundle(folder, dev.type, trust=True)
     # the caller's random streams are theirs: the replays seed their own and leave them as they were
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), deterministic_scope():
         first, _ = run_workload(workload, dev)
@@ -239,15 +246,25 @@ def _build_optimizer(cls: Any, params: Sequence[nn.Parameter],
     return opt
 
 
-def workload_from_bundle(path: Path, device_type: str = "cpu") -> Workload:
-    """The workload a bundle describes: its captured step, or the built-in workload that failed."""
-    manifest = read_manifest(path)
+def workload_from_bundle(path: Path, device_type: str = "cpu", *, trust: bool = False) -> Workload:
+    """The workload a bundle describes: its captured step, or the built-in workload that failed.
+
+    Without ``trust``, ``UntrustedBundle`` for a bundle that anyone but root and this process's
+    user could have written or could change (``gpumon.sdc.trust.check_bundle``); its code is then
+    imported from where the check found it, after the check."""
+    code: dict[str, Path] = {}
+    if trust:
+        manifest = read_manifest(path)
+    else:
+        checked = check_bundle(path)
+        path, code = checked.path, checked.code
+        manifest = _valid(checked.manifest, checked.folder / MANIFEST)
     folder = path if path.is_dir() else path.parent
     kind = manifest.get("kind")
     if kind == "failure":
         source = manifest.get("source") or {}
         if "capture" in source:
-            return workload_from_bundle(Path(source["capture"]), device_type)
+            return workload_from_bundle(Path(source["capture"]), device_type, trust=trust)
         builtin = builtin_workloads(device_type)
         name = str(manifest.get("workload"))
         if name not in builtin:
@@ -260,9 +277,7 @@ def workload_from_bundle(path: Path, device_type: str = "cpu") -> Workload:
     if kind != "capture":
         raise BundleError(f"{folder}: unknown bundle kind {kind!r}")
     state_file = folder / str(manifest.get("state_file", STATE))
-    factory = resolve_ref(manifest["model_factory"])
-    loss_fn = resolve_ref(manifest["loss_fn"])
-    opt_cls = resolve_ref(manifest["optimizer"])
+    factory, loss_fn, opt_cls = (resolve_ref(manifest[key], code.get(key)) for key in CODE_REFS)
     kwargs = dict(manifest.get("model_kwargs") or {})
     seed = int(manifest.get("seed", 0))
     watch = tuple(str(w) for w in manifest.get("watch") or ())

@@ -2,8 +2,9 @@
 
 Exit codes follow gpumon's (NHC): 0 every GPU bit-exact, 1 warnings only (``unknown``: no golden
 and no majority, a GPU that did not run), 2 at least one GPU computed wrong bits (or, for
-``record``, the hardware disagreed with itself), 3 could not run (bad golden file, bad bundle, bad
-``--inject``, no device).
+``record``, the hardware disagreed with itself), 3 could not run (bad golden file, bad bundle, a
+bundle someone other than root and you could have written without ``--trust`` or ``--as-owner``
+(``gpumon.sdc.trust``), bad ``--inject``, no device).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from gpumon.sdc.runner import Report
 
 EXIT_CANNOT_RUN = EXIT_USAGE
+
+TRUST_HELP = ("run a bundle even if someone other than root and you could have written it (its code "
+              "runs with your privileges): only after looking at it")
 
 
 def add_parser(subparsers: Any,
@@ -60,6 +65,7 @@ def add_parser(subparsers: Any,
                    help="only this built-in workload (repeatable; default all)")
     p.add_argument("--bundle", action="append", default=[], type=Path, metavar="PATH",
                    help="also record this captured step (repeatable)")
+    p.add_argument("--trust", action="store_true", help=TRUST_HELP)
     shared(p)
 
     p = sub.add_parser("run", parents=parents,
@@ -70,6 +76,7 @@ def add_parser(subparsers: Any,
                    help="only this built-in workload (repeatable; default all, or none with --bundle)")
     p.add_argument("--bundle", action="append", default=[], type=Path, metavar="PATH",
                    help="replay this captured training step on every GPU (repeatable)")
+    p.add_argument("--trust", action="store_true", help=TRUST_HELP)
     p.add_argument("--inject", metavar="SPEC",
                    help="fault harness: make one worker flip bits, e.g. worker=2,dtype=fp32,rate=1 "
                         "(worker N: the N-th worker, i.e. the N-th of --gpus; dtype: fp64, fp32, bf16, "
@@ -89,6 +96,11 @@ def add_parser(subparsers: Any,
                         "computes right)")
     p.add_argument("--state-dir", type=Path, metavar="DIR",
                    help="keep replay bundles of failing runs under DIR/sdc/bundles (default: state_dir)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--trust", action="store_true", help=TRUST_HELP)
+    who.add_argument("--as-owner", action="store_true",
+                     help="replay a bundle of another user as that user (the owner of its folder), in "
+                          "a gpumon process without your privileges; needs root")
     shared(p)
     canary.set_defaults(handler=main)
     return canary
@@ -105,6 +117,7 @@ def main(args: argparse.Namespace, agent: Agent) -> int:
     from gpumon.sdc.bundle import BundleError
     from gpumon.sdc.inject import FaultSpecError
     from gpumon.sdc.runner import CanaryError
+    from gpumon.sdc.trust import UntrustedBundle
 
     try:
         node = _open_node(args, agent)
@@ -116,6 +129,9 @@ def main(args: argparse.Namespace, agent: Agent) -> int:
             return _replay(args, node, agent)
     except (ConfigError, FaultSpecError) as exc:
         print(f"gpumon: canary: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except UntrustedBundle as exc:
+        print(f"gpumon: canary: {exc}: {_trust_advice(args, exc)}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     except (CanaryError, BundleError, GpumonError) as exc:
         print(f"gpumon: canary: {exc}", file=sys.stderr)
@@ -306,7 +322,7 @@ def _record(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     # entries of other keys (other SKUs, drivers) already in the file are kept
     golden = Golden.load(args.out) if args.out.exists() and args.out.stat().st_size else Golden()
     options = _options(args, node, iterations=args.iterations, workloads=tuple(args.workload),
-                       bundles=tuple(args.bundle), keep_tensors=False)
+                       bundles=_bundles(args), trust_bundles=args.trust, keep_tensors=False)
     report = runner.run(options)
     findings = _judge(agent)(report)
     problems = [f for f in findings if f.severity is not Severity.OK]
@@ -358,12 +374,14 @@ def _run(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     from gpumon.sdc.inject import FaultSpec
 
     golden = Golden.load(args.golden) if args.golden else Golden()
-    for b in args.bundle:
+    bundles = _bundles(args)
+    for b in bundles:
         extra = expected_golden(b)
         for key, points in extra.entries.items():
             golden.entries.setdefault(key, points)
     options = _options(args, node, iterations=args.iterations, workloads=tuple(args.workload),
-                       bundles=tuple(args.bundle), golden=golden, bundle_dir=_bundle_dir(args, agent))
+                       bundles=bundles, trust_bundles=args.trust, golden=golden,
+                       bundle_dir=_bundle_dir(args, agent))
     # --inject wins over a simulated node's own sdc fault
     inject = FaultSpec.parse(args.inject) if args.inject else _stand_in_fault(node, options)
     options = dataclasses.replace(options, inject=inject,
@@ -400,8 +418,16 @@ def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
         replay_fault,
         tensor_diff,
     )
+    from gpumon.sdc.trust import bundle_owner, check_bundle, trusted_uids
 
-    manifest = read_manifest(args.bundle)
+    if args.as_owner:
+        # decided on the folder's owner alone: nothing of the bundle is read before the drop
+        owner = bundle_owner(args.bundle)
+        if owner not in trusted_uids():
+            return _replay_as_owner(args, owner)
+    # what is read and imported from here on is the path that was checked, symlinks resolved
+    bundle = args.bundle if args.trust else check_bundle(args.bundle).path
+    manifest = read_manifest(bundle)
     failure = manifest.get("kind") == "failure"
     gpu = failed_gpu(manifest) if failure else None
     fault = injected_fault(manifest)
@@ -412,9 +438,9 @@ def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
                           f"scenario's sdc fault on GPU {fault.gpu}): replayed on that simulated node, "
                           "its GPU computes it again without --with-injection")
     where = _replay_on(args, node, gpu)
-    golden = expected_golden(args.bundle)
-    options = _options(args, node, iterations=args.iterations, bundles=(args.bundle,), golden=golden,
-                       bundle_dir=_bundle_dir(args, agent))
+    golden = expected_golden(bundle)
+    options = _options(args, node, iterations=args.iterations, bundles=(bundle,), golden=golden,
+                       trust_bundles=args.trust, bundle_dir=_bundle_dir(args, agent))
     replayed = None
     if args.with_injection and fault is not None:
         replayed = replay_fault(fault, options.device_indices, options.workers)
@@ -456,7 +482,7 @@ def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
             summary["bundle"]["note"] = OLD_BUNDLE_NOTE
         if where:
             summary["bundle"]["replayed_on"] = where
-        diff = tensor_diff(args.bundle)
+        diff = tensor_diff(bundle)
         if diff is not None:
             summary["bundle"]["kept_tensors_diff"] = diff
     head += f"\n  replay: {len(report.workers)} workers, {args.iterations} iterations"
@@ -487,6 +513,126 @@ def _replay(args: argparse.Namespace, node: _Node, agent: Agent) -> int:
     if diff and not args.json:
         print(f"  kept tensors of the failing run vs an agreeing worker: {json.dumps(diff)}")
     return code
+
+
+def _bundles(args: argparse.Namespace) -> tuple[Path, ...]:
+    """``--bundle``s to run: as given with ``--trust``, else checked (``gpumon.sdc.trust``)."""
+    from gpumon.sdc.trust import checked_paths
+
+    return tuple(checked_paths(args.bundle, trust=args.trust))
+
+
+def _trust_advice(args: argparse.Namespace, exc: Any) -> str:
+    """What to do about a refused bundle (``UntrustedBundle``), for this command."""
+    from gpumon.sdc.trust import describe_uid
+
+    said = (f"a replay imports the code a bundle names and loads its files with your privileges "
+            f"({describe_uid(os.geteuid())})")
+    if args.canary_command != "replay":
+        return (f"{said}: look at it, then run it with --trust (as it is), or replay it as its owner "
+                "with `gpumon canary replay --as-owner BUNDLE`")
+    if exc.owner is not None and exc.owner not in exc.uids:
+        return (f"{said}: look at the bundle, then replay it with --trust (as it is, with your "
+                f"privileges) or --as-owner (as its owner, {describe_uid(exc.owner)}, without them)")
+    return (f"{said}: make root (or you) the only one who can change that, or look at the bundle and "
+            "replay it with --trust (as it is)")
+
+
+# What a replay as the bundle's owner keeps of the environment: root's may hold credentials
+_OWNER_ENV = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "PYTHONPATH", "LD_LIBRARY_PATH"})
+_OWNER_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "GPUMON_", "OMP_", "MKL_", "TORCH_", "PYTORCH_", "NCCL_")
+
+
+def _replay_as_owner(args: argparse.Namespace, owner: int) -> int:
+    """``replay --as-owner``: the replay runs as ``gpumon canary replay`` in a process of the
+    bundle's owner (its uid, its primary group, no other group, none of root's environment beyond
+    ``_OWNER_ENV``, no controlling terminal, so no TIOCSTI into root's), which checks the bundle as
+    its own (every file the owner's or root's) and writes straight to this process's stdout and
+    stderr. This process reads nothing of the bundle and nothing back but the exit code."""
+    import pwd
+    import signal
+    import subprocess
+    import tempfile
+
+    from gpumon.sdc.trust import describe_uid
+
+    who = describe_uid(owner)
+    if os.geteuid() != 0:
+        raise ConfigError(f"the bundle is {who}'s: only root can replay as another user (ask them to, or "
+                          "look at it and replay it with --trust)", key="--as-owner")
+    try:
+        user = pwd.getpwuid(owner)
+    except KeyError:
+        # not the folder's group: a folder in a setgid folder carries that folder's group
+        raise ConfigError(f"the bundle's owner, uid {owner}, has no passwd entry: no group to replay as",
+                          key="--as-owner") from None
+    made = None
+    if args.state_dir:
+        state = Path(args.state_dir).absolute()
+    else:
+        # the owner cannot write this node's state directory: its failing replays are kept here
+        made = state = Path(tempfile.mkdtemp(prefix="gpumon-replay-"))
+        os.chown(made, owner, user.pw_gid)
+    argv = [sys.executable, "-m", "gpumon", *_global_argv(args), "canary", "replay",
+            str(Path(args.bundle).absolute()), *_replay_argv(args), "--state-dir", str(state)]
+    env = {k: v for k, v in os.environ.items() if k in _OWNER_ENV or k.startswith(_OWNER_ENV_PREFIXES)}
+    env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+    print(f"gpumon: canary: replaying {args.bundle} as its owner, {who}, in a process without your "
+          f"privileges (replay bundles of failing runs under {state})", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        try:
+            proc = subprocess.Popen(argv, user=owner, group=user.pw_gid, extra_groups=[], env=env, cwd="/",
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise GpumonError(f"cannot start the replay as {who} (it runs {sys.executable}): {exc}") from None
+        try:
+            code = proc.wait()
+        except BaseException:
+            # its own session: Ctrl-C reached this process only; the replay stops its workers on SIGINT
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise
+    finally:
+        if made is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(made)  # only if no failing replay was kept in it
+    if code < 0:
+        print(f"gpumon: canary: the replay as {who} was killed by signal {-code}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    return code
+
+
+def _global_argv(args: argparse.Namespace) -> list[str]:
+    """gpumon's global flags as given, paths made absolute (the owner's replay runs in /)."""
+    out: list[str] = []
+    for flag, dest, is_path in (("--config", "config", True), ("--host-root", "host_root", True),
+                                ("--profile", "profile", False), ("--simulate", "simulate", False),
+                                ("--sim-at", "sim_at", False), ("--sim-dir", "sim_dir", True)):
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if is_path or (dest == "simulate" and Path(value).exists()):  # a scenario file, not a name
+            value = Path(value).absolute()
+        out += [flag, str(value)]
+    return out
+
+
+def _replay_argv(args: argparse.Namespace) -> list[str]:
+    """``canary replay``'s own flags as given, but for --as-owner and --state-dir."""
+    out = ["--iterations", str(args.iterations), "--device", args.device, "--timeout", str(args.timeout)]
+    if args.workers is not None:
+        out += ["--workers", str(args.workers)]
+    if args.gpus:
+        out += ["--gpus", args.gpus]
+    out += [flag for flag, on in (("--with-injection", args.with_injection), ("--json", args.json),
+                                  ("--verbose", args.verbose)) if on]
+    return out
 
 
 def _fault_words(fault: Any, replayed: Any) -> str:

@@ -62,6 +62,9 @@ class Options:
     iterations: int = 1
     workloads: Sequence[str] = ()  # built-in names; empty: all of them (unless bundles are given)
     bundles: Sequence[Path] = ()  # captured steps (gpumon.sdc.capture) run as workloads too
+    # import the bundles' code even where another user could have written it (gpumon.sdc.trust):
+    # the caller has looked at them (``--trust``); else each worker checks them before importing
+    trust_bundles: bool = False
     golden: Golden | None = None
     inject: FaultSpec | None = None
     # whose fault ``inject`` is, for the bundles: "harness" (``--inject``, a test's fault that no GPU
@@ -201,7 +204,8 @@ def device_for(worker: int, options: Options) -> torch.device:
 
 # -- workloads a worker runs -----------------------------------------------------------------------
 
-def resolve_workloads(names: Sequence[str], bundles: Sequence[Path], device_type: str) -> list[Workload]:
+def resolve_workloads(names: Sequence[str], bundles: Sequence[Path], device_type: str, *,
+                      trust: bool = False) -> list[Workload]:
     builtin = builtin_workloads(device_type)
     chosen = list(names) if names or bundles else list(WORKLOAD_NAMES)
     out: list[Workload] = []
@@ -209,7 +213,7 @@ def resolve_workloads(names: Sequence[str], bundles: Sequence[Path], device_type
         if name not in builtin:
             raise CanaryError(f"unknown workload {name!r} (built-in: {', '.join(builtin)})")
         out.append(builtin[name])
-    out.extend(workload_from_bundle(Path(b)) for b in bundles)
+    out.extend(workload_from_bundle(Path(b), trust=trust) for b in bundles)
     seen: set[str] = set()
     for w in out:
         if w.name in seen:
@@ -250,7 +254,8 @@ def _serve(index: int, conn: multiprocessing.connection.Connection, options: Opt
             uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
             cuda_uuid = str(uuid) if uuid is not None else None
         key = device_key(device, driver=options.driver, cpu_model=options.cpu_model)
-        workloads = resolve_workloads(options.workloads, options.bundles, device.type)
+        workloads = resolve_workloads(options.workloads, options.bundles, device.type,
+                                      trust=options.trust_bundles)
         base_injector = _injector(options.inject, index)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -321,7 +326,8 @@ class Session:
         for i in sorted(hello):
             msg = hello[i]
             if msg[0] == "error":
-                if "CanaryError" in msg[1] or "KeyError" in msg[1] or "FileNotFoundError" in msg[1]:
+                if any(kind in msg[1] for kind in ("CanaryError", "KeyError", "FileNotFoundError",
+                                                   "UntrustedBundle")):
                     raise CanaryError(msg[1].split(": ", 1)[-1])
                 pool.failed[i] = f"worker could not start: {msg[1]}"
                 pool.startup_failed.add(i)
