@@ -15,26 +15,59 @@ Judged once, lost never, across daemon restarts too:
   same daemon process moves it to ``judged/``. Within one process the daemon folds a run's findings
   into the health store before the check runs again, so a moved verdict is in health.db; a daemon
   that dies in between reports the file again after its restart (a repeat is one fault, not two:
-  the fault key is the verdict's id);
+  the fault key is the verdict's id), and one that dies after moving it, before its state was
+  saved, finds the file in ``judged/`` and books it as moved;
 - once judged, a persistent verdict is no longer reported: its fault stays until set-healthy (a
   reboot does not bring back a fault the operator closed). A transient or unknown one is reported
   for ``warn_hold_s`` after it was written, then resolves like any warning whose condition is gone;
 - a file that is not a verdict this gpumon reads (bad JSON, a newer ``version``, or anything the
   verdict's JSON Schema refuses: ``gpumon/guard/schema/verdict-v1.schema.json``, the one the package
-  ships, compiled once per process) is left where it is and reported (warn, on ``node``, naming the
-  file, what is wrong and, for the schema, the JSON path of the value refused) on every run until
-  someone removes or fixes it, or a newer gpumon reads it. Temp files of ``write_atomic``
+  ships, compiled once per process) is left where it is and reported on every run until someone
+  removes or fixes it, or a newer gpumon reads it: all such files together are ONE warning on
+  ``node`` with their count, the count per reason and the first few (by name) with what is wrong
+  and, for the schema, the JSON path of the value refused. Temp files of ``write_atomic``
   (``.<name>.tmp``) are not verdicts yet and are skipped.
+
+Bounded, whatever the spool holds (it is mode 1777: any user of the node can fill it):
+
+- a run lists at most ``max_scan`` directory entries (``os.scandir``, stopped there) and reads at
+  most ``max_files`` files, each at most ``vf.MAX_BYTES`` + 1 bytes, never through a symbolic link
+  and never blocking on a FIFO. The files to read are taken in turn per owner (uid), oldest first
+  within an owner, so that one user's flood does not hold back another user's verdict; what is left
+  is read on later runs and counted in a warning (``spool-backlog``).
+- a file read and left in place (not a verdict, or a verdict waiting for its owner's next window) is
+  remembered by this process with its inode, size and mtime, and not read again until it changes:
+  a run over 20,000 such files lists them and checks a rotating ``max_files`` of them with
+  ``lstat``; it reads none. The memory is the process's only (a restart reads them once more).
+- at most ``uid_max_verdicts`` verdicts of one uid are judged per ``uid_window_s``; that uid's other
+  transient, unknown and application verdicts stay in the spool, counted in one warning naming the
+  uid, and are judged in a later window, oldest first. A persistent verdict is judged at once
+  whatever its owner's count: it is what the spool exists for.
+- at most ``max_faults_per_gpu`` verdicts per component (``gpu/<i>``, ``node``) and class (persistent;
+  transient or unknown) judged within ``warn_hold_s`` become faults of their own (keyed by the
+  verdict id); the others become ONE finding per component and class (keyed ``verdicts-more:...``:
+  the same severity and action, their count since the first of them, the newest few ids and files),
+  reported while one of them was judged within ``warn_hold_s``. A flood of fresh ids thus adds a
+  bounded number of faults to health.db per hold window, and no persistent verdict goes unsaid.
+- the check's saved state (``ctx.state``: the verdicts reported and not yet moved, the uids' counts,
+  the faults held per component) is bounded by the above; pace files are listed like the spool.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
+import heapq
+import json
 import os
+import stat
+import sys
+import time
 import uuid as uuidlib
+from collections import Counter, deque
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpumon.check import Check, CheckContext
 from gpumon.guard import verdict as vf
@@ -45,6 +78,46 @@ from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, gp
 JUDGED = "judged"
 # One token per daemon process: a file reported by an earlier run of THIS process is in health.db.
 _PROCESS = uuidlib.uuid4().hex
+# Names, ids and files a summary finding lists: enough to open the files, and evidence of a bounded size.
+_FEW = 5
+# Characters of a verdict's id or job kept in the saved state: the schema bounds neither.
+_ID_CHARS = 200
+# Characters of a bad file's error kept in memory per file (the schema's own messages are <= 300).
+_ERROR_CHARS = 400
+# The classes a verdict's fault falls in: faults of their own are bounded per component and class.
+_FAIL, _WARN, _APP = "persistent", "transient-unknown", "application"
+# How a reported verdict is held: a fault of its own, counted in its component's summary, or no fault.
+_ONE, _MORE, _NONE = "one", "more", "none"
+_BAD, _WAIT = "bad", "wait"
+
+
+class _Left(NamedTuple):
+    """A file this process read and left in the spool, as it was then (``lstat``)."""
+
+    ino: int
+    size: int
+    mtime_ns: int
+    uid: int
+    kind: str  # _BAD: not a verdict; _WAIT: a verdict of a uid past its cap
+    reason: str  # _BAD: the kind of problem, for the count per reason
+    error: str  # _BAD: what is wrong, as the single-file warning says it
+    where: str | None  # a schema violation's JSON path
+    rule: str | None  # and the schema keyword that refused it
+
+
+# (files that are not verdicts, their count per reason, the first few by name, uid -> its waiting verdicts)
+_Summary = tuple[int, Counter[str], list[tuple[str, _Left]], Counter[int]]
+# spool -> file name -> what this process learnt of it: a cache, not state (a restart reads the
+# files once more), so it lives in the process, bounded by max_scan entries per spool.
+_LEFT: dict[str, dict[str, _Left]] = {}
+# spool -> runs so far: which slice of the remembered files a run checks again with lstat
+_TURN: dict[str, int] = {}
+# spool -> the remembered files (the very dict in _LEFT) and what they add up to (_summarize),
+# kept while a run finds the same files: a run over 20,000 of them need not count them again
+_SUMMARY: dict[str, tuple[dict[str, _Left], _Summary]] = {}
+# judged file -> (its lstat, the verdict read from it): the warnings held one by one are reported
+# every run, and a file judged does not change
+_HELD: dict[str, tuple[tuple[int, int, int], vf.Verdict]] = {}
 
 
 @dataclass(frozen=True)
@@ -63,8 +136,34 @@ class GuardConfig:
                   "scores are not exported"})
     max_files: int = field(default=1000, metadata={
         "min": 1,
-        "source": "argued: a job writes one file per named rank per alarm; more than this at once is "
-                  "a runaway writer, and reading them all must not cost the daemon its interval"})
+        "source": "measured (bench/guard_spool.py, a 2-core AMD EPYC VM): reading and judging a file "
+                  "costs a run 8 us (not JSON) to 105 us (a verdict: its JSON Schema and all), so 1000 "
+                  "files are at most ~0.1 s of the 10 s interval (1 % of a core); a job writes one file "
+                  "per named rank per alarm, so more at once is a runaway writer, read on later runs"})
+    max_scan: int = field(default=50000, metadata={
+        "min": 1,
+        "source": "measured (bench/guard_spool.py, a 2-core AMD EPYC VM): listing a spool entry costs "
+                  "~0.5 us, ~2.6 us with the lstat a new file needs, so 50,000 entries are at most "
+                  "~0.13 s of the 10 s interval, and the files remembered take ~300 bytes each (15 MB); "
+                  "a spool that holds more is said in a warning, and the entries past these are not "
+                  "seen until it holds fewer"})
+    max_faults_per_gpu: int = field(default=5, metadata={
+        "min": 1,
+        "source": "argued: a GPU that computes wrong numbers is named by a few verdicts a day (a job's "
+                  "alarm names a rank or two, and the job then leaves the node); past 5 within "
+                  "warn_hold_s, a GPU's further verdicts of the same class are counted in one finding "
+                  "with the newest ids, so a flood of fresh ids adds rows to health.db per hold window, "
+                  "not per file"})
+    uid_max_verdicts: int = field(default=50, metadata={
+        "min": 1,
+        "source": "argued: a guarded job writes one verdict per named rank per alarm and leaves the "
+                  "node after it (exit 16 or 17), so one user's jobs on one node file a few verdicts an "
+                  "hour; 50 an hour is six alarms that each name every rank of an 8-GPU node; past "
+                  "it the user's other verdicts wait for a later window (persistent ones do not wait)"})
+    uid_window_s: float = field(default=3600.0, metadata={
+        "min": 1,
+        "source": "argued: an hour, the window uid_max_verdicts is counted in: short enough that a "
+                  "capped user's waiting verdicts are judged the same day"})
 
 
 class GuardCheck(Check):
@@ -100,13 +199,6 @@ class GuardCheck(Check):
         if not spool.is_dir():
             return [self.ok(NODE, f"no guard verdicts (spool {spool} does not exist)", spool=str(spool))]
         try:
-            new = sorted(p for p in spool.iterdir() if _candidate(p))
-            judged_dir = spool / JUDGED
-            judged = sorted(p for p in judged_dir.iterdir() if _candidate(p)) if judged_dir.is_dir() else []
-        except OSError as exc:
-            return [self.finding(NODE, Severity.UNKNOWN, f"cannot list the guard spool {spool}: {exc}",
-                                 spool=str(spool))]
-        try:
             vf.validator()
         except Exception as exc:  # a broken install: judging no file beats calling every file bad
             return [self.finding(NODE, Severity.UNKNOWN, f"cannot load the guard verdict schema "
@@ -114,47 +206,29 @@ class GuardCheck(Check):
                                  "the spool is not read (reinstall gpumon)", spool=str(spool))]
         now = ctx.clock()
         by_uuid = {normalize_uuid(g.uuid): g.index for g in ctx.inventory.gpus}
-        reported: dict[str, str] = dict(ctx.state.get("reported", {}))
-        out: list[Finding] = []
-        dropped = max(0, len(new) - options.max_files)
-        still: dict[str, str] = {}
-        for path in new[:options.max_files]:
-            try:
-                verdict = vf.read(path)
-            except (vf.VerdictError, OSError) as exc:
-                out.append(self._bad_file(path, exc))
-                continue
-            if reported.get(path.name) == _PROCESS and self._judge(path, judged_dir):
-                moved = judged_dir / path.name
-                if _holds(verdict, now, options.warn_hold_s):
-                    out.append(self._finding(verdict, moved, by_uuid))
-                continue
-            out.append(self._finding(verdict, path, by_uuid))
-            still[path.name] = _PROCESS
-        for path in judged:
-            # cheap first: a file moved long ago cannot hold a warning any more
-            with contextlib.suppress(OSError):
-                if now - path.stat().st_mtime > options.warn_hold_s + 3600 and path.stat().st_mtime < now:
-                    continue
-            try:
-                verdict = vf.read(path)
-            except (vf.VerdictError, OSError):
-                continue  # it was valid when judged; a file changed since is not news for health
-            if _holds(verdict, now, options.warn_hold_s):
-                out.append(self._finding(verdict, path, by_uuid))
-        ctx.state["reported"] = still
+        book = _Book(ctx.state, now, options)
+        judged_dir = spool / JUDGED
+        try:
+            listing = _list(spool, book, options)
+        except OSError as exc:
+            return [self.finding(NODE, Severity.UNKNOWN, f"cannot list the guard spool {spool}: {exc}",
+                                 spool=str(spool))]
+        if book.fresh:
+            self._adopt(judged_dir, book, by_uuid, options)
+        out = self._carry(spool, judged_dir, book, by_uuid)
+        out += self._read(spool, listing, book, by_uuid, options)
+        out += self._held(judged_dir, book, by_uuid)
+        out += self._summaries(spool, judged_dir, book, options)
+        out += self._spool_warnings(spool, listing, book, options)
+        _LEFT[str(spool)] = listing.left
+        book.save()
         for f in out:
             if f.evidence.get("verdict_check") == "straggler" and f.component != NODE:
                 assert isinstance(f.evidence, dict)
                 f.evidence["node_signals"] = _signals(ctx, int(f.component.split("/")[1]))
-        if dropped:
-            out.append(self.finding(NODE, Severity.WARN,
-                                    f"{dropped} more guard verdict files than the {options.max_files} read "
-                                    f"per run are waiting in {spool}: read on later runs",
-                                    spool=str(spool), waiting=dropped, fault_key="spool-backlog"))
         if not out:
             out.append(self.ok(NODE, f"no guard verdicts to report (spool {spool})", spool=str(spool)))
-        pace = _pace(spool / vf.PACE_DIR, by_uuid, now, options.pace_max_age_s)
+        pace = _pace(spool / vf.PACE_DIR, by_uuid, now, options.pace_max_age_s, options.max_scan)
         if pace:
             slowest = min(pace, key=lambda kv: kv[1])
             readings = [reading("guard_pace_score", score, gpu=index) for index, score in sorted(pace)]
@@ -168,6 +242,201 @@ class GuardCheck(Check):
                 node_finding.evidence["readings"] = [*node_finding.evidence.get("readings", []), *readings]
         return out
 
+    def _carry(self, spool: Path, judged_dir: Path, book: _Book,
+               by_uuid: dict[str | None, int]) -> list[Finding]:
+        """The verdicts reported by an earlier run: moved to judged/ when that run was this process's
+        (its findings are in health.db), else reported again."""
+        out: list[Finding] = []
+        for name, rec in list(book.reported.items()):
+            path = spool / name
+            try:
+                now_st = os.lstat(path)
+            except OSError:
+                if rec["by"] != _PROCESS and (judged_dir / name).is_file():
+                    book.fold(name)  # moved by a process that died before its state was saved
+                else:
+                    book.drop(name)
+                continue
+            if [now_st.st_ino, now_st.st_size, now_st.st_mtime_ns] != rec["st"]:
+                book.drop(name)  # rewritten since it was read: the next run reads it as a new file
+                continue
+            if rec["by"] == _PROCESS and self._judge(path, judged_dir):
+                book.fold(name)
+                continue
+            rec["by"] = _PROCESS
+            if rec["slot"] == _MORE:
+                continue  # said again in its component's summary
+            try:
+                verdict = _load(path)
+            except (vf.VerdictError, OSError):
+                book.drop(name)
+                continue
+            out.append(self._finding(verdict, path, by_uuid))
+        return out
+
+    def _read(self, spool: Path, listing: _Listing, book: _Book, by_uuid: dict[str | None, int],
+              options: GuardConfig) -> list[Finding]:
+        """Read up to ``max_files`` new files: in turn per owner, oldest first within an owner."""
+        out: list[Finding] = []
+        turns: deque[tuple[int, Iterator[tuple[int, str, int, int]]]] = deque(
+            (uid, iter(sorted(queue, key=lambda item: (-item[0], item[1]))))
+            for uid, queue in sorted(listing.queues.items(), key=lambda kv: (-max(kv[1])[0], kv[0])))
+        while turns and listing.read < options.max_files:
+            uid, files = turns.popleft()
+            item = next(files, None)
+            if item is None:
+                continue
+            turns.append((uid, files))
+            listing.read += 1
+            neg_mtime, name, ino, size = item
+            path = spool / name
+            try:
+                verdict = _load(path)
+            except (vf.VerdictError, OSError) as exc:
+                listing.left[name] = _Left(ino, size, -neg_mtime, uid, _BAD, _reason(exc),
+                                           _error(exc), *_schema_place(exc))
+                listing.learnt += 1
+                continue
+            if _class(verdict.fault) != _FAIL and book.capped(uid):
+                listing.left[name] = _Left(ino, size, -neg_mtime, uid, _WAIT, "", "", None, None)
+                listing.learnt += 1
+                continue
+            book.counted(uid)
+            if book.report(name, [ino, size, -neg_mtime], _component(verdict, by_uuid), verdict) != _MORE:
+                out.append(self._finding(verdict, path, by_uuid))
+        return out
+
+    def _held(self, judged_dir: Path, book: _Book, by_uuid: dict[str | None, int]) -> list[Finding]:
+        """The judged transient and unknown verdicts with a fault of their own, within their hold:
+        read again from judged/ (at most max_faults_per_gpu per component)."""
+        out: list[Finding] = []
+        cached = {str(judged_dir / name): _HELD.get(str(judged_dir / name)) for name in book.held_warnings()}
+        for key, was in cached.items():
+            path = Path(key)
+            try:
+                st = os.lstat(path)
+                as_is = (st.st_ino, st.st_size, st.st_mtime_ns)
+                verdict = was[1] if was is not None and was[0] == as_is else _load(path)
+            except (vf.VerdictError, OSError):
+                book.forget(path.name)  # gone, or changed since it was judged: no longer held
+                _HELD.pop(key, None)
+                continue
+            _HELD[key] = (as_is, verdict)
+            out.append(self._finding(verdict, path, by_uuid))
+        for key in [k for k in _HELD if Path(k).parent == judged_dir and k not in cached]:
+            del _HELD[key]
+        return out
+
+    def _summaries(self, spool: Path, judged_dir: Path, book: _Book, options: GuardConfig) -> list[Finding]:
+        out: list[Finding] = []
+        for (component, cls), (count, since, newest) in sorted(book.summaries().items()):
+            where = (f"GPU {component.split('/')[1]}" if component != NODE
+                     else "this node (CPU ranks, or GPUs that are not this node's)")
+            files = [{"id": vid, "time": t, "fault": fault, "verdict_check": check, "job": job or None,
+                      "verdict_file": str((spool if pending else judged_dir) / name)}
+                     for t, vid, name, fault, check, job, pending in newest]
+            kinds = "persistent" if cls == _FAIL else "transient or unknown"
+            message = (f"{count} more in-job SDC verdicts ({kinds}) on {where} since "
+                       f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(since))} than the "
+                       f"{options.max_faults_per_gpu} held as faults of their own "
+                       f"(checks.guard.max_faults_per_gpu): counted in this one; newest: "
+                       f"{', '.join(str(f['id']) for f in files)}")
+            severity, action = ((Severity.FAIL, Action.INSPECT_HARDWARE) if cls == _FAIL
+                                else (Severity.WARN, Action.NONE))
+            out.append(self.finding(component, severity, message, action, fault_key=f"verdicts-more:{cls}",
+                                    verdicts=count, since=since, newest=files,
+                                    max_faults_per_gpu=options.max_faults_per_gpu))
+        return out
+
+    def _spool_warnings(self, spool: Path, listing: _Listing, book: _Book,
+                        options: GuardConfig) -> list[Finding]:
+        out: list[Finding] = []
+        cached = _SUMMARY.get(str(spool))
+        if (cached is not None and cached[0] is _LEFT.get(str(spool)) and not listing.learnt
+                and listing.carried == listing.known):
+            summary = cached[1]
+        else:
+            summary = _summarize(listing.left)
+        _SUMMARY[str(spool)] = (listing.left, summary)
+        bad, reasons, first, waiting = summary
+        if bad:
+            out.append(self._not_verdicts(spool, bad, reasons, first))
+        for uid, n in sorted(waiting.items()):
+            judged = book.judged_by(uid)
+            out.append(self.finding(
+                NODE, Severity.WARN,
+                f"uid {uid} filed more guard verdicts than the {options.uid_max_verdicts} judged per uid "
+                f"within {options.uid_window_s:g} s (checks.guard.uid_max_verdicts): {n} more of its "
+                f"verdict files wait in {spool}, judged in a later window, oldest first (not deleted; "
+                "its persistent verdicts are judged at once)",
+                fault_key=f"uid-cap:{uid}", uid=uid, waiting=n, judged=judged,
+                uid_max_verdicts=options.uid_max_verdicts, uid_window_s=options.uid_window_s))
+        unread = listing.fresh - listing.read
+        if unread or listing.cut:
+            said = (f"{unread} files in the guard spool {spool} wait beyond the {options.max_files} read per "
+                    "run (checks.guard.max_files): read on later runs, in turn per owner, oldest first")
+            if listing.cut:
+                said += (f"; the spool holds more than the {options.max_scan} entries listed per run "
+                         "(checks.guard.max_scan): those past them are not seen until it holds fewer")
+            out.append(self.finding(NODE, Severity.WARN, said, spool=str(spool), waiting=unread,
+                                    listed=listing.listed, listing_cut=listing.cut,
+                                    fault_key="spool-backlog"))
+        return out
+
+    def _not_verdicts(self, spool: Path, bad: int, reasons: Counter[str],
+                      first: list[tuple[str, _Left]]) -> Finding:
+        files: list[dict[str, Any]] = []
+        for name, left in first:
+            said: dict[str, Any] = {"file": str(spool / name), "error": left.error}
+            if left.where is not None:
+                said.update(schema=vf.SCHEMA_ID, schema_error_path=left.where, schema_rule=left.rule)
+            files.append(said)
+        if bad == 1:
+            (name, left), = first
+            what = ("a newer guard's verdict" if left.reason == _FUTURE
+                    else "not a guard verdict this gpumon reads")
+            message = (f"guard spool file {spool / name}: {what}: {left.error}; left in place (remove or fix "
+                       "it; it is read again every run)")
+        else:
+            counts = ", ".join(f"{n} {reason}" for reason, n in reasons.most_common())
+            errors = "; ".join(f"{name}: {left.error}" for name, left in first)
+            message = (f"{bad} files in the guard spool {spool} are not guard verdicts this gpumon "
+                       f"reads ({counts}); the first {len(first)} by name: {errors}; left in place (remove "
+                       "or fix them; each is looked at again every run)")
+        # the first file's own fields at the top, as a single bad file's warning always had them
+        return self.finding(NODE, Severity.WARN, message, fault_key="spool-not-verdicts",
+                            files_not_verdicts=bad, reasons=dict(reasons), files=files, **files[0])
+
+    def _adopt(self, judged_dir: Path, book: _Book, by_uuid: dict[str | None, int],
+               options: GuardConfig) -> None:
+        """A state that holds no faults (a first run of this version, a state set aside): the
+        warnings judged earlier and still within their hold are taken from judged/, bounded like a
+        run over the spool, so that they go on being reported."""
+        listed = reads = 0
+        try:
+            with os.scandir(judged_dir) as entries:
+                for entry in entries:
+                    listed += 1
+                    if listed > options.max_scan or reads >= options.max_files:
+                        break
+                    if not _named_like_a_verdict(entry.name):
+                        continue
+                    try:
+                        mtime = entry.stat(follow_symlinks=False).st_mtime
+                    except OSError:
+                        continue
+                    if book.now - mtime > book.hold + 3600 and mtime < book.now:
+                        continue  # cheap first: a file moved long ago cannot hold a warning any more
+                    reads += 1
+                    try:
+                        verdict = _load(Path(entry.path))
+                    except (vf.VerdictError, OSError):
+                        continue
+                    if _holds(verdict, book.now, book.hold):
+                        book.adopt(entry.name, _component(verdict, by_uuid), verdict)
+        except OSError:
+            return  # no judged/ yet, or unreadable: nothing to adopt
+
     def _judge(self, path: Path, judged_dir: Path) -> bool:
         try:
             judged_dir.mkdir(exist_ok=True)
@@ -175,16 +444,6 @@ class GuardCheck(Check):
         except OSError:
             return False  # left in place: reported again, moved on a later run
         return True
-
-    def _bad_file(self, path: Path, exc: Exception) -> Finding:
-        future = isinstance(exc, vf.FutureVerdict)
-        what = "a newer guard's verdict" if future else "not a guard verdict this gpumon reads"
-        said: dict[str, Any] = {}
-        if isinstance(exc, vf.SchemaViolation):
-            said = {"schema": vf.SCHEMA_ID, "schema_error_path": exc.where, "schema_rule": exc.rule}
-        return self.finding(NODE, Severity.WARN, f"guard spool file {path}: {what}: {exc}; left in place "
-                            "(remove or fix it; it is read again every run)", file=str(path),
-                            error=str(exc), fault_key=f"file:{path.name}", **said)
 
     def _finding(self, v: vf.Verdict, path: Path, by_uuid: dict[str | None, int]) -> Finding:
         s = v.subject
@@ -252,13 +511,24 @@ def _signals(ctx: CheckContext, index: int) -> dict[str, Any]:
 
 
 def _pace(directory: Path, by_uuid: dict[str | None, int], now: float,
-          max_age_s: float) -> list[tuple[int, float]]:
-    """(GPU index, pace score) of this node's GPUs from fresh pace files (the newest file per GPU)."""
+          max_age_s: float, max_scan: int) -> list[tuple[int, float]]:
+    """(GPU index, pace score) of this node's GPUs from fresh pace files (the newest file per GPU);
+    at most 200 files, the first by name among at most ``max_scan`` entries (any job can write there)."""
     if not directory.is_dir():
         return []
     newest: dict[int, tuple[float, float]] = {}
+
+    def names() -> Iterator[str]:
+        with os.scandir(directory) as entries:
+            for i, entry in enumerate(entries):
+                if i >= max_scan:
+                    return
+                # a regular file only: opening a FIFO would wait for a writer
+                if entry.name.endswith(".json") and entry.is_file(follow_symlinks=False):
+                    yield entry.name
+
     try:
-        files = sorted(directory.glob("*.json"))[:200]
+        files = [directory / name for name in heapq.nsmallest(200, names())]
     except OSError:
         return []
     for path in files:
@@ -275,8 +545,320 @@ def _pace(directory: Path, by_uuid: dict[str | None, int], now: float,
     return [(i, score) for i, (_, score) in newest.items()]
 
 
-def _candidate(path: Path) -> bool:
-    return path.name.endswith(".json") and not path.name.startswith(".") and path.is_file()
+class _Book:
+    """The check's saved state (``ctx.state``, JSON), bounded:
+
+    - ``reported``: name -> the verdict a run reported and no run has moved yet (at most
+      ``max_files`` a run): who reported it (the process token), its lstat, component, fault, id,
+      time (``t``, never later than when it was read), when it was read (``j``) and how it is held
+      (``slot``);
+    - ``uids``: uid -> [start of its window, verdicts judged in it];
+    - ``held``: component -> the judged verdicts that keep a fault of their own for ``warn_hold_s``
+      after they were judged (``transient-unknown``: [t, j, name, id], reported while within their
+      hold; ``persistent``: [j, id], counted only: their faults stay without them), and per class
+      the summary of the others (``more:<class>``: since, last, count, the newest few).
+    """
+
+    def __init__(self, state: MutableMapping[str, Any], now: float, options: GuardConfig) -> None:
+        self.state = state
+        self.now = now
+        self.hold = options.warn_hold_s
+        self.max_faults = options.max_faults_per_gpu
+        self.uid_cap = options.uid_max_verdicts
+        self.fresh = "held" not in state
+        # an earlier release saved name -> process token, with nothing to book a file by: those files
+        # are read again as new ones (the same fault: keyed by the verdict id)
+        self.reported: dict[str, dict[str, Any]] = {
+            name: dict(rec) for name, rec in state.get("reported", {}).items() if isinstance(rec, dict)}
+        self.uids: dict[str, list[float]] = {
+            uid: [float(start), float(n)] for uid, (start, n) in state.get("uids", {}).items()
+            if now - float(start) < options.uid_window_s}
+        self.held: dict[str, dict[str, Any]] = {}
+        for component, was in state.get("held", {}).items():
+            kept: dict[str, Any] = {}
+            warn = [e for e in was.get(_WARN, []) if now - e[1] < self.hold]
+            fail = [e for e in was.get(_FAIL, []) if now - e[0] < self.hold]
+            if warn:
+                kept[_WARN] = warn
+            if fail:
+                kept[_FAIL] = fail
+            for cls in (_WARN, _FAIL):
+                summary = was.get(f"more:{cls}")
+                if summary is not None and now - summary["last"] < self.hold:
+                    kept[f"more:{cls}"] = summary
+            if kept:
+                self.held[component] = kept
+        self.ones: Counter[tuple[str, str]] = Counter()
+        for component, kept in self.held.items():
+            for cls in (_WARN, _FAIL):
+                self.ones[(component, cls)] += len(kept.get(cls, []))
+        for rec in self.reported.values():
+            if rec["slot"] == _ONE:
+                self.ones[(rec["c"], _class(rec["f"]))] += 1
+
+    def save(self) -> None:
+        self.state["reported"] = self.reported
+        self.state["uids"] = self.uids
+        self.state["held"] = self.held
+
+    # -- per uid ---------------------------------------------------------------------------------
+
+    def capped_uids(self) -> set[int]:
+        return {int(uid) for uid, window in self.uids.items() if window[1] >= self.uid_cap}
+
+    def capped(self, uid: int) -> bool:
+        window = self.uids.get(str(uid))
+        return window is not None and window[1] >= self.uid_cap
+
+    def counted(self, uid: int) -> None:
+        self.uids.setdefault(str(uid), [self.now, 0.0])[1] += 1
+
+    def judged_by(self, uid: int) -> int:
+        window = self.uids.get(str(uid))
+        return 0 if window is None else int(window[1])
+
+    # -- verdicts ----------------------------------------------------------------------------------
+
+    def report(self, name: str, lstat: list[int], component: str, v: vf.Verdict) -> str:
+        """Book a verdict a run reports for the first time; how it is held."""
+        cls = _class(v.fault)
+        if cls == _APP:
+            slot = _NONE
+        elif self.ones[(component, cls)] < self.max_faults:
+            slot = _ONE
+            self.ones[(component, cls)] += 1
+        else:
+            slot = _MORE
+        self.reported[name] = {"by": _PROCESS, "st": lstat, "c": component, "f": v.fault,
+                               "id": v.id[:_ID_CHARS], "t": min(v.time, self.now), "j": self.now,
+                               "slot": slot, "chk": v.check, "job": (v.job or "")[:_ID_CHARS]}
+        return slot
+
+    def drop(self, name: str) -> None:
+        rec = self.reported.pop(name)
+        if rec["slot"] == _ONE:
+            self.ones[(rec["c"], _class(rec["f"]))] -= 1
+
+    def fold(self, name: str) -> None:
+        """A reported verdict is in judged/ now: held by its slot."""
+        rec = self.reported.pop(name)
+        cls = _class(rec["f"])
+        if rec["slot"] == _ONE:
+            entry = [rec["t"], rec["j"], name, rec["id"]] if cls == _WARN else [rec["j"], rec["id"]]
+            self.held.setdefault(rec["c"], {}).setdefault(cls, []).append(entry)
+        elif rec["slot"] == _MORE:
+            kept = self.held.setdefault(rec["c"], {})
+            summary = kept.setdefault(f"more:{cls}", {"since": rec["j"], "last": rec["j"], "count": 0,
+                                                      "newest": []})
+            summary["since"] = min(summary["since"], rec["j"])
+            summary["last"] = max(summary["last"], rec["j"])
+            summary["count"] += 1
+            summary["newest"] = _newest([*summary["newest"], _brief(name, rec)])
+
+    def adopt(self, name: str, component: str, v: vf.Verdict) -> None:
+        """A judged warning found in judged/ by a run that had no state of them."""
+        self.report(name, [], component, v)
+        self.fold(name)
+
+    def held_warnings(self) -> list[str]:
+        return [e[2] for kept in self.held.values() for e in kept.get(_WARN, [])
+                if self.now - e[0] < self.hold]
+
+    def forget(self, name: str) -> None:
+        for component, kept in self.held.items():
+            warn = kept.get(_WARN, [])
+            for e in warn:
+                if e[2] == name:
+                    warn.remove(e)
+                    self.ones[(component, _WARN)] -= 1
+                    return
+
+    def summaries(self) -> dict[tuple[str, str], tuple[int, float, list[list[Any]]]]:
+        """(component, class) -> (count, since, newest few) of the verdicts counted together, judged
+        (in held) or reported and not yet moved."""
+        out: dict[tuple[str, str], tuple[int, float, list[list[Any]]]] = {}
+        for component, kept in self.held.items():
+            for cls in (_WARN, _FAIL):
+                summary = kept.get(f"more:{cls}")
+                if summary is not None:
+                    newest = [[*n, False] for n in summary["newest"]]
+                    out[(component, cls)] = (summary["count"], summary["since"], newest)
+        for name, rec in self.reported.items():
+            if rec["slot"] == _MORE:
+                key = (rec["c"], _class(rec["f"]))
+                count, since, newest = out.get(key, (0, rec["j"], []))
+                out[key] = (count + 1, min(since, rec["j"]), _newest([*newest, [*_brief(name, rec), True]]))
+        return out
+
+
+def _brief(name: str, rec: dict[str, Any]) -> list[Any]:
+    return [rec["t"], rec["id"], name, rec["f"], rec["chk"], rec["job"]]
+
+
+def _newest(briefs: list[list[Any]]) -> list[list[Any]]:
+    return sorted(briefs, key=lambda b: (b[0], b[1]), reverse=True)[:_FEW]
+
+
+@dataclass
+class _Listing:
+    """One run's look at the spool's top level."""
+
+    listed: int = 0
+    cut: bool = False  # stopped at max_scan entries
+    # uid -> its oldest max_files new files, a heap of (-mtime_ns, name, ino, size)
+    queues: dict[int, list[tuple[int, str, int, int]]] = field(default_factory=dict)
+    fresh: int = 0  # new files (neither remembered nor reported): the ones to read
+    read: int = 0
+    known: int = 0  # files remembered before this run
+    carried: int = 0  # of those, taken as they were
+    learnt: int = 0  # files this run read and left in the spool
+    # what this process knows of the files left in the spool, as of this run
+    left: dict[str, _Left] = field(default_factory=dict)
+
+
+def _list(spool: Path, book: _Book, options: GuardConfig) -> _Listing:
+    """List the spool's top level, at most ``max_scan`` entries. A remembered file (not a verdict;
+    a verdict of a uid still past its cap) whose inode is the same is taken as it was, without a
+    system call; a rotating ``max_files`` of them are checked with lstat each run (a file rewritten
+    in place keeps its inode), the rest of each cycle on later runs."""
+    known = _LEFT.get(str(spool), {})
+    turn = _TURN[str(spool)] = _TURN.get(str(spool), -1) + 1
+    cycles = max(1, -(-len(known) // options.max_files))
+    turn %= cycles
+    capped = book.capped_uids()
+    reported = book.reported
+    out = _Listing(known=len(known))
+    left = out.left
+    seen_known = 0
+    with os.scandir(spool) as entries:
+        for entry in entries:
+            if out.listed >= options.max_scan:
+                out.cut = True
+                break
+            out.listed += 1
+            name = entry.name
+            if not name.endswith(".json") or name[0] == "." or name in reported:
+                continue
+            was = known.get(name)
+            if was is not None and was.ino == entry.inode():
+                seen_known += 1
+                if seen_known % cycles != turn and (was.kind == _BAD or was.uid in capped):
+                    left[name] = was
+                    out.carried += 1
+                    continue
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # gone since it was listed
+            if (was is not None and (st.st_ino, st.st_size, st.st_mtime_ns) == was[:3]
+                    and (was.kind == _BAD or was.uid in capped)):
+                left[name] = was
+                out.carried += 1
+                continue
+            out.fresh += 1
+            queue = out.queues.setdefault(st.st_uid, [])
+            item = (-st.st_mtime_ns, name, st.st_ino, st.st_size)
+            if len(queue) < options.max_files:
+                heapq.heappush(queue, item)
+            else:
+                heapq.heappushpop(queue, item)  # drops the newest: a uid's oldest files go first
+    return out
+
+
+def _summarize(left: dict[str, _Left]) -> _Summary:
+    """(files that are not verdicts, their count per reason, the first few by name, uid -> its
+    verdicts waiting for a later window)."""
+    bad: list[tuple[str, _Left]] = []
+    waiting: Counter[int] = Counter()
+    for name, was in left.items():
+        if was.kind == _BAD:
+            bad.append((name, was))
+        else:
+            waiting[was.uid] += 1
+    reasons = Counter(was.reason for _, was in bad)
+    return len(bad), reasons, heapq.nsmallest(_FEW, bad, key=lambda kv: kv[0]), waiting
+
+
+def _load(path: Path) -> vf.Verdict:
+    """``vf.read`` for a directory every user can write: never through a symbolic link, never
+    blocked by a FIFO (open would wait for a writer), never more than ``vf.MAX_BYTES`` + 1 bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise vf.VerdictError("a symbolic link: not followed") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise vf.VerdictError("not a regular file")
+        chunks: list[bytes] = []
+        left = vf.MAX_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    if len(raw) > vf.MAX_BYTES:
+        raise vf.VerdictError(f"larger than {vf.MAX_BYTES} bytes: not a verdict")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise vf.VerdictError(f"not JSON: {exc}") from None
+    vf.validate(data)
+    return vf.Verdict.from_json(data)
+
+
+_FUTURE = "of a newer version"
+
+
+def _reason(exc: Exception) -> str:
+    """The kind of problem of a file that is not a verdict, for the count per reason."""
+    if isinstance(exc, vf.FutureVerdict):
+        return _FUTURE
+    if isinstance(exc, vf.SchemaViolation):
+        return "refused by the schema"
+    if isinstance(exc, OSError):
+        return "unreadable"
+    text = str(exc)
+    for prefix, reason in (("not JSON", "not JSON"), ("format is", "of another format"),
+                           ("larger than", "too large"), ("a symbolic link", "not a regular file"),
+                           ("not a regular file", "not a regular file")):
+        if text.startswith(prefix):
+            return reason
+    return "not a verdict"
+
+
+def _error(exc: Exception) -> str:
+    text = str(exc)
+    # interned: a flood of one junk file's copies is one string in memory, not one per file
+    return sys.intern(text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS - 3] + "...")
+
+
+def _schema_place(exc: Exception) -> tuple[str | None, str | None]:
+    return (exc.where, exc.rule) if isinstance(exc, vf.SchemaViolation) else (None, None)
+
+
+def _class(fault: str) -> str:
+    return _FAIL if fault == "persistent" else _APP if fault == "application" else _WARN
+
+
+def _component(v: vf.Verdict, by_uuid: dict[str | None, int]) -> str:
+    """Where ``_finding`` puts the verdict."""
+    if v.fault == "application":
+        return NODE
+    key = normalize_uuid(v.subject.gpu_uuid)
+    index = by_uuid.get(key) if key else None
+    return gpu(index) if index is not None else NODE
+
+
+def _named_like_a_verdict(name: str) -> bool:
+    return name.endswith(".json") and not name.startswith(".")
 
 
 def _holds(v: vf.Verdict, now: float, hold_s: float) -> bool:

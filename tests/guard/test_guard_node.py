@@ -106,17 +106,21 @@ def test_bad_and_future_files_are_named_kept_and_never_crash_the_check(nvml_stat
     (spool / "missing.json").write_text(json.dumps({"format": vf.FORMAT, "version": 1}))
     (spool / ".half-written.json.123.456.tmp").write_text("{")  # write_atomic's temp file: not yet
     state: dict[str, Any] = {}
-    for _ in range(3):  # read again every run, never moved, never lost
-        found = {f.evidence.get("file", f.evidence.get("verdict_file")): f
-                 for f in run(nvml_state, tmp_path, spool, state)}
-        bad = {Path(k).name: f for k, f in found.items() if f.component == NODE}
+    for _ in range(3):  # said every run, never moved, never lost
+        (said,) = [f for f in run(nvml_state, tmp_path, spool, state) if f.component == NODE]
+        assert said.severity is Severity.WARN and said.evidence["fault_key"] == "spool-not-verdicts"
+        assert said.evidence["files_not_verdicts"] == 3
+        bad = {Path(f["file"]).name: f for f in said.evidence["files"]}
         assert set(bad) == {"garbage.json", "from-a-newer-guard.json", "missing.json"}
-        assert all(f.severity is Severity.WARN for f in bad.values())
-        assert "not JSON" in bad["garbage.json"].message
-        assert "newer than this gpumon reads" in bad["from-a-newer-guard.json"].message
-        assert ("$: required properties missing: id, time, check, fault, step, message, subject"
-                in bad["missing.json"].message)
-        assert bad["missing.json"].evidence["schema_error_path"] == "$"
+        assert bad["garbage.json"]["error"].startswith("not JSON")
+        assert "newer than this gpumon reads" in bad["from-a-newer-guard.json"]["error"]
+        assert (bad["missing.json"]["error"] == "$: required properties missing: id, time, check, fault, "
+                "step, message, subject (schema verdict-v1.schema.json, /required)")
+        assert bad["missing.json"]["schema_error_path"] == "$"
+        assert said.evidence["reasons"] == {"not JSON": 1, "of a newer version": 1,
+                                            "refused by the schema": 1}
+        assert said.message.startswith(f"3 files in the guard spool {spool} are not guard verdicts")
+        assert all(name in said.message for name in bad)
     assert sorted(p.name for p in spool.glob("*.json")) == sorted(
         ["garbage.json", "from-a-newer-guard.json", "missing.json", *[p.name for p in spool.glob("2*.json")]])
 
@@ -141,7 +145,8 @@ def test_a_file_the_schema_refuses_is_named_with_its_path_and_the_valid_ones_are
         assert refused.evidence["schema_error_path"] == "$.subject.rank"
         assert refused.evidence["schema_rule"] == "/properties/subject/properties/rank/type"
         assert refused.evidence["schema"] == vf.SCHEMA_ID
-        assert refused.evidence["fault_key"] == f"file:{bad.name}"
+        # one warning for every file that is not a verdict, however many: a flood is one fault
+        assert refused.evidence["fault_key"] == "spool-not-verdicts"
         assert bad.exists()  # never moved to judged/, never lost
         # the valid verdict beside it: reported, then judged once (moved by this process's second run)
         assert good.exists() == (n == 0) and (spool / "judged" / good.name).exists() == (n > 0)
