@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from gpumon.checkstate import CheckState
     from gpumon.hw import Hardware
     from gpumon.hw.inventory import Inventory
+    from gpumon.intake import IntakeReply, Peer
     from gpumon.profiles import Profile
     from gpumon.sdc.runner import Report as CanaryReport
 
@@ -278,6 +279,22 @@ class Check:
     @classmethod
     def judges_canaries(cls) -> bool:
         return cls.canary_verdict is not Check.canary_verdict
+
+    def intake(self, document: dict[str, Any], peer: Peer, ctx: CheckContext) -> IntakeReply:
+        """A document a local process handed to the daemon for this check over its intake socket
+        (``gpumon.intake``): ``peer`` is the sender as the kernel names it (pid, uid, gid), ``ctx`` the
+        check's context as in a run (hardware, inventory, options, state directory), but with a state
+        of its own, not the runs' (they may be changing theirs at the same moment, on their own
+        thread) and no kernel log. Called on the connection's thread, possibly for several
+        documents at once; what it keeps, it keeps on disk for its runs to read. The reply says
+        whether the check has the document (the sender keeps no other copy then) and whether the
+        sender's claim could be confirmed. A check that does not define it takes no documents
+        (``accepts_documents``)."""
+        raise NotImplementedError(f"{self.name} takes no documents")
+
+    @classmethod
+    def accepts_documents(cls) -> bool:
+        return cls.intake is not Check.intake
 
     # Helpers so that every check words common outcomes the same way.
 

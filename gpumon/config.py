@@ -19,6 +19,7 @@ from typing import Any
 
 from gpumon.check import Check
 from gpumon.errors import ConfigError
+from gpumon.intake import DEFAULT_SOCKET as DEFAULT_INTAKE_SOCKET
 from gpumon.profiles import Profile
 from gpumon.schema import Layer, LayeredSource, Source, build, load_yaml_file
 
@@ -46,6 +47,17 @@ class DaemonSettings:
         "min": 0.01, "max": 5, "help": "how often a regular-file kernel log is polled for new lines"})
     shutdown_grace_s: float = field(default=5.0, metadata={
         "min": 0, "max": 300, "help": "how long running checks get on SIGTERM"})
+    intake_socket: str = field(default=DEFAULT_INTAKE_SOCKET, metadata={
+        "help": "local processes (the in-job guard) hand documents to checks on this Unix socket; "
+                "empty: none (gpumon.intake)",
+        "source": "gpumon's choice: /run is the node's runtime directory, gone at a reboot like the "
+                  "daemon's socket; the guard's default ($GPUMON_INTAKE_SOCKET unset) is the same path"})
+    intake_per_uid_per_min: int = field(default=60, metadata={
+        "min": 1, "max": 100000,
+        "help": "requests one uid may send to the intake per minute; more are refused",
+        "source": "argued: a job hands over one verdict per named rank per alarm (at most one per GPU, "
+                  "8 on a node, at once); 60 a minute leaves a few alarms room, and keeps one runaway "
+                  "or hostile user from filling the intake with documents the daemon must judge"})
 
 
 def split_listen(listen: str) -> tuple[str, int]:

@@ -42,6 +42,7 @@ from gpumon.export.prometheus import CachedExposition, Snapshot, SnapshotHolder
 from gpumon.export.readings import ReadingCatalog
 from gpumon.export.webserver import load_web_config, serve_metrics
 from gpumon.health import Health
+from gpumon.intake import IntakeReply, IntakeServer, IntakeUnavailable, Peer, dispatch
 from gpumon.kernel_pump import WATERMARK_STATE, KernelLogPump
 from gpumon.model import CheckRun, Phase
 from gpumon.remediate.runner import RemediationLoop
@@ -105,6 +106,7 @@ class Daemon:
         self.sinks = Sinks([self._changes, self.exporter])
         self._server: Any = None
         self._nvhcd: Any = None  # gpumon.export.nvhcd.NvhcdServer when exporter.nvhcd_socket is set
+        self._intake: IntakeServer | None = None
         # set by startup
         self._checks: list[Check] = []
         self._due: dict[str, float] = {}
@@ -149,6 +151,7 @@ class Daemon:
         self.snapshots = SnapshotHolder(self._snapshot())
         self._start_exporter()
         self._start_nvhcd()
+        self._start_intake()
         self.report = ReportWriter(agent.state_dir, agent.node, agent.profile.name, self._latest_runs,
                                    self.health, self.remediation)
         self.sinks = self._sinks(self.health, self.remediation, self.report)
@@ -169,8 +172,8 @@ class Daemon:
 
     def _undo_startup(self) -> None:
         """Stop what a start-up that failed part-way had started (the pump, the machine's tasks,
-        /metrics, the NVRx socket, the report writer, remediation, the health state, NVML): the
-        process that goes on, or exits, keeps no thread, port or socket of it."""
+        /metrics, the NVRx socket, the intake socket, the report writer, remediation, the health
+        state, NVML): the process that goes on, or exits, keeps no thread, port or socket of it."""
         self.stop.set()
         self.exporter.content_changed.set()  # the render thread waits on it: it sees the stop at once
         try:
@@ -243,6 +246,28 @@ class Daemon:
         except (NvhcdUnavailable, OSError) as exc:
             raise StartupError(f"exporter.nvhcd_socket {path}: {exc}") from None
         log.info("NVRx node health check (nvhcd.HealthCheckService) on unix:%s", path)
+
+    def _start_intake(self) -> None:
+        """The intake socket (gpumon.intake): documents local processes hand to a check, the sender
+        named by the kernel."""
+        settings = self.agent.config.daemon
+        if not settings.intake_socket:
+            return
+        path = self.agent.machine.runtime_path(Path(settings.intake_socket))
+        agent = self.agent
+
+        def handle(name: str, document: dict[str, Any], peer: Peer) -> IntakeReply:
+            return dispatch(self._checks, list(agent.checks), name, document, peer,
+                            agent.runner.intake_context)
+
+        try:
+            self._intake = IntakeServer(path, handle, per_uid_per_min=settings.intake_per_uid_per_min)
+        except (IntakeUnavailable, OSError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise StartupError(f"daemon.intake_socket {path}: {why} (empty daemon.intake_socket: no intake; "
+                               "jobs' guards then write their verdicts to the spool)") from None
+        takers = [c.name for c in self._checks if c.accepts_documents()]
+        log.info("intake on unix:%s for check(s): %s", path, ", ".join(takers) or "none")
 
     def _history_api(self, holder: SnapshotHolder) -> HistoryApi:
         """The query API (gpumon.export.api): health.db read-only per request, the current state
@@ -345,6 +370,9 @@ class Daemon:
             self._server.server_close()
         if self._nvhcd is not None:
             self._nvhcd.stop()
+        if self._intake is not None:
+            self._intake.stop()
+            self._intake = None
         if self.report is not None:
             self.report.close()
         if self.remediation is not None:

@@ -34,6 +34,10 @@ class Machine:
     def kmsg_path(self, configured: Path) -> Path:
         return configured
 
+    def runtime_path(self, configured: Path) -> Path:
+        """Where a socket the daemon serves lies (the intake's, under /run)."""
+        return configured
+
     def node_name(self) -> str | None:
         """The node's name when the machine has its own (None: the config's, else the hostname)."""
         return None

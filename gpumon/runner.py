@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumon.check import Check, CheckContext, KernelLog, RetryRequest, condition_finding
-from gpumon.checkstate import CheckStateStore
+from gpumon.checkstate import CheckState, CheckStateStore
 from gpumon.config import Config
 from gpumon.errors import HwCondition
 from gpumon.hw import Hardware
@@ -139,6 +139,15 @@ class Runner:
                             options=settings.options, state=state,
                             kernel_log=kernel_log, clock=self.clock, node=self.node,
                             state_dir=self.state_dir, retry=retry)
+
+    def intake_context(self, check: Check) -> CheckContext:
+        """What ``check.intake`` is handed (the daemon's intake, gpumon.intake): a run's context, with a
+        state of its own (the check's runs own theirs, on another thread) and no kernel log."""
+        return CheckContext(hw=self.hw, inventory=self.inventory, profile=self.profile,
+                            options=self.config.settings(type(check)).options,
+                            state=CheckState(name=check.name),
+                            kernel_log=KernelLog(available=False, error="not read for a document"),
+                            clock=self.clock, node=self.node, state_dir=self.state_dir)
 
     def run(self, checks: Sequence[Check], kernel_log: KernelLogFeed | None = None,
             on_done: Callable[[CheckRun], None] | None = None, *,

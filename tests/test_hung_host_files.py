@@ -65,7 +65,9 @@ def tree(tmp_path: Path, inject_lib_dir: Path) -> Iterator[HostTree]:
     node.render(0.0)
     state = tmp_path / "state"
     config = tmp_path / "gpumon.yaml"
-    config.write_text(f"state_dir: {state}\ntimeouts:\n  sysfs_read_s: 1\n")
+    # the daemon of a host tree serves its intake beside the tree, not in this machine's /run
+    config.write_text(f"state_dir: {state}\ndaemon:\n  intake_socket: {tmp_path / 'run' / 'intake.sock'}\n"
+                      "timeouts:\n  sysfs_read_s: 1\n")
     env = nvml_inject.subprocess_env(inject_lib_dir, node.nvml_state_path, base=clean_env())
     yield HostTree(node, config, state, env)
     for path in node.host_root.rglob("*"):

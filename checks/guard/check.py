@@ -41,8 +41,14 @@ Bounded, whatever the spool holds (it is mode 1777: any user of the node can fil
   ``lstat``; it reads none. The memory is the process's only (a restart reads them once more).
 - at most ``uid_max_verdicts`` verdicts of one uid are judged per ``uid_window_s``; that uid's other
   transient, unknown and application verdicts stay in the spool, counted in one warning naming the
-  uid, and are judged in a later window, oldest first. A persistent verdict is judged at once
-  whatever its owner's count: it is what the spool exists for.
+  uid, and are judged in a later window, oldest first. A persistent verdict of root's (attested by
+  the intake, or an operator's) is judged at once whatever the count: it is what the spool exists
+  for; another user's "persistent" is not attested, judged as unknown, and waits like the rest.
+- attestation: only a file owned by root (or this daemon's user) is hardware evidence. The intake
+  (``checks/guard/intake.py``) puts a verdict handed over on the daemon's socket into the spool owned
+  by root once its sender is seen computing on the GPU it names, else owned by the sender; any other
+  user's file is judged with its ``persistent`` as ``unknown`` and says so (``attestation`` in the
+  verdict's evidence: who wrote it, what it claimed, why it is not attested).
 - at most ``max_faults_per_gpu`` verdicts per component (``gpu/<i>``, ``node``) and class (persistent;
   transient or unknown) judged within ``warn_hold_s`` become faults of their own (keyed by the
   verdict id); the others become ONE finding per component and class (keyed ``verdicts-more:...``:
@@ -56,16 +62,18 @@ Bounded, whatever the spool holds (it is mode 1777: any user of the node can fil
 from __future__ import annotations
 
 import errno
+import functools
 import heapq
 import json
 import os
+import pwd
 import stat
 import sys
 import time
 import uuid as uuidlib
 from collections import Counter, deque
 from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,6 +82,8 @@ from gpumon.guard import verdict as vf
 from gpumon.hw.nvml import CLOCK_EVENT_REASONS
 from gpumon.hw.placement import normalize_uuid
 from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, gpu, reading
+
+from .intake import intake as take_verdict
 
 JUDGED = "judged"
 # One token per daemon process: a file reported by an earlier run of THIS process is in health.db.
@@ -191,11 +201,12 @@ class GuardCheck(Check):
     interval = 10.0
     timeout = 30.0
     Config = GuardConfig
+    # verdicts handed over on the daemon's socket (gpumon.intake): attested, put into the spool
+    intake = staticmethod(take_verdict)
 
     def run(self, ctx: CheckContext) -> list[Finding]:
         options = ctx.options_as(GuardConfig)
-        spool = (Path(options.spool_dir) if options.spool_dir
-                 else ctx.hw.host_root / vf.DEFAULT_DIR.lstrip("/"))
+        spool = spool_of(options, ctx)
         if not spool.is_dir():
             return [self.ok(NODE, f"no guard verdicts (spool {spool} does not exist)", spool=str(spool))]
         try:
@@ -368,7 +379,7 @@ class GuardCheck(Check):
                 f"uid {uid} filed more guard verdicts than the {options.uid_max_verdicts} judged per uid "
                 f"within {options.uid_window_s:g} s (checks.guard.uid_max_verdicts): {n} more of its "
                 f"verdict files wait in {spool}, judged in a later window, oldest first (not deleted; "
-                "its persistent verdicts are judged at once)",
+                "a persistent verdict only waits if it is not attested)",
                 fault_key=f"uid-cap:{uid}", uid=uid, waiting=n, judged=judged,
                 uid_max_verdicts=options.uid_max_verdicts, uid_window_s=options.uid_window_s))
         unread = listing.fresh - listing.read
@@ -469,6 +480,11 @@ class GuardCheck(Check):
             severity, action = Severity.WARN, Action.NONE
         job = f"job {v.job}, " if v.job else ""
         message = f"in-job SDC check {v.check} ({job}{v.fault}) on {where}: {v.message}"
+        attestation = v.evidence.get("attestation")
+        if isinstance(attestation, dict) and attestation.get("attested") is False:
+            claimed = attestation.get("claimed_fault", v.fault)
+            message = (f"NOT ATTESTED in-job SDC verdict {v.check} ({job}claims {claimed}; judged as a "
+                       f"warning) on {where}: {attestation.get('why')}. The verdict says: {v.message}")
         if v.check == "straggler":
             message = (f"in-job straggler ({job.rstrip(', ') or 'a job'}) on {where}: {v.message}; "
                        "compare this GPU's throttle, thermal, pcie and nvlink findings (node_signals in "
@@ -479,6 +495,47 @@ class GuardCheck(Check):
             "host": s.host, "node_name": s.node_name, "local_rank": s.local_rank, "device": s.device,
             "gpu_uuid": s.gpu_uuid, "gpu_pci_bus_id": s.gpu_pci_bus_id, "verdict_evidence": v.evidence}
         return self.finding(component, severity, message, action, **evidence)
+
+
+def spool_of(options: GuardConfig, ctx: CheckContext) -> Path:
+    """The spool this check reads (and the intake writes into)."""
+    return Path(options.spool_dir) if options.spool_dir else ctx.hw.host_root / vf.DEFAULT_DIR.lstrip("/")
+
+
+def _trusted(uid: int) -> bool:
+    """A file of root's (an operator's tool, the daemon's intake after attesting its sender) or of
+    this daemon's own user: no other user can make one in the spool."""
+    return uid == 0 or uid == os.geteuid()
+
+
+@functools.lru_cache(maxsize=256)
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no such user"
+
+
+def _as_judged(v: vf.Verdict, data: dict[str, Any], owner: int) -> vf.Verdict:
+    """The verdict as the check judges it. Only a root-owned file is hardware evidence: anyone on the
+    node can write the spool, so the file of any other uid is not attested (its sender was not seen
+    on the GPU it names). Its ``persistent`` is judged as ``unknown`` (a warning, never fail or a
+    drain; within its uid's cap like any other); what it claimed and why it is not attested are in
+    its evidence (``attestation``), which on a root-owned file is what the intake recorded."""
+    if _trusted(owner):
+        said = data.get("attestation")
+        attestation = dict(said) if isinstance(said, dict) else {
+            "attested": True, "why": f"the spool file is owned by uid {owner} ({_user(owner)})"}
+        return replace(v, evidence={**v.evidence, "attestation": attestation})
+    why = (f"the spool file is owned by uid {owner} ({_user(owner)}); a file any user of this node can "
+           "write is not hardware evidence: only a verdict that the guard handed to the daemon's intake "
+           "socket from a process computing on that GPU (or a file of root's) is")
+    if isinstance(data.get("attestation"), dict):
+        why += "; its own 'attestation' member is ignored (only the daemon's intake writes one, as root)"
+    attestation = {"attested": False, "why": why, "writer_uid": owner, "writer_user": _user(owner),
+                   "claimed_fault": v.fault}
+    fault = "unknown" if v.fault == "persistent" else v.fault
+    return replace(v, fault=fault, evidence={**v.evidence, "attestation": attestation})
 
 
 def _signals(ctx: CheckContext, index: int) -> dict[str, Any]:
@@ -791,7 +848,8 @@ def _load(path: Path) -> vf.Verdict:
             raise vf.VerdictError("a symbolic link: not followed") from None
         raise
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise vf.VerdictError("not a regular file")
         chunks: list[bytes] = []
         left = vf.MAX_BYTES + 1
@@ -811,7 +869,7 @@ def _load(path: Path) -> vf.Verdict:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise vf.VerdictError(f"not JSON: {exc}") from None
     vf.validate(data)
-    return vf.Verdict.from_json(data)
+    return _as_judged(vf.Verdict.from_json(data), data, st.st_uid)
 
 
 _FUTURE = "of a newer version"

@@ -1,8 +1,9 @@
 """gpumon.guard: SDC checks inside a PyTorch DDP training job.
 
 Importing this package imports no torch: ``Guard``, ``GuardAlarm`` and ``GuardError`` load
-``gpumon.guard.core`` (and torch) on first use. Verdicts go to the node's daemon as files
-(``gpumon.guard.verdict``); the ``guard`` check turns them into findings.
+``gpumon.guard.core`` (and torch) on first use. Verdicts go to the node's daemon over its intake
+socket (``gpumon.guard.handover``: the daemon attests the sender by its GPU), else as files in the
+spool (``gpumon.guard.verdict``); the ``guard`` check turns them into findings.
 
     from gpumon.guard import Guard, GuardAlarm
     guard = Guard(ddp_model, optimizer, weight_check_every=100)

@@ -1001,21 +1001,44 @@ class Guard(GuardBase):
 
 
 def hand_over(v: Verdict, spool_dir: str | Path | None, files: list[Path]) -> None:
-    """Write this rank's verdict for its node's daemon and say where, in the job's log, at once: a
+    """Hand this rank's verdict to its node's daemon and say how, in the job's log, at once: a
     launcher stops the other ranks when the first one exits, so a line printed after the alarm is
-    raised may never be written (torchrun's SIGTERM), while this one is out before the ranks leave."""
+    raised may never be written (torchrun's SIGTERM), while this one is out before the ranks leave.
+
+    Over the daemon's intake socket first (``gpumon.guard.handover``, ``$GPUMON_INTAKE_SOCKET``):
+    from this process, which holds the GPU the verdict names, so that the daemon can attest it. A
+    daemon that cannot be reached, or that does not take the verdict, leaves it to the spool file
+    (``files`` lists those written), judged as before. Never raises: the ranks must still leave the
+    alarm together."""
+    from gpumon.guard import handover
+
+    try:
+        reply = handover.send("guard", v.to_json())
+    except handover.Unreachable as exc:
+        why = f"could not reach this node's daemon: {exc}"
+    except Exception as exc:
+        why = f"could not reach this node's daemon: {type(exc).__name__}: {exc}"
+    else:
+        if reply.accepted:
+            said = "attested" if reply.attested else f"not attested: {reply.message}"
+            log.warning("gpumon.guard: rank %d: verdict handed to this node's daemon (%s)", v.subject.rank,
+                        said)
+            return
+        why = f"this node's daemon did not take the verdict: {reply.message}"
     try:
         path = write(v, spool_dir)
     except OSError as exc:
-        log.error("gpumon.guard: rank %d: could not write the %s verdict for the node's daemon: %s (is the "
-                  "spool directory there and writable by this job?)", v.subject.rank, v.check, exc)
+        log.error("gpumon.guard: rank %d: %s; could not write the %s verdict to the spool either: %s (is the "
+                  "spool directory there and writable by this job?)", v.subject.rank, why, v.check, exc)
         return
     except Exception as exc:  # never out of an alarm: the ranks must still leave it together
-        log.error("gpumon.guard: rank %d: could not write the %s verdict for the node's daemon: %s: %s",
-                  v.subject.rank, v.check, type(exc).__name__, exc)
+        log.error("gpumon.guard: rank %d: %s; could not write the %s verdict to the spool either: %s: %s",
+                  v.subject.rank, why, v.check, type(exc).__name__, exc)
         return
     files.append(path)
-    log.warning("gpumon.guard: rank %d: verdict written for this node's daemon: %s", v.subject.rank, path)
+    # the line's start is what the README promises ("verdict written for this node's daemon: PATH")
+    log.warning("gpumon.guard: rank %d: verdict written for this node's daemon: %s (to the spool: %s)",
+                v.subject.rank, path, why)
 
 
 def leave_together(group: Any, timeout_s: float) -> Exception | None:

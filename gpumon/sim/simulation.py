@@ -115,6 +115,15 @@ class Simulation(Machine):
     def kmsg_path(self, configured: Path) -> Path:
         return self.node.kmsg_path
 
+    def runtime_path(self, configured: Path) -> Path:
+        # The node's /run is the simulated node's own, as its host root is: simulated daemons side
+        # by side (a test suite's) do not take each other's socket, and none needs root for /run.
+        # A path elsewhere (a test's) is where the configuration says.
+        for run in (Path("/run"), Path("/var/run")):
+            if configured.is_relative_to(run):
+                return self.node.root / "run" / configured.relative_to(run)
+        return configured
+
     def node_name(self) -> str | None:
         return f"sim-{self.scenario.name}"
 

@@ -321,3 +321,45 @@ def test_fresh_pace_files_are_exported_per_gpu_and_the_slowest(nvml_state: Path,
     # a malformed pace file is skipped, never a crash
     (spool / vf.PACE_DIR / "bad.json").write_text("{not json")
     assert any(f.component == NODE for f in run(nvml_state, tmp_path, spool, {}))
+
+
+def _owned_by_nobody(path: Path, forged_attestation: bool = False) -> int:
+    import pwd
+
+    if forged_attestation:
+        data = json.loads(path.read_text())
+        data["attestation"] = {"attested": True, "why": "trust me"}
+        path.write_text(json.dumps(data))
+    nobody = pwd.getpwnam("nobody")
+    os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    return nobody.pw_uid
+
+
+@pytest.mark.parametrize("forged", [False, True])
+def test_a_persistent_verdict_in_a_file_of_another_user_is_a_warning_that_says_it_is_not_attested(
+        nvml_state: Path, tmp_path: Path, forged: bool) -> None:
+    """Anyone can write the spool: a file of nobody's claiming a persistent fault on GPU 5 is not
+    hardware evidence (before: fail / inspect_hardware, the RMA path), whatever it says of itself."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the file is given to another user")
+    spool = tmp_path / "spool"
+    uid = _owned_by_nobody(put(spool, "persistent"), forged)
+    (f,) = run(nvml_state, tmp_path, spool, {})
+    assert (f.component, f.severity, f.action) == ("gpu/5", Severity.WARN, Action.NONE)
+    assert f.message.startswith("NOT ATTESTED in-job SDC verdict weights (job slurm:991, claims persistent")
+    att = f.evidence["verdict_evidence"]["attestation"]
+    assert (att["attested"], att["writer_uid"], att["writer_user"], att["claimed_fault"]) == (
+        False, uid, "nobody", "persistent")
+    assert f"owned by uid {uid} (nobody)" in att["why"]
+    assert ("its own 'attestation' member is ignored" in att["why"]) is forged
+
+
+def test_a_persistent_verdict_in_a_file_of_roots_stays_a_failure(nvml_state: Path, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the file must be root's")
+    spool = tmp_path / "spool"
+    put(spool, "persistent")
+    (f,) = run(nvml_state, tmp_path, spool, {})
+    assert (f.severity, f.action) == (Severity.FAIL, Action.INSPECT_HARDWARE)
+    assert f.evidence["verdict_evidence"]["attestation"] == {
+        "attested": True, "why": "the spool file is owned by uid 0 (root)"}

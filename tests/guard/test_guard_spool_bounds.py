@@ -295,16 +295,20 @@ def test_a_uid_past_its_cap_waits_and_does_not_delay_another_uids_verdict(
     assert f"uid {nobody} filed more guard verdicts than the 10 judged per uid" in cap.message
     assert sum(p.exists() for p in theirs) == 50  # waiting in the spool, not deleted
     assert not mine.exists()  # root's: judged and moved
-    # a persistent verdict of a capped uid does not wait
-    urgent = put(d.spool, verdict("persistent", gpu_index=3), owner=nobody)
+    # a persistent verdict of root's (an operator's tool, or the intake's after attesting its
+    # sender) does not wait
+    urgent = put(d.spool, verdict("persistent", gpu_index=3))
     (p,) = keyed(d.run(), urgent.stem)
     assert (p.component, p.severity) == ("gpu/3", Severity.FAIL)
+    # nobody's "persistent" is not attested: a warning at most, and it waits behind nobody's cap
+    forged = put(d.spool, verdict("persistent", gpu_index=4), owner=nobody)
+    assert not keyed(d.run(), forged.stem)
     # the next window: ten more of nobody's, oldest first
     d.now += d.options.uid_window_s + 1
     for _ in range(5):
         found = d.run()
     (cap,) = keyed(found, f"uid-cap:{nobody}")
-    assert cap.evidence["waiting"] == 40
+    assert cap.evidence["waiting"] == 41
     assert [q.exists() for q in theirs] == [False] * 20 + [True] * 40
 
 
