@@ -36,7 +36,6 @@ import functools
 import json
 import os
 import pwd
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -54,7 +53,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO))
 
 from _machine import describe  # noqa: E402
-from storm import KmsgWriter, Node, Sampler, _free_port, _load, _mib, _read_node, _scrape, probe  # noqa: E402
+from storm import KmsgWriter, Node, Sampler, _free_port, _load, _mib, _read_node, _scrape, probe, stop_daemon  # noqa: E402
 
 from gpumon.guard import verdict as vf  # noqa: E402
 from gpumon.health.store import DB_NAME, EventStore, load_view  # noqa: E402
@@ -247,13 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if writer is not None:
             writer.close()
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_daemon(daemon)
 
     view = load_view(state)
     faults = Counter(f.component for c in view.components.values() for f in c.why if f.check == "guard")

@@ -264,6 +264,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_daemon(daemon: subprocess.Popen[bytes]) -> None:
+    """SIGTERM as systemd would, SIGKILL if it is still there 30 s later."""
+    if daemon.poll() is None:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+
+
 def _scrape(url: str) -> str:
     req = urllib.request.Request(url, headers={"Accept": "text/plain"})
     with urllib.request.urlopen(req, timeout=5.0) as resp:
@@ -625,13 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if writer is not None:
             writer.close()
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_daemon(daemon)
     log_lines = log_path.read_text(errors="replace").splitlines()
     warnings = sum(" WARNING " in line or "WARNING" in line.split(":", 1)[0] for line in log_lines)
 
