@@ -4,6 +4,7 @@ and its own clock (the daemon steps it; a one-shot ``check`` replays the scenari
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import threading
@@ -26,6 +27,8 @@ T = TypeVar("T")
 # it sleeps otherwise (a wall clock stepped back or forth is caught up within that).
 SIM_TICK_S = 0.25
 SIM_MAX_SLEEP_S = 5.0
+# sun_path of a Unix socket holds 108 bytes with the terminating NUL (unix(7))
+SOCKET_PATH_BYTES = 107
 
 
 def sim_wait(scenario: Scenario, t: float) -> float:
@@ -121,7 +124,13 @@ class Simulation(Machine):
         # A path elsewhere (a test's) is where the configuration says.
         for run in (Path("/run"), Path("/var/run")):
             if configured.is_relative_to(run):
-                return self.node.root / "run" / configured.relative_to(run)
+                path = self.node.root / "run" / configured.relative_to(run)
+                if len(os.fsencode(str(path))) > SOCKET_PATH_BYTES:
+                    # a deep simulated node (a long $XDG_STATE_HOME) gets a short /run of its own:
+                    # the same node, the same path again after a restart
+                    digest = hashlib.blake2b(str(self.node.root).encode(), digest_size=6).hexdigest()
+                    path = Path(tempfile.gettempdir()) / f"gpumon-run-{digest}" / configured.relative_to(run)
+                return path
         return configured
 
     def node_name(self) -> str | None:
