@@ -35,7 +35,7 @@ from gpumon.guard.audit import (
     step_seed,
 )
 from gpumon.guard.identity import identify
-from gpumon.guard.pace import SLOW_BELOW, PaceMeter, table_of, work_of
+from gpumon.guard.pace import SLOW_BELOW, TRIM, PaceMeter, table_of, work_of
 from gpumon.guard.verdict import (
     EXIT_FAILED_VALIDATION,
     EXIT_RESUME_ELSEWHERE,
@@ -701,7 +701,8 @@ class Guard(GuardBase):
             verdicts.append(self._verdict(
                 r, "straggler", step,
                 f"steps up to {step}: rank {r} ({self.identities[r].describe()}) is a straggler: its own "
-                f"compute per step {s.compute_s * 1e3:.1f} ms against the group's median {median_ms:.1f} ms "
+                f"compute per step {s.compute_s * 1e3:.1f} ms (mean, its slowest {TRIM:.0%} of steps left "
+                f"out) against the group's median {median_ms:.1f} ms "
                 f"(pace {s.pace:.2f}, {s.pace_per_work:.2f} per unit of work, slow below {SLOW_BELOW}) in "
                 f"{slow_windows} of the last {len(self.pace.history(r))} windows of {self.pace.window} "
                 "steps; not explained by its share of the work; the job runs at its pace",

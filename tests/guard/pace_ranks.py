@@ -6,7 +6,10 @@ Scenarios, one after another in one process group, each with a Guard of its own:
 - ``load``: rank 1 trains on micro-batches twice the others' (its step is slower because it does more);
 - ``slow``: rank 2 moves itself from its own CPU cgroup under ``$PACE_CGROUP`` (half a CPU, like
   every rank's) into the ``slow`` one (20 %, a CFS quota the test set: a real limit on its CPU,
-  outside the guard) for the scenario, then back.
+  outside the guard) for the scenario, then back;
+- ``intermittent``: rank 2's forward takes ``SLOW_S`` longer on every third step only (a forward
+  hook of the loop's that sleeps: its median step is the others', the job waits for it on a third
+  of its steps). A sleep, not the cgroup: a quota switched per step slowed those steps only ~1.7x.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from gpumon.guard import Guard, Verdict
 
 WINDOW, OF_LAST, NEED = 8, 3, 2
 BATCH = 864
+# the intermittent scenario's extra time on a slow step: ~2x a step's own compute at half a CPU
+SLOW_S = 0.06
 LOAD = 2  # the load scenario's rank trains on LOAD x BATCH: pace ~0.5 per step, ~1 per unit of work
 
 
@@ -41,7 +46,7 @@ def build() -> tuple[DDP, torch.optim.Optimizer]:
 
 
 def run(rank: int, out: Path, name: str, windows: int, batch_of: dict[int, int],
-        own_spool: bool = True) -> dict[str, Any]:
+        own_spool: bool = True, slow_every: int = 0) -> dict[str, Any]:
     """``own_spool``: the scenario's verdicts in a folder of their own under OUT; else in the
     guard's default spool (``$GPUMON_GUARD_DIR``: on a test host, the one its daemon reads)."""
     model, opt = build()
@@ -49,6 +54,12 @@ def run(rank: int, out: Path, name: str, windows: int, batch_of: dict[int, int],
     spool = out / f"spool-{name}-r{rank}" if own_spool else None
     guard = Guard(model, opt, weight_check_every=0, spool_dir=spool,
                   pace_window=WINDOW, pace_of_last=OF_LAST, pace_need=NEED, on_straggler=named.append)
+    if slow_every:
+        def slow(*_: Any) -> None:
+            if guard.steps % slow_every == 0:
+                time.sleep(SLOW_S)
+
+        model.module.register_forward_hook(slow)  # after the guard's: inside the step's compute
     n = batch_of.get(rank, BATCH)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(n, 256, generator=g), torch.randn(n, 256, generator=g)
@@ -85,6 +96,7 @@ def main() -> None:
     finally:
         if rank == 2:
             cpu_cgroup.join(cgroups / f"r{rank}")
+    result["intermittent"] = run(rank, out, "intermittent", 6, {}, slow_every=3 if rank == 2 else 0)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -67,6 +67,24 @@ def test_a_rank_slowed_by_a_cpu_quota_is_named_within_need_windows_on_its_node(
     assert [row.rank for row in rows] == [2] and rows[0].slow
 
 
+def test_a_rank_slow_on_every_third_step_is_named(ranks: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Rank 2's forward 60 ms longer on every third step only: its median step is the group's, yet
+    the job waits for it on a third of its steps. Scored on what the job pays (the mean of its steps,
+    the slowest 10 % left out), it is named within the same windows as a rank slow throughout
+    (before: scored on medians, never named)."""
+    _, res = ranks
+    for r in res:
+        run = r["intermittent"]
+        assert run["disabled"] is None
+        named = [i for i, w in enumerate(run["windows"]) if w["named"]]
+        assert named and named[0] <= NEED - 1 + 1, run["windows"]
+        assert all(w["named"] in ([], [2]) for w in run["windows"])
+        (verdicts,) = run["named"]
+        (v,) = verdicts
+        assert v["subject"]["rank"] == 2 and v["evidence"]["pace"] < 0.75
+        assert "(mean, its slowest 10% of steps left out)" in v["message"]
+
+
 def test_a_rank_given_more_work_is_load_not_a_slow_gpu(ranks: tuple[Path, list[dict[str, Any]]]) -> None:
     _, res = ranks
     for r in res:
@@ -83,6 +101,15 @@ def test_healthy_ranks_are_never_named(ranks: tuple[Path, list[dict[str, Any]]])
         h = r["healthy"]
         assert len(h["windows"]) == 12
         assert h["named"] == [] and h["files"] == [], h["windows"]
+
+
+def test_the_compute_per_step_is_the_mean_without_the_slowest_tenth() -> None:
+    from gpumon.guard.pace import trimmed_mean
+
+    every_third = [3.0 if i % 3 == 0 else 1.0 for i in range(100)]
+    assert round(1 / trimmed_mean(every_third), 2) == 0.65  # named: < 0.75
+    assert trimmed_mean([1.0] * 95 + [50.0] * 5) == 1.0  # five pauses in a window: left out
+    assert trimmed_mean([2.0]) == 2.0 and trimmed_mean([1.0, 9.0]) == 5.0  # nothing left out below 10
 
 
 def test_scores_separate_a_slow_gpu_from_more_work() -> None:
