@@ -84,6 +84,7 @@ from gpumon.hw.placement import normalize_uuid
 from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, gpu, reading
 
 from .intake import intake as take_verdict
+from .options import GuardConfig, spool_of
 
 JUDGED = "judged"
 # One token per daemon process: a file reported by an earlier run of THIS process is in health.db.
@@ -128,52 +129,6 @@ _SUMMARY: dict[str, tuple[dict[str, _Left], _Summary]] = {}
 # judged file -> (its lstat, the verdict read from it): the warnings held one by one are reported
 # every run, and a file judged does not change
 _HELD: dict[str, tuple[tuple[int, int, int], vf.Verdict]] = {}
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    spool_dir: str = field(default="", metadata={
-        "source": "empty: <host-root>/var/lib/gpumon/guard, the jobs' default ($GPUMON_GUARD_DIR "
-                  "unset); the directory must be writable by the jobs (mode 1777, like /tmp)"})
-    warn_hold_s: float = field(default=86400.0, metadata={
-        "min": 0,
-        "source": "argued: a transient or unknown SDC verdict stays visible (health, /metrics) for a "
-                  "day, long enough for an operator or the next canary to look, then resolves"})
-    pace_max_age_s: float = field(default=900.0, metadata={
-        "min": 1,
-        "source": "argued: a job's ranks rewrite their node's pace file every window (100 steps by "
-                  "default: seconds to minutes); older than 15 min, the job has ended or stalled and its "
-                  "scores are not exported"})
-    max_files: int = field(default=1000, metadata={
-        "min": 1,
-        "source": "measured (bench/guard_spool.py, a 2-core AMD EPYC VM): reading and judging a file "
-                  "costs a run 8 us (not JSON) to 105 us (a verdict: its JSON Schema and all), so 1000 "
-                  "files are at most ~0.1 s of the 10 s interval (1 % of a core); a job writes one file "
-                  "per named rank per alarm, so more at once is a runaway writer, read on later runs"})
-    max_scan: int = field(default=50000, metadata={
-        "min": 1,
-        "source": "measured (bench/guard_spool.py, a 2-core AMD EPYC VM): listing a spool entry costs "
-                  "~0.5 us, ~2.6 us with the lstat a new file needs, so 50,000 entries are at most "
-                  "~0.13 s of the 10 s interval, and the files remembered take ~300 bytes each (15 MB); "
-                  "a spool that holds more is said in a warning, and the entries past these are not "
-                  "seen until it holds fewer"})
-    max_faults_per_gpu: int = field(default=5, metadata={
-        "min": 1,
-        "source": "argued: a GPU that computes wrong numbers is named by a few verdicts a day (a job's "
-                  "alarm names a rank or two, and the job then leaves the node); past 5 within "
-                  "warn_hold_s, a GPU's further verdicts of the same class are counted in one finding "
-                  "with the newest ids, so a flood of fresh ids adds rows to health.db per hold window, "
-                  "not per file"})
-    uid_max_verdicts: int = field(default=50, metadata={
-        "min": 1,
-        "source": "argued: a guarded job writes one verdict per named rank per alarm and leaves the "
-                  "node after it (exit 16 or 17), so one user's jobs on one node file a few verdicts an "
-                  "hour; 50 an hour is six alarms that each name every rank of an 8-GPU node; past "
-                  "it the user's other verdicts wait for a later window (persistent ones do not wait)"})
-    uid_window_s: float = field(default=3600.0, metadata={
-        "min": 1,
-        "source": "argued: an hour, the window uid_max_verdicts is counted in: short enough that a "
-                  "capped user's waiting verdicts are judged the same day"})
 
 
 class GuardCheck(Check):
@@ -495,11 +450,6 @@ class GuardCheck(Check):
             "host": s.host, "node_name": s.node_name, "local_rank": s.local_rank, "device": s.device,
             "gpu_uuid": s.gpu_uuid, "gpu_pci_bus_id": s.gpu_pci_bus_id, "verdict_evidence": v.evidence}
         return self.finding(component, severity, message, action, **evidence)
-
-
-def spool_of(options: GuardConfig, ctx: CheckContext) -> Path:
-    """The spool this check reads (and the intake writes into)."""
-    return Path(options.spool_dir) if options.spool_dir else ctx.hw.host_root / vf.DEFAULT_DIR.lstrip("/")
 
 
 def _trusted(uid: int) -> bool:

@@ -45,6 +45,8 @@ from gpumon.hw.nvml import ComputeProcess
 from gpumon.hw.placement import normalize_uuid
 from gpumon.intake import IntakeReply, Peer, refused
 
+from .options import GuardConfig, spool_of
+
 # the id names the file: what new_id makes (time, host made safe, pid, rank, random), nothing that
 # could leave the directory or hide in it
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}")
@@ -60,8 +62,6 @@ def intake(document: dict[str, Any], peer: Peer, ctx: CheckContext) -> IntakeRep
     if not _SAFE_ID.fullmatch(verdict.id):
         return refused(f"verdict id {verdict.id[:80]!r} names no file: letters, digits, '_', '.' and '-' "
                        "only, at most 200, not starting with '.'")
-    from .check import GuardConfig, spool_of  # at call time: check.py exposes this function
-
     spool = spool_of(ctx.options_as(GuardConfig), ctx)
     path = spool / f"{verdict.id}.json"
     try:
