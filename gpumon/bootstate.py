@@ -32,6 +32,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union
 
 log = logging.getLogger("gpumon.bootstate")
@@ -215,18 +216,28 @@ def read_state(cls: type[B], raw: Mapping[str, Any], *, check: str,
         return cls()
 
 
+class SavedMapping(dict[str, Any]):
+    """A check's saved state as the JSON mapping that is written, which may have a file behind it
+    (``gpumon.checkstate.CheckState``, the store's). Here so that :func:`restore` can have a refused
+    state's file copied aside: the store builds on this module, so this one cannot import it."""
+
+    def keep_refused(self) -> Path | None:
+        """Copy the file behind this state aside before the check that refused its content starts
+        afresh and the next save overwrites it; the copy, or None when there is no file."""
+        return None
+
+
 def restore(cls: type[S], raw: MutableMapping[str, Any], *, check: str) -> S:
     """:func:`load_state` of a mapping, or a fresh ``cls()`` when ``raw`` is empty or does not fit;
-    a refused state is logged with its reason, its file copied aside (``gpumon.checkstate.
-    keep_refused``), and ``raw`` overwritten with the fresh state."""
+    a refused state is logged with its reason, its file copied aside (:meth:`SavedMapping.
+    keep_refused`), and ``raw`` overwritten with the fresh state."""
     if raw:
         try:
             return load_state(cls, raw)
         except StateError as exc:
             log.warning("saved state of check %s refused, starting afresh: %s", check, exc)
-            # imported here: gpumon.checkstate builds on this module
-            from gpumon.checkstate import keep_refused
-            keep_refused(raw)  # the next save overwrites it: a copy for the post-mortem
+            if isinstance(raw, SavedMapping):
+                raw.keep_refused()  # the next save overwrites it: a copy for the post-mortem
     fresh = cls()
     raw.clear()
     raw.update(dump_state(fresh))

@@ -15,7 +15,7 @@ another release) would make the check raise on every run, forever: a check that 
 first two runs with state loaded from disk (a one-off exception must not cost a week of history)
 gets that state set aside (:meth:`set_aside`, called by the runner), and its next run starts
 afresh. A declared state of another shape is refused when it is loaded (``gpumon.bootstate.
-read_state``) and its file copied aside first (:func:`keep_refused`). Set-aside copies carry
+read_state``) and its file copied aside first (:meth:`CheckState.keep_refused`). Set-aside copies carry
 the time: a later one never overwrites an earlier.
 
 Every write goes to a temporary file that is fsync'd, renamed over the old one,
@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpumon.atomic import write_atomic
-from gpumon.bootstate import BootState, dump_state, enter_boot, read_state
+from gpumon.bootstate import BootState, SavedMapping, dump_state, enter_boot, read_state
 
 log = logging.getLogger("gpumon.checkstate")
 
 B = TypeVar("B", bound=BootState)
 
 
-class CheckState(dict[str, Any]):
+class CheckState(SavedMapping):
     """A check's persisted state, as the store keeps it: the JSON mapping that is saved, which
     knows its store (None: kept in memory only, e.g. a test's), and, for a check that declares a
     ``State``, the typed instance loaded from it (:meth:`load`), whose JSON the mapping holds
@@ -84,21 +84,14 @@ class CheckState(dict[str, Any]):
         return self._store.save(self.name) if self._store is not None else False
 
     def keep_refused(self) -> Path | None:
+        """The store's copy of its file (``<check>.refused-<UTC time>``), None when it is not a
+        store's or there is no file."""
         return self._store.keep_refused(self.name) if self._store is not None else None
 
 
 def _aside(path: Path, why: str) -> Path:
     """Where a state file set aside for a post-mortem goes: beside it, named for why and when."""
     return path.with_name(f"{path.stem}.{why}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-
-
-def keep_refused(state: MutableMapping[str, Any]) -> Path | None:
-    """Copy the file behind ``state`` aside (``<check>.refused-<UTC time>``) before the check that
-    refused its content starts afresh and the next save overwrites it; None when ``state`` is not
-    a store's, or there is no file."""
-    if not isinstance(state, CheckState):
-        return None
-    return state.keep_refused()
 
 
 def save_now(state: MutableMapping[str, Any]) -> bool:

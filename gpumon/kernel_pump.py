@@ -21,7 +21,7 @@ from typing import Any
 
 from gpumon.check import Check, KernelLog, KernelLogNeeds
 from gpumon.errors import HwCondition
-from gpumon.hw.kernellog import KernelLogFeed, KernelLogSource
+from gpumon.hw.kernellog import FedCheck, KernelLogFeed, KernelLogSource
 from gpumon.hw.nvrm import XidEvent
 
 log = logging.getLogger("gpumon.daemon")
@@ -432,7 +432,7 @@ class KernelLogPump(KernelLogFeed):
                          records_read=total, lost_records=lost, boot_time=self.boot_anchor,
                          folded=folded), mark
 
-    def for_check(self, check: Check) -> KernelLog:
+    def for_check(self, check: FedCheck) -> KernelLog:
         """``take`` for the check at the start of its run; its watermark is kept for ``handed_mark``."""
         log, mark = self.take(check.name)
         self._handed[check.name] = mark

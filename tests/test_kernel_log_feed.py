@@ -19,7 +19,7 @@ from gpumon.config import CheckSettings, Config
 from gpumon.errors import GpumonError
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory
-from gpumon.hw.kernellog import KernelLogFeed, KernelLogSource, ReadOnce
+from gpumon.hw.kernellog import FedCheck, KernelLogFeed, KernelLogSource, ReadOnce
 from gpumon.hw.nvrm import XidEvent
 from gpumon.kernel_pump import KernelLogPump
 from gpumon.model import NODE, Finding
@@ -68,7 +68,7 @@ class _Counting(KernelLogFeed):
     def __init__(self) -> None:
         self.asked: list[str] = []
 
-    def for_check(self, check: Check) -> KernelLog:
+    def for_check(self, check: FedCheck) -> KernelLog:
         self.asked.append(check.name)
         return KernelLog(events=[XidEvent(13, "0000:19:00.0", 1, "python", "m", None)], source="test")
 

@@ -3,63 +3,23 @@ and per-minute error buckets, pruned to the windows. Pure: no hardware, no clock
 
 An outage is measured from the first sample that saw the port down to the first sample that saw it
 up again; ``link_downed`` deltas count the outages that began and ended between two samples, with
-"at most the gap" as their length; beyond :data:`MAX_RECORDS` records per port the two oldest are
-merged, so a port flapping every second cannot grow the persisted state without bound.
+"at most the gap" as their length. The records themselves, and the closing of an outage, are the
+state's (``state``: its reset at a reboot closes an open outage too).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from .state import RATE_COUNTERS, Port, cap, close, record
 
 if TYPE_CHECKING:
     from gpumon.hw.infiniband import IbPort
 
-    from .check import IbConfig
-    from .state import Port
+    from .options import IbConfig
 
-# How many outage records one port keeps; beyond it the two oldest are merged.
-MAX_RECORDS = 128
-RATE_COUNTERS = ("symbol_error", "link_error_recovery")
 BUCKET_S = 60.0
-
-
-@dataclass
-class Record:
-    """Outages of one port: one measured outage, those seen only through link_downed between two
-    samples (``n`` of them, each at most the gap long), or older records merged (``cap``)."""
-
-    start: float
-    end: float
-    down_s: float
-    max_s: float
-    longest_s: float
-    n: int
-    kind: str
-
-
-def record(start: float, end: float, down_s: float, max_s: float, kind: str, n: int = 1) -> Record:
-    # clamped: a wall clock stepped back (NTP) must not make a negative outage
-    down_s, max_s = max(0.0, down_s), max(0.0, max_s)
-    return Record(start, max(start, end), down_s, max(down_s, max_s), down_s, n, kind)
-
-
-def close(p: Port, *, end: float, kind: str) -> None:
-    start = p.down_since
-    assert start is not None  # only an open outage is closed
-    prev_up = p.down_prev_up
-    p.outages.append(record(start, end, end - start, end - (prev_up if prev_up is not None else start),
-                                kind))
-    p.down_since = p.down_prev_up = p.last_down_t = None
-    cap(p.outages)
-
-
-def cap(records: list[Record]) -> None:
-    while len(records) > MAX_RECORDS:
-        a, b = records[0], records.pop(1)
-        records[0] = Record(min(a.start, b.start), max(a.end, b.end), a.down_s + b.down_s, a.max_s + b.max_s,
-                             max(a.longest_s, b.longest_s), a.n + b.n, "merged")
 
 
 def sample(p: Port, up: bool, now: float, port: IbPort | None) -> bool:

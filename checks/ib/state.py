@@ -5,6 +5,9 @@ The framework loads it from the saved JSON (a damaged port record is forgotten a
 :meth:`IbState.salvage`; state of another shape is refused and the check starts afresh), saves it
 after the runs (at once when an outage opens or closes: ``ctx.save_state_now``) and resets it at a
 reboot, where an outage still open is closed at the last sample that saw it (:meth:`IbState.new_boot`).
+
+A port's outages are :class:`Record` s: beyond :data:`MAX_RECORDS` per port the two oldest are merged,
+so a port flapping every second cannot grow the persisted state without bound.
 """
 
 from __future__ import annotations
@@ -17,11 +20,39 @@ from typing import Any
 
 from gpumon.bootstate import BootState, StateError, load_state
 
-from .outages import RATE_COUNTERS, Record, close
-
 STATE_VERSION = 1
 KEY_RE = re.compile(r"[^/]+/[0-9]{1,3}")
 log = logging.getLogger("gpumon.checks.ib")
+# How many outage records one port keeps; beyond it the two oldest are merged.
+MAX_RECORDS = 128
+RATE_COUNTERS = ("symbol_error", "link_error_recovery")
+
+
+@dataclass
+class Record:
+    """Outages of one port: one measured outage, those seen only through link_downed between two
+    samples (``n`` of them, each at most the gap long), or older records merged (``cap``)."""
+
+    start: float
+    end: float
+    down_s: float
+    max_s: float
+    longest_s: float
+    n: int
+    kind: str
+
+
+def record(start: float, end: float, down_s: float, max_s: float, kind: str, n: int = 1) -> Record:
+    # clamped: a wall clock stepped back (NTP) must not make a negative outage
+    down_s, max_s = max(0.0, down_s), max(0.0, max_s)
+    return Record(start, max(start, end), down_s, max(down_s, max_s), down_s, n, kind)
+
+
+def cap(records: list[Record]) -> None:
+    while len(records) > MAX_RECORDS:
+        a, b = records[0], records.pop(1)
+        records[0] = Record(min(a.start, b.start), max(a.end, b.end), a.down_s + b.down_s, a.max_s + b.max_s,
+                             max(a.longest_s, b.longest_s), a.n + b.n, "merged")
 
 
 @dataclass
@@ -62,6 +93,16 @@ class Port:
             raise ValueError(f"buckets for {sorted(self.buckets)}, not {sorted(RATE_COUNTERS)}")
         if any(len(b) != 2 for c in RATE_COUNTERS for b in self.buckets[c]):
             raise ValueError("a bucket that is not [start, count]")
+
+
+def close(p: Port, *, end: float, kind: str) -> None:
+    start = p.down_since
+    assert start is not None  # only an open outage is closed
+    prev_up = p.down_prev_up
+    p.outages.append(record(start, end, end - start, end - (prev_up if prev_up is not None else start),
+                                kind))
+    p.down_since = p.down_prev_up = p.last_down_t = None
+    cap(p.outages)
 
 
 @dataclass

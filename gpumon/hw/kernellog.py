@@ -27,15 +27,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gpumon.errors import HwCondition
 from gpumon.hw.hostfs import HostFs
 from gpumon.hw.kmsg import KernelLogFollower, KernelRecord
 from gpumon.hw.nvrm import NvrmParser
-
-if TYPE_CHECKING:
-    from gpumon.check import Check
 
 
 @dataclass
@@ -87,6 +84,15 @@ class SavedKernelLog(KernelLog):
     all_boots: bool = False
 
 
+class FedCheck(Protocol):
+    """A check as a feed knows it: by its name, under which the daemon's pump keeps what each check
+    reads. Not ``gpumon.check.Check``: the check protocol sits above this layer and hands checks
+    the :class:`KernelLog` defined here."""
+
+    @property
+    def name(self) -> str: ...
+
+
 class KernelLogFeed(ABC):
     """Where the checks of a run get their kernel log. The runner calls ``for_check`` once per run
     of each check that declares ``Check.kernel_log`` (a check that does not is handed an
@@ -94,7 +100,7 @@ class KernelLogFeed(ABC):
     the runs, the checks of one run one after the other."""
 
     @abstractmethod
-    def for_check(self, check: Check) -> KernelLog:
+    def for_check(self, check: FedCheck) -> KernelLog:
         """The log ``check`` is handed for this run (``available`` False, with the reason, when it
         could not be read)."""
         raise NotImplementedError
@@ -110,7 +116,7 @@ class ReadOnce(KernelLogFeed):
         self._read = read
         self._log: KernelLog | None = None
 
-    def for_check(self, check: Check) -> KernelLog:
+    def for_check(self, check: FedCheck) -> KernelLog:
         if self._log is None:
             self._log = self._read()
         return self._log
