@@ -94,8 +94,8 @@ summarise() {
             return line
         }
         BEGIN {
-            rank["none"] = 0; rank["restart_app"] = 1; rank["check_cables"] = 2
-            rank["reset_gpu"] = 3; rank["reboot_node"] = 4; rank["inspect_hardware"] = 5
+            rank["none"] = 0; rank["restart_app"] = 1; rank["check_cables"] = 2; rank["confirm_sdc"] = 3
+            rank["reset_gpu"] = 4; rank["reboot_node"] = 5; rank["inspect_hardware"] = 6
             best = -1; n = 0
         }
         /"check": "/     { check = val($0); comp = ""; sev = ""; act = "" }

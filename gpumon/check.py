@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from gpumon.checkstate import CheckState
     from gpumon.hw import Hardware
     from gpumon.hw.inventory import Inventory
-    from gpumon.intake import IntakeReply, Peer
+    from gpumon.intake_protocol import IntakeReply, Peer
     from gpumon.profiles import Profile
     from gpumon.sdc.runner import Report as CanaryReport
 

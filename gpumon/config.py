@@ -19,7 +19,7 @@ from typing import Any
 
 from gpumon.check import Check
 from gpumon.errors import ConfigError
-from gpumon.intake import DEFAULT_SOCKET as DEFAULT_INTAKE_SOCKET
+from gpumon.intake_protocol import DEFAULT_SOCKET as DEFAULT_INTAKE_SOCKET
 from gpumon.profiles import Profile
 from gpumon.schema import Layer, LayeredSource, Source, build, load_yaml_file
 
@@ -121,13 +121,14 @@ class RemediationSettings:
     interval_s: float = field(default=60.0, metadata={
         "min": 1, "help": "also stepped on every change of the node's health"})
     take_out_actions: list[str] = field(default_factory=lambda: [
-        "check_cables", "reset_gpu", "reboot_node", "inspect_hardware"])
+        "check_cables", "confirm_sdc", "reset_gpu", "reboot_node", "inspect_hardware"])
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
 
     def __post_init__(self) -> None:
-        allowed = ("restart_app", "check_cables", "reset_gpu", "reboot_node", "inspect_hardware")
+        allowed = ("restart_app", "check_cables", "confirm_sdc", "reset_gpu", "reboot_node",
+                   "inspect_hardware")
         for action in self.take_out_actions:
             if action not in allowed:
                 raise ValueError(f"take_out_actions: {action!r} is not one of {', '.join(allowed)} "

@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import pwd
-import select
 import socket
 import stat
 import struct
@@ -39,20 +38,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gpumon.intake_protocol import DEFAULT_SOCKET, MAX_REQUEST_BYTES, IntakeReply, Peer, refused
 
 if TYPE_CHECKING:
     from gpumon.check import Check, CheckContext
 
 log = logging.getLogger("gpumon.intake")
 
-# the guard's default too (gpumon.guard.handover): the daemon and the jobs meet there unconfigured
-DEFAULT_SOCKET = "/run/gpumon/intake.sock"
-# The largest request read: a guard verdict is a few KiB and gpumon.guard.verdict.MAX_BYTES (1 MiB)
-# is the most the daemon reads of one; more is not a document, and must not cost the daemon memory.
-MAX_REQUEST_BYTES = 1 << 20
+# what a client and the daemon share, from gpumon.intake_protocol (the guard's side imports no daemon)
+__all__ = ["DEFAULT_SOCKET", "MAX_REQUEST_BYTES", "IntakeReply", "Peer", "refused"]
+
 # A client writes its request at once (it has it in memory); 2 s is far beyond that on a loaded
 # node, and short enough that a silent client holds a slot only briefly.
 READ_TIMEOUT_S = 2.0
@@ -73,70 +71,6 @@ SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
 class IntakeUnavailable(RuntimeError):
     """The intake socket cannot be served at this path; says why."""
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Who is on the other end of a connection, as the kernel says (``SO_PEERCRED``): its pid in
-    the daemon's PID namespace (0: the sender's namespace cannot be seen from the daemon's, e.g. a
-    container's when the daemon runs without the host's PID namespace), its uid and gid in the
-    daemon's user namespace, and the uid's name where the daemon's passwd has one."""
-
-    pid: int
-    uid: int
-    gid: int
-    user: str | None = None
-    # the sender's pidfd (SO_PEERPIDFD, Linux 6.5), open while its request is judged; None before
-    pidfd: int | None = field(default=None, compare=False, repr=False)
-    # the kernel had no process left for it when asked for the pidfd: the sender is gone
-    exited: bool = field(default=False, compare=False, repr=False)
-
-    def alive(self) -> bool | None:
-        """Whether the sending process still runs, so that its pid is still its own: a pid judged
-        by a list read before this says True named the sender, not a new process that took the pid
-        over after the sender exited. None: the kernel cannot tell (no SO_PEERPIDFD before 6.5)."""
-        if self.exited:
-            return False
-        if self.pidfd is None:
-            return None
-        poll = select.poll()
-        poll.register(self.pidfd, select.POLLIN)  # a pidfd is readable once its process has exited
-        return not poll.poll(0)
-
-    def describe(self) -> str:
-        who = f"uid {self.uid} ({self.user})" if self.user else f"uid {self.uid}"
-        return f"pid {self.pid}, {who}, gid {self.gid}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "uid": self.uid, "gid": self.gid, "user": self.user}
-
-
-@dataclass(frozen=True)
-class IntakeReply:
-    """A check's answer to a document: ``accepted`` (the check has it: the sender need not keep it
-    elsewhere), ``attested`` (the check could confirm the sender's claim from what the machine
-    says), ``message`` (why, in words, for the sender's log)."""
-
-    accepted: bool
-    attested: bool = False
-    message: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"accepted": self.accepted, "attested": self.attested, "message": self.message}
-
-    @classmethod
-    def from_json(cls, data: Any) -> IntakeReply:
-        """Raises ValueError for anything but a reply of this shape."""
-        if not isinstance(data, dict):
-            raise ValueError("the reply is not a JSON object")
-        accepted, attested, message = data.get("accepted"), data.get("attested"), data.get("message")
-        if not isinstance(accepted, bool) or not isinstance(attested, bool) or not isinstance(message, str):
-            raise ValueError("the reply lacks accepted, attested (booleans) or message (a string)")
-        return cls(accepted, attested, message)
-
-
-def refused(message: str) -> IntakeReply:
-    return IntakeReply(False, False, message)
 
 
 def dispatch(checks: Sequence[Check], known: Sequence[str], name: str, document: dict[str, Any],

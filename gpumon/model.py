@@ -60,6 +60,9 @@ class Action(enum.Enum):
     NONE = "none"
     RESTART_APP = "restart_app"
     CHECK_CABLES = "check_cables"
+    # gpumon itself confirms an in-job SDC verdict on the GPU it names (its canaries, once the GPU is
+    # free): the node takes no new work until then, and nothing is asked of an operator
+    CONFIRM_SDC = "confirm_sdc"
     RESET_GPU = "reset_gpu"
     REBOOT_NODE = "reboot_node"
     INSPECT_HARDWARE = "inspect_hardware"
@@ -78,6 +81,7 @@ _ACTION_ORDER = [
     Action.NONE,
     Action.RESTART_APP,
     Action.CHECK_CABLES,
+    Action.CONFIRM_SDC,
     Action.RESET_GPU,
     Action.REBOOT_NODE,
     Action.INSPECT_HARDWARE,

@@ -411,7 +411,7 @@ def load(path: Path) -> Converted:
 
 def run_check(check_cls: type[Any], node: NvmlNodeState, state_path: Path, host_root: Path, *,
               options: Any = None, profile: Profile | None = None,
-              state: dict[str, Any] | None = None) -> list[Finding]:
+              state: dict[str, Any] | None = None, state_dir: Path | None = None) -> list[Finding]:
     """Serve ``node`` through the injection library and run ``check_cls`` with the framework's context.
 
     ``state_path`` must be the file the library reads (the ``nvml_state`` fixture). The profile is
@@ -426,7 +426,8 @@ def run_check(check_cls: type[Any], node: NvmlNodeState, state_path: Path, host_
         chosen = profile or select_profile(builtin_profiles(), inventory.gpu_names, "auto")
         cfg = options if options is not None else check_cls.Config()
         ctx = CheckContext(hw=hw, inventory=inventory, profile=chosen, options=cfg,
-                           state=state if state is not None else {}, kernel_log=KernelLog())
+                           state=state if state is not None else {}, kernel_log=KernelLog(),
+                           state_dir=state_dir)
         findings: list[Finding] = check_cls().run(ctx)
         return findings
     finally:

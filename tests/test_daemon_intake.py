@@ -239,11 +239,13 @@ def test_a_verdict_for_a_gpu_its_sender_does_not_use_is_taken_but_not_attested(n
     assert path.stat().st_uid == NOBODY  # judged as nobody's own file: a warning, within its cap
 
 
-def test_the_daemon_fails_the_gpu_on_an_attested_verdict_and_warns_on_a_forged_one(
+def test_the_daemon_confirms_an_attested_verdict_and_warns_on_a_forged_one(
         node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end through the daemon's guard check and /metrics: the verdict this process (on GPU 1)
-    hands over fails GPU 1 (inspect_hardware); nobody's "persistent" verdict for GPU 4, over the
-    socket and as a file of its own in the spool, is a warning on GPU 4 (before: fail, the RMA path)."""
+    hands over takes the node out to be confirmed on GPU 1 (confirm_sdc: the canary waits while this
+    process holds the GPU; tests/guard/test_guard_confirm.py has what follows); nobody's "persistent"
+    verdict for GPU 4, over the socket and as a file of its own in the spool, is a warning on GPU 4
+    and asks nothing (before: fail, the RMA path)."""
     from gpumon.guard.core import hand_over
 
     as_root()
@@ -255,13 +257,14 @@ def test_the_daemon_fails_the_gpu_on_an_attested_verdict_and_warns_on_a_forged_o
     forged = verdict(node.uuids[4], rank=3)
     path = vf.write(forged, node.spool)
     os.chown(path, NOBODY, NOBODY)
-    fail = 'gpumon_finding_severity{check="guard",component="gpu/1"} 4.0'
+    confirming = 'gpumon_recommended_action{action="confirm_sdc",component="gpu/1"} 1.0'
     warn = 'gpumon_finding_severity{check="guard",component="gpu/4"} 3.0'
     deadline = time.monotonic() + 60
     while True:
         with urllib.request.urlopen(node.metrics, timeout=10) as r:
             text = r.read().decode()
-        if fail in text and warn in text:
+        if confirming in text and warn in text:
+            assert 'gpumon_recommended_action{action="none",component="gpu/4"} 1.0' in text
             break
         assert time.monotonic() < deadline, [line for line in text.splitlines() if 'check="guard"' in line]
         time.sleep(0.5)

@@ -83,6 +83,7 @@ from gpumon.hw.nvml import CLOCK_EVENT_REASONS
 from gpumon.hw.placement import normalize_uuid
 from gpumon.model import NODE, Action, Finding, Phase, ReadingSpec, Severity, gpu, reading
 
+from .confirming import Confirmations, pending
 from .intake import intake as take_verdict
 from .options import GuardConfig, spool_of
 
@@ -173,6 +174,8 @@ class GuardCheck(Check):
         now = ctx.clock()
         by_uuid = {normalize_uuid(g.uuid): g.index for g in ctx.inventory.gpus}
         book = _Book(ctx.state, now, options)
+        self._confirm = Confirmations.of(options, ctx.state_dir, now)
+        self._by_uuid = by_uuid
         judged_dir = spool / JUDGED
         try:
             listing = _list(spool, book, options)
@@ -226,17 +229,20 @@ class GuardCheck(Check):
             if [now_st.st_ino, now_st.st_size, now_st.st_mtime_ns] != rec["st"]:
                 book.drop(name)  # rewritten since it was read: the next run reads it as a new file
                 continue
-            if rec["by"] == _PROCESS and self._judge(path, judged_dir):
+            # a verdict awaiting its confirmation stays in the spool, reported every run, until judged by it
+            if rec["by"] == _PROCESS and not rec.get("pend") and self._judge(path, judged_dir):
                 book.fold(name)
                 continue
             rec["by"] = _PROCESS
             if rec["slot"] == _MORE:
                 continue  # said again in its component's summary
             try:
-                verdict = _load(path)
+                verdict = self._load(path)
             except (vf.VerdictError, OSError):
                 book.drop(name)
                 continue
+            if rec.get("pend") and not pending(verdict):
+                book.settled(name, verdict.fault)  # judged by its confirmation: this run says so
             out.append(self._finding(verdict, path, by_uuid))
         return out
 
@@ -257,7 +263,7 @@ class GuardCheck(Check):
             neg_mtime, name, ino, size = item
             path = spool / name
             try:
-                verdict = _load(path)
+                verdict = self._load(path)
             except (vf.VerdictError, OSError) as exc:
                 listing.left[name] = _Left(ino, size, -neg_mtime, uid, _BAD, _reason(exc),
                                            _error(exc), *_schema_place(exc))
@@ -268,7 +274,10 @@ class GuardCheck(Check):
                 listing.learnt += 1
                 continue
             book.counted(uid)
-            if book.report(name, [ino, size, -neg_mtime], _component(verdict, by_uuid), verdict) != _MORE:
+            slot = book.report(name, [ino, size, -neg_mtime], _component(verdict, by_uuid), verdict)
+            if slot == _ONE and pending(verdict):
+                book.reported[name]["pend"] = True
+            if slot != _MORE:
                 out.append(self._finding(verdict, path, by_uuid))
         return out
 
@@ -282,7 +291,7 @@ class GuardCheck(Check):
             try:
                 st = os.lstat(path)
                 as_is = (st.st_ino, st.st_size, st.st_mtime_ns)
-                verdict = was[1] if was is not None and was[0] == as_is else _load(path)
+                verdict = was[1] if was is not None and was[0] == as_is else self._load(path)
             except (vf.VerdictError, OSError):
                 book.forget(path.name)  # gone, or changed since it was judged: no longer held
                 _HELD.pop(key, None)
@@ -299,17 +308,21 @@ class GuardCheck(Check):
             where = (f"GPU {component.split('/')[1]}" if component != NODE
                      else "this node (CPU ranks, or GPUs that are not this node's)")
             files = [{"id": vid, "time": t, "fault": fault, "verdict_check": check, "job": job or None,
-                      "verdict_file": str((spool if pending else judged_dir) / name)}
-                     for t, vid, name, fault, check, job, pending in newest]
+                      "verdict_file": str((spool if waiting else judged_dir) / name)}
+                     for t, vid, name, fault, check, job, waiting in newest]
             kinds = "persistent" if cls == _FAIL else "transient or unknown"
             message = (f"{count} more in-job SDC verdicts ({kinds}) on {where} since "
                        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(since))} than the "
                        f"{options.max_faults_per_gpu} held as faults of their own "
                        f"(checks.guard.max_faults_per_gpu): counted in this one; newest: "
                        f"{', '.join(str(f['id']) for f in files)}")
-            severity, action = ((Severity.FAIL, Action.INSPECT_HARDWARE) if cls == _FAIL
-                                else (Severity.WARN, Action.NONE))
-            out.append(self.finding(component, severity, message, action, fault_key=f"verdicts-more:{cls}",
+            if cls == _FAIL:
+                # not one of them is confirmed on its own: the GPU fails (or not) by the confirmation
+                # of the ones held as faults of their own
+                message += ("; the GPU is judged by the node's confirmation of those (checks.guard.confirm), "
+                            "not by how many there are")
+            out.append(self.finding(component, Severity.WARN, message, Action.NONE,
+                                    fault_key=f"verdicts-more:{cls}",
                                     verdicts=count, since=since, newest=files,
                                     max_faults_per_gpu=options.max_faults_per_gpu))
         return out
@@ -395,13 +408,17 @@ class GuardCheck(Check):
                         continue  # cheap first: a file moved long ago cannot hold a warning any more
                     reads += 1
                     try:
-                        verdict = _load(Path(entry.path))
+                        verdict = self._load(Path(entry.path))
                     except (vf.VerdictError, OSError):
                         continue
                     if _holds(verdict, book.now, book.hold):
                         book.adopt(entry.name, _component(verdict, by_uuid), verdict)
         except OSError:
             return  # no judged/ yet, or unreadable: nothing to adopt
+
+    def _load(self, path: Path) -> vf.Verdict:
+        """The verdict in ``path`` as judged: its attestation, then (persistent) its confirmation."""
+        return self._confirm.judge(_load(path), self._by_uuid)
 
     def _judge(self, path: Path, judged_dir: Path) -> bool:
         try:
@@ -440,16 +457,55 @@ class GuardCheck(Check):
             claimed = attestation.get("claimed_fault", v.fault)
             message = (f"NOT ATTESTED in-job SDC verdict {v.check} ({job}claims {claimed}; judged as a "
                        f"warning) on {where}: {attestation.get('why')}. The verdict says: {v.message}")
+        fault_key = v.id
+        confirmation = v.evidence.get("confirmation")
+        if isinstance(confirmation, dict) and not (isinstance(attestation, dict)
+                                                   and attestation.get("attested") is False):
+            severity, action, message = _confirmation_words(v, confirmation, where, job, severity, action)
+            if pending(v):
+                fault_key = f"confirm:{v.id}"  # its own fault: cleared when the confirmation judges it
+                trouble = self._confirm.ask(v)
+                if trouble:
+                    message += f" ({trouble})"
         if v.check == "straggler":
             message = (f"in-job straggler ({job.rstrip(', ') or 'a job'}) on {where}: {v.message}; "
                        "compare this GPU's throttle, thermal, pcie and nvlink findings (node_signals in "
                        "the evidence: read when the verdict was judged)")
         evidence: dict[str, Any] = {
-            "fault_key": v.id, "verdict_file": str(path), "verdict_check": v.check, "fault": v.fault,
-            "step": v.step, "job": v.job, "time": v.time, "rank": s.rank, "world_size": s.world_size,
-            "host": s.host, "node_name": s.node_name, "local_rank": s.local_rank, "device": s.device,
+            "fault_key": fault_key, "verdict_id": v.id, "verdict_file": str(path), "verdict_check": v.check,
+            "fault": v.fault, "step": v.step, "job": v.job, "time": v.time, "rank": s.rank,
+            "world_size": s.world_size, "host": s.host, "node_name": s.node_name, "local_rank": s.local_rank,
+            "device": s.device,
             "gpu_uuid": s.gpu_uuid, "gpu_pci_bus_id": s.gpu_pci_bus_id, "verdict_evidence": v.evidence}
         return self.finding(component, severity, message, action, **evidence)
+
+
+def _confirmation_words(v: vf.Verdict, said: dict[str, Any], where: str, job: str, severity: Severity,
+                        action: Action) -> tuple[Severity, Action, str]:
+    """Severity, action and message of a persistent verdict judged by the node's confirmation."""
+    commands = "; ".join(f"`{c}`" for c in said.get("commands", []))
+    state = said.get("state")
+    if state == "pending":
+        waiting = f"; now: {said['waiting']}" if said.get("waiting") else ""
+        # said first: a drain reason keeps the first 200 characters
+        return Severity.WARN, Action.CONFIRM_SDC, (
+            f"confirming an in-job SDC verdict on this node before the RMA path, no new work until then: "
+            f"in-job SDC check {v.check} ({job}persistent) on {where}: {v.message}; the node's SDC canaries "
+            f"run on GPU {said.get('gpu_index')} once it is free{waiting}")
+    if state == "reproduced":
+        return Severity.FAIL, Action.INSPECT_HARDWARE, (
+            f"in-job SDC check {v.check} ({job}persistent) on {where}, CONFIRMED on this node: "
+            f"{said.get('said')}. The verdict says: {v.message}")
+    if state == "not_reproduced":
+        return severity, action, (
+            f"in-job SDC verdict {v.check} ({job}claims persistent) on {where} NOT reproduced on this node: "
+            f"{said.get('said')}; judged as a warning, and the node serves again. The verdict says: "
+            f"{v.message}" + (f". To look further: {commands}" if commands else ""))
+    why = said.get("said") or said.get("why")
+    return severity, action, (
+        f"in-job SDC verdict {v.check} ({job}claims persistent; judged as a warning) on {where}: it could "
+        f"not be confirmed on this node: {why}. The verdict says: {v.message}"
+        + (f". To confirm it: {commands}" if commands else ""))
 
 
 def _trusted(uid: int) -> bool:
@@ -640,6 +696,15 @@ class _Book:
                                "id": v.id[:_ID_CHARS], "t": min(v.time, self.now), "j": self.now,
                                "slot": slot, "chk": v.check, "job": (v.job or "")[:_ID_CHARS]}
         return slot
+
+    def settled(self, name: str, fault: str) -> None:
+        """A verdict that awaited its confirmation is judged by it now, as ``fault``."""
+        rec = self.reported[name]
+        rec["pend"] = False
+        if rec["slot"] == _ONE and _class(fault) != _class(rec["f"]):
+            self.ones[(rec["c"], _class(rec["f"]))] -= 1
+            self.ones[(rec["c"], _class(fault))] += 1
+        rec["f"] = fault
 
     def drop(self, name: str) -> None:
         rec = self.reported.pop(name)

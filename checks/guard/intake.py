@@ -43,7 +43,7 @@ from gpumon.check import CheckContext
 from gpumon.guard import verdict as vf
 from gpumon.hw.nvml import ComputeProcess
 from gpumon.hw.placement import normalize_uuid
-from gpumon.intake import IntakeReply, Peer, refused
+from gpumon.intake_protocol import IntakeReply, Peer, refused
 
 from .options import GuardConfig, spool_of
 

@@ -53,6 +53,16 @@ class GuardConfig:
         "min": 1,
         "source": "argued: an hour, the window uid_max_verdicts is counted in: short enough that a "
                   "capped user's waiting verdicts are judged the same day"})
+    confirm: bool = field(default=True, metadata={
+        "source": "argued: a persistent verdict is one job's word, and a wrong one sends a good GPU down "
+                  "the RMA path; the node's own SDC canaries (the sdc_confirm check) confirm it on that "
+                  "GPU first, with the node out of service meanwhile. Off: such verdicts are warnings "
+                  "that name the commands that would confirm them"})
+    confirm_wait_s: float = field(default=900.0, metadata={
+        "min": 1,
+        "source": "argued: the sdc_confirm check looks for requests every 30 s; none noted 15 min after "
+                  "a verdict was judged means no confirmer runs on this node (disabled, not loaded), and "
+                  "the verdict is a warning instead of keeping the node out of service"})
 
 
 def spool_of(options: GuardConfig, ctx: CheckContext) -> Path:

@@ -21,7 +21,7 @@ import socket
 import time
 from typing import Any
 
-from gpumon.intake import DEFAULT_SOCKET, MAX_REQUEST_BYTES, IntakeReply
+from gpumon.intake_protocol import DEFAULT_SOCKET, MAX_REQUEST_BYTES, IntakeReply
 
 SOCKET_ENV = "GPUMON_INTAKE_SOCKET"
 # A daemon on the same node accepts within microseconds; a second means it is wedged or gone, and

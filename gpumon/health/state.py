@@ -62,8 +62,9 @@ FaultId = tuple[str, str, str]
 # passing retest) or *remedied*: a new Xid burst after those is news.
 Signature = tuple[str, str, str]
 
-# Faults whose condition going away is the cure: the check saying ok clears them.
-_CLEARED_BY_OK = frozenset({Action.NONE, Action.RESTART_APP, Action.CHECK_CABLES})
+# Faults whose condition going away is the cure: the check saying ok clears them. ``confirm_sdc``
+# stands while gpumon confirms an in-job verdict; the verdict judged by it is a fault of its own.
+_CLEARED_BY_OK = frozenset({Action.NONE, Action.RESTART_APP, Action.CHECK_CABLES, Action.CONFIRM_SDC})
 # Faults a reset/reboot may cure: cleared only by a retest after that remedy.
 _NEED_REMEDY = frozenset({Action.RESET_GPU, Action.REBOOT_NODE})
 # Evidence fields that name a fault within one (check, component), in order.
@@ -239,6 +240,8 @@ class Fault:
         """Where the fault stands, in words for ``gpumon status``."""
         if self.action is Action.INSPECT_HARDWARE:
             return "escalated: awaiting operator" if self.escalated else "awaiting operator"
+        if self.action is Action.CONFIRM_SDC:
+            return "confirming on the node"
         if self.remediated is not None:
             return "remediated: awaiting retest"
         if self.action in _NEED_REMEDY:

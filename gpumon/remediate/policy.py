@@ -66,8 +66,8 @@ log = logging.getLogger("gpumon.remediate")
 # job does), and a buggy job spread over a hundred nodes would otherwise take
 # all of them out. The same Xids repeating escalate to ``inspect_hardware``,
 # which does take the node out.
-DEFAULT_TAKE_OUT_ACTIONS = frozenset({Action.CHECK_CABLES, Action.RESET_GPU, Action.REBOOT_NODE,
-                                      Action.INSPECT_HARDWARE})
+DEFAULT_TAKE_OUT_ACTIONS = frozenset({Action.CHECK_CABLES, Action.CONFIRM_SDC, Action.RESET_GPU,
+                                      Action.REBOOT_NODE, Action.INSPECT_HARDWARE})
 # Slurm keeps a drain reason on one line and Kubernetes shows the condition
 # message in ``kubectl describe``: the worst fault's words, cut to this length.
 MAX_SUMMARY = 200

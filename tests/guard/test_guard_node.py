@@ -22,6 +22,7 @@ from gpumon.guard import verdict as vf
 from gpumon.health.state import Level
 from gpumon.health.store import Health
 from gpumon.model import NODE, Action, Finding, Severity
+from gpumon.sdc.confirm import REPRODUCED, ConfirmQueue, Result
 from gpumon.sim.nvml_state import NvmlNodeState
 from gpumon_checks.guard import GuardCheck, GuardConfig
 
@@ -48,7 +49,17 @@ def put(spool: Path, fault: str = "unknown", who: vf.Identity | None = None, whe
 
 def run(nvml_state: Path, tmp_path: Path, spool: Path, state: dict[str, Any], **cfg: Any) -> list[Finding]:
     return run_check(GuardCheck, NODE_STATE, nvml_state, tmp_path / "host",
-                     options=GuardConfig(spool_dir=str(spool), **cfg), state=state)
+                     options=GuardConfig(spool_dir=str(spool), **cfg), state=state,
+                     state_dir=tmp_path / "state-dir")
+
+
+def reproduced(tmp_path: Path, path: Path) -> None:
+    """The node's confirmation of the verdict in ``path``, as the sdc_confirm check writes it when its
+    canary reproduced it (that check's own runs: tests/guard/test_guard_confirm.py)."""
+    v = vf.read(path)
+    ConfirmQueue(tmp_path / "state-dir").answer(Result(
+        v.id, REPRODUCED, "the node's SDC canary reproduced it: GPU 5 computed wrong bits", time.time(),
+        {"canary": {"gpu": 5, "severity": "fail"}}))
 
 
 def test_a_cuda_device_is_named_through_nvml_by_its_uuid(nvml_state: Path) -> None:
@@ -69,7 +80,7 @@ def test_the_scheduler_node_name_comes_from_slurm_or_kubernetes(monkeypatch: pyt
 
 
 @pytest.mark.parametrize(("fault", "severity", "action"), [
-    ("persistent", Severity.FAIL, Action.INSPECT_HARDWARE),
+    ("persistent", Severity.WARN, Action.CONFIRM_SDC),  # confirmed on the node before the RMA path
     ("transient", Severity.WARN, Action.NONE),
     ("unknown", Severity.WARN, Action.NONE)])
 def test_a_verdict_becomes_a_finding_on_the_gpu_with_its_uuid(nvml_state: Path, tmp_path: Path, fault: str,
@@ -79,7 +90,8 @@ def test_a_verdict_becomes_a_finding_on_the_gpu_with_its_uuid(nvml_state: Path, 
     (f,) = run(nvml_state, tmp_path, spool, {})
     assert (f.check, f.component, f.severity, f.action) == ("guard", "gpu/5", severity, action)
     assert f"GPU 5 ({GPU5.uuid})" in f.message and "job slurm:991" in f.message
-    assert f.evidence["fault_key"] == path.stem and f.evidence["rank"] == 7
+    key = f"confirm:{path.stem}" if fault == "persistent" else path.stem
+    assert f.evidence["fault_key"] == key and f.evidence["rank"] == 7
     assert f.evidence["node_name"] == "a07" and f.evidence["gpu_pci_bus_id"] == "0000:bb:00.0"
 
 
@@ -177,6 +189,7 @@ def test_a_verdict_is_judged_once_kept_through_a_restart_and_stays_in_health(
         nvml_state: Path, tmp_path: Path) -> None:
     spool, db = tmp_path / "spool", tmp_path / "state"
     path = put(spool, "persistent")
+    reproduced(tmp_path, path)
     health = Health.open(db, boot_id="boot-1")
     state: dict[str, Any] = {}
 
@@ -238,7 +251,7 @@ def test_the_guard_findings_reach_metrics_like_any_checks(nvml_state: Path, tmp_
     from gpumon.model import CheckRun
 
     spool = tmp_path / "spool"
-    put(spool, "persistent")
+    reproduced(tmp_path, put(spool, "persistent"))
     found = run(nvml_state, tmp_path, spool, {})
     runs = {"guard": CheckRun("guard", found, 1000.0, 0.01, "completed")}
     snap = Snapshot("a07", "h100-sxm", "0.1.0", runs, {"gpu/5": ("unhealthy", "inspect_hardware")})
@@ -256,7 +269,7 @@ def test_an_application_verdict_fails_no_gpu_and_leaves_its_other_faults(nvml_st
     spool, db = tmp_path / "spool", tmp_path / "state"
     health = Health.open(db, boot_id="boot-1")
     state: dict[str, Any] = {}
-    put(spool, "persistent", check="audit")
+    reproduced(tmp_path, put(spool, "persistent", check="audit"))
     health.record_findings("guard", run(nvml_state, tmp_path, spool, state), complete=True)
     app = put(spool, "application", check="nonfinite_grad", when=time.time() + 1)
     for _ in range(3):  # reported, judged, then no longer held: never a fault
@@ -354,11 +367,12 @@ def test_a_persistent_verdict_in_a_file_of_another_user_is_a_warning_that_says_i
     assert ("its own 'attestation' member is ignored" in att["why"]) is forged
 
 
-def test_a_persistent_verdict_in_a_file_of_roots_stays_a_failure(nvml_state: Path, tmp_path: Path) -> None:
+def test_a_persistent_verdict_in_a_file_of_roots_fails_its_gpu_once_confirmed(nvml_state: Path,
+                                                                                 tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the file must be root's")
     spool = tmp_path / "spool"
-    put(spool, "persistent")
+    reproduced(tmp_path, put(spool, "persistent"))
     (f,) = run(nvml_state, tmp_path, spool, {})
     assert (f.severity, f.action) == (Severity.FAIL, Action.INSPECT_HARDWARE)
     assert f.evidence["verdict_evidence"]["attestation"] == {

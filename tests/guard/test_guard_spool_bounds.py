@@ -30,6 +30,7 @@ from gpumon.health.store import Health
 from gpumon.hw.inventory import collect
 from gpumon.model import NODE, Action, Finding, Severity
 from gpumon.profiles import builtin_profiles, select_profile
+from gpumon.sdc.confirm import REPRODUCED, ConfirmQueue, Result
 from gpumon.sim.nvml_state import NvmlNodeState
 from gpumon.sim.simulation import simulated_hardware
 from gpumon_checks.guard import GuardCheck, GuardConfig
@@ -101,7 +102,8 @@ class Daemon:
 
     def run(self, record: bool = True) -> list[Finding]:
         ctx = CheckContext(hw=self.hw, inventory=self.inventory, profile=self.profile, options=self.options,
-                           state=self.state, kernel_log=KernelLog(), clock=lambda: self.now)
+                           state=self.state, kernel_log=KernelLog(), clock=lambda: self.now,
+                           state_dir=self.db)
         found = GuardCheck().run(ctx)
         if record:
             self.health.record_findings("guard", found, complete=True)
@@ -115,6 +117,12 @@ class Daemon:
         guard_check._LEFT.pop(str(self.spool), None)
         self.health.close()
         self.health = Health.open(self.db, boot_id="boot-1", clock=lambda: self.now)
+
+    def reproduced(self, verdict_id: str) -> None:
+        """The node's confirmation of a verdict, as the sdc_confirm check writes it when its canary
+        reproduced it (that check's own runs: tests/guard/test_guard_confirm.py)."""
+        ConfirmQueue(self.db).answer(Result(verdict_id, REPRODUCED, "the node's SDC canary reproduced it",
+                                            time.time(), {}))
 
     def guard_events(self, component: str) -> list[Any]:
         return [e for e in self.health.store.events() if e.check == "guard" and e.component == component]
@@ -223,8 +231,10 @@ def test_fresh_transient_verdicts_on_one_gpu_keep_the_bound_in_health_with_their
     assert fault.evidence["verdicts"] == 300 - bound
 
 
-def test_persistent_verdicts_past_the_bound_are_one_failure_with_their_count(
+def test_persistent_verdicts_past_the_bound_are_one_warning_with_their_count(
         daemon: Callable[..., Daemon]) -> None:
+    """The first few are confirmed on the node, each a fault of its own; the others are counted in one
+    warning: how many verdicts there are fails no GPU, the confirmation does."""
     d = daemon()
     t0 = time.time() - 600
     ids = [put(d.spool, verdict("persistent", when=t0 + i)).stem for i in range(12)]
@@ -232,9 +242,17 @@ def test_persistent_verdicts_past_the_bound_are_one_failure_with_their_count(
         found = d.run()
     bound = d.options.max_faults_per_gpu
     (more,) = keyed(found, "verdicts-more:persistent")
-    assert (more.component, more.severity, more.action) == ("gpu/5", Severity.FAIL, Action.INSPECT_HARDWARE)
+    assert (more.component, more.severity, more.action) == ("gpu/5", Severity.WARN, Action.NONE)
     assert more.evidence["verdicts"] == 12 - bound
     assert {n["id"] for n in more.evidence["newest"]} == set(ids[-5:])
+    assert "the GPU is judged by the node's confirmation of those" in more.message
+    view = d.health.view().components["gpu/5"]
+    assert (view.level, view.action) == (Level.UNHEALTHY, Action.CONFIRM_SDC)  # out until confirmed
+    assert {f.key for f in view.why} == {*(f"confirm:{i}" for i in ids[:bound]), "verdicts-more:persistent"}
+    for i in ids[:bound]:
+        d.reproduced(i)
+    for _ in range(2):
+        d.run()
     view = d.health.view().components["gpu/5"]
     assert (view.level, view.action) == (Level.UNHEALTHY, Action.INSPECT_HARDWARE)
     assert {f.key for f in view.why} == {*ids[:bound], "verdicts-more:persistent"}
@@ -265,6 +283,7 @@ def test_a_real_persistent_verdict_among_5000_junk_files_is_reported_within_the_
     d = daemon()
     files = junk(d.spool, 5000, prefix="0-junk", mtime=time.time() - 3600)
     real = put(d.spool, verdict("persistent"))
+    d.reproduced(real.stem)  # the id is the file's name
     runs = math.ceil(5001 / d.options.max_files) + 1
     for n in range(runs):  # noqa: B007 (n: how many runs it took, said on failure)
         found = d.run()
@@ -301,8 +320,8 @@ def test_a_uid_past_its_cap_waits_and_does_not_delay_another_uids_verdict(
     # a persistent verdict of root's (an operator's tool, or the intake's after attesting its
     # sender) does not wait
     urgent = put(d.spool, verdict("persistent", gpu_index=3))
-    (p,) = keyed(d.run(), urgent.stem)
-    assert (p.component, p.severity) == ("gpu/3", Severity.FAIL)
+    (p,) = keyed(d.run(), f"confirm:{urgent.stem}")
+    assert (p.component, p.severity, p.action) == ("gpu/3", Severity.WARN, Action.CONFIRM_SDC)
     # nobody's "persistent" is not attested: a warning at most, and it waits behind nobody's cap
     forged = put(d.spool, verdict("persistent", gpu_index=4), owner=nobody)
     assert not keyed(d.run(), forged.stem)
