@@ -14,11 +14,16 @@ Read-only and bounded:
   ``limit`` are returned, so a client asks again from the last one's time);
 - a bad parameter is a 400 with ``{"error", "parameter"}``, never a guess at what was meant.
 
-An event is in the window when the span it stood for, ``time`` to ``last_seen`` (a fault raised
-before ``since`` and still reported inside it), meets ``[since, until]``. Events older than the
-store's retention are folded into its snapshot (gpumon.health.store): ``history_from`` says from
-when on the store still has single events, so a client can tell "nothing happened" from "no
-longer known".
+An event is in the window when the span it stands for, ``time`` to ``last_seen``, meets
+``[since, until]``. ``last_seen`` is that span's end as of the answer: ``now`` for a finding whose
+fault is still open in the health state (``open``: true), else the last time its check said the
+same (its ``time`` if never repeated). An open fault's stored ``last_seen`` says only when the
+daemon last folded a repeat of it (at most once a minute for a check that says the same, never
+for one the check no longer reports while it awaits its remedy): a job that started after that
+and before the fault closed ran on a node with that fault, and a post-mortem must see it so.
+Events older than the store's retention are folded into its snapshot (gpumon.health.store):
+``history_from`` says from when on the store still has single events, so a client can tell
+"nothing happened" from "no longer known".
 """
 
 from __future__ import annotations
@@ -130,12 +135,17 @@ class NodeIdentity:
                 "daemon_started": self.daemon_started, "version": __version__}
 
 
-def event_json(row: Mapping[str, Any]) -> dict[str, Any]:
+def event_json(row: Mapping[str, Any], *, now: float | None = None) -> dict[str, Any]:
     """One stored event, flattened for readers: what the check said at the transition (``severity``,
-    ``action``, ``message``, ``evidence``) and the newest words of a repeated finding (``latest``)."""
+    ``action``, ``message``, ``evidence``), the newest words of a repeated finding (``latest``), and
+    the end of its span (``last_seen``): ``now`` when given (its fault is still open), else the
+    stored refresh, else its own time."""
     payload = row["payload"]
-    return {"id": row["id"], "time": row["time"], "last_seen": row["last_seen"], "kind": row["kind"],
-            "check": row["check"], "component": row["component"], "boot_id": row["boot_id"],
+    stored = row["last_seen"] if row["last_seen"] is not None else row["time"]
+    last_seen = stored if now is None else max(stored, now)
+    return {"id": row["id"], "time": row["time"], "last_seen": last_seen, "open": now is not None,
+            "kind": row["kind"], "check": row["check"], "component": row["component"],
+            "boot_id": row["boot_id"],
             "severity": payload.get("severity"), "action": payload.get("action"),
             "message": payload.get("message") or payload.get("reason") or payload.get("detail") or "",
             "key": payload.get("key"), "evidence": payload.get("evidence", {}),
@@ -180,12 +190,16 @@ class HistoryApi:
     def _events(self, query: str) -> dict[str, Any]:
         now = self.clock()
         window = parse_window(query, now)
+        view = self.view()
+        # the events behind the faults open now: their span runs to now (module docstring)
+        open_ids = set() if view is None else {f.event_id for f in view.node.why if f.event_id is not None}
         store = EventStore(self.path, readonly=True)
         try:
-            rows, truncated, history_from = store.window(window.since, window.until, window.limit)
+            rows, truncated, history_from = store.window(
+                window.since, window.until, window.limit, open_ids=open_ids if now >= window.since else ())
         finally:
             store.close()
-        events = [event_json(r) for r in rows]
+        events = [event_json(r, now=now if r["id"] in open_ids else None) for r in rows]
         return {"api": API_VERSION, "node": self.identity().to_json(), "now": now,
                 "since": window.since, "until": window.until, "limit": window.limit,
                 "truncated": truncated, "history_from": history_from, "count": len(events),

@@ -45,7 +45,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -432,12 +432,17 @@ class EventStore:
             self._reset()
             raise self._error(exc) from exc
 
-    def window(self, since: float, until: float, limit: int
+    def window(self, since: float, until: float, limit: int, *, open_ids: Collection[int] = ()
                ) -> tuple[list[dict[str, Any]], bool, float | None]:
         """Events whose span (``time`` .. ``last_seen``) meets [since, until], oldest first, at most
-        ``limit``: (rows, truncated, the time of the oldest event still stored). Rows are plain
+        ``limit``: (rows, truncated, the time of the oldest event still stored). ``open_ids``: the
+        events behind faults still open, whose span runs on to now whatever their stored
+        ``last_seen`` says (the caller has checked that now is past ``since``). Rows are plain
         dicts (the query API's), decoded but not folded; a row that cannot be decoded is skipped
         as in ``load``."""
+        ids = sorted({int(i) for i in open_ids})
+        # a node has tens of open faults, far below SQLite's 32,766 bound parameters
+        still_open = f" OR id IN ({','.join('?' * len(ids))})" if ids else ""
         try:
             conn = self._connect()  # sets _has_latest: read the column only where the file has it
             conn.execute("BEGIN")
@@ -445,8 +450,8 @@ class EventStore:
             cur = conn.execute(
                 f"SELECT id, time, boot_id, kind, component, check_name, payload, last_seen, "
                 f"{'latest' if self._has_latest else 'NULL'} FROM events WHERE time <= ? "
-                "AND coalesce(last_seen, time) >= ? ORDER BY time, id LIMIT ?",
-                (until, since, limit + 1))
+                f"AND (coalesce(last_seen, time) >= ?{still_open}) ORDER BY time, id LIMIT ?",
+                (until, since, *ids, limit + 1))
             rows = cur.fetchall()
             first = conn.execute("SELECT min(time) FROM events").fetchone()
             conn.execute("COMMIT")

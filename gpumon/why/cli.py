@@ -23,7 +23,7 @@ from gpumon.why import prom
 from gpumon.why.collect import DEFAULT_TEMPLATE, Access, collect
 from gpumon.why.job import Job, JobError, explicit_job, slurm_job
 from gpumon.why.joblog import JobLog, parse_file
-from gpumon.why.reason import LEAD_S, Reasoner, nccl_settings
+from gpumon.why.reason import LEAD_S, ONSET_MARGIN_S, Reasoner, nccl_settings
 from gpumon.why.report import print_verdict, to_json
 
 
@@ -78,6 +78,10 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     src.add_argument("--nccl-version", metavar="X.Y.Z", help="the job's NCCL (default: from the log)")
     src.add_argument("--watchdog-timeout", type=float, metavar="SECONDS",
                      help="the job's collective timeout (default: from the log, else PyTorch's 600)")
+    src.add_argument("--onset-margin", type=float, default=ONSET_MARGIN_S, metavar="SECONDS",
+                     help="how long before the expected cause (the failure minus the watchdog timeout) a "
+                          "fault may have set off the failure: the onset window runs from there to the "
+                          f"failure (default {ONSET_MARGIN_S:g}: a step and a teardown)")
     prom.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print the JSON verdict (schema gpumon.why/v1)")
     p.add_argument("--metrics-file", type=Path, metavar="FILE",
@@ -138,6 +142,8 @@ def resolve(args: argparse.Namespace) -> Job:
 def main(args: argparse.Namespace) -> int:
     if args.timeout <= 0 or args.workers < 1:
         raise ConfigError("--timeout must be > 0 and --workers >= 1", key="why")
+    if not args.onset_margin >= 0:
+        raise ConfigError("--onset-margin must be >= 0", key="why")
     try:
         job = resolve(args)
     except JobError:
@@ -185,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
         if prom_access is not None:
             nodes = prom.fill_in(nodes, prom_access, since, min(until, now))
     verdict = Reasoner(job, nodes, log, nccl, now=now, watchdog_s=args.watchdog_timeout,
-                       flight=flight).judge()
+                       flight=flight, onset_margin_s=args.onset_margin).judge()
     if args.metrics_file is not None:
         _count(args.metrics_file, verdict.verdict)
     if args.json:

@@ -45,6 +45,7 @@ class NodeEvidence:
     # the node's clock minus ours (its "now" against the middle of our request): events are in
     # the node's time, the job's in the controller's
     clock_skew_s: float | None = None
+    clock_skew_error_s: float | None = None  # at most half the request's round trip
     # the checks known to judge the node at the last reading (the API's checks_judging; from
     # Prometheus, the checks whose series it holds); None: not known
     judging: frozenset[str] | None = None
@@ -60,6 +61,8 @@ class NodeEvidence:
                 "identity": self.identity, "events": len(self.events), "truncated": self.truncated,
                 "history_from": self.history_from, "state": self.state, "seconds": round(self.seconds, 3),
                 "clock_skew_s": None if self.clock_skew_s is None else round(self.clock_skew_s, 3),
+                "clock_skew_error_s": None if self.clock_skew_error_s is None
+                else round(self.clock_skew_error_s, 3),
                 "judging": None if self.judging is None else sorted(self.judging), "source": self.source}
 
 
@@ -147,8 +150,10 @@ def fetch_node(node: str, access: Access, since: float, until: float, timeout_s:
         ctx = access.ssl_context() if url.startswith("https:") else None
         asked = time.time()
         current = _get(f"{url}/api/v1/findings", access, ctx, deadline)
+        answered = time.time()
         if isinstance(current.get("now"), (int, float)):
-            ev.clock_skew_s = float(current["now"]) - (asked + time.time()) / 2
+            ev.clock_skew_s = float(current["now"]) - (asked + answered) / 2
+            ev.clock_skew_error_s = (answered - asked) / 2
         ev.identity = current.get("node")
         ev.findings = list(current.get("findings") or [])
         judging = current.get("checks_judging")
@@ -158,9 +163,13 @@ def fetch_node(node: str, access: Access, since: float, until: float, timeout_s:
         ev.faults = list(health.get("faults") or [])
         ev.state = health.get("state")
         seen: set[Any] = set()
-        lo = since
+        # the window is asked in the node's time: a node a minute ahead recorded the job's last
+        # minute after "until" on its clock (widened, not shifted: the skew is measured now, and
+        # may not have been the same all along)
+        skew = ev.clock_skew_s or 0.0
+        lo, hi = since + min(0.0, skew), until + max(0.0, skew)
         for _ in range(MAX_PAGES):
-            query = urllib.parse.urlencode({"since": repr(lo), "until": repr(until), "limit": PAGE_LIMIT})
+            query = urllib.parse.urlencode({"since": repr(lo), "until": repr(hi), "limit": PAGE_LIMIT})
             page = _get(f"{url}/api/v1/events?{query}", access, ctx, deadline)
             ev.history_from = page.get("history_from")
             for e in page.get("events") or []:

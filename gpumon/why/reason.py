@@ -23,6 +23,26 @@ NCCL_IB_TIMEOUT and NCCL_IB_RETRY_CNT": 4.096 us x 2^T x RETRY_CNT. Defaults: NC
 NCCL_IB_TIMEOUT 18 up to NCCL 2.22 (7.5 s), 20 from 2.23 (30 s). Unknown NCCL version: the shorter
 window (7.5 s), said as an assumption, so an outage between 7.5 and 30 s is a suspect only "if NCCL
 < 2.23".
+
+Times. Each node's events are on its own clock, the job's on the controller's (this host's): a node
+whose clock runs ahead would put a fault that came seconds before the failure after it. Every node's
+skew is measured when it answers (``NodeEvidence.clock_skew_s``); past SKEW_CORRECT_S its times are
+moved onto this host's clock before anything is compared, and the verdict says so (``node_time``:
+as the node recorded it).
+
+A span, not a moment: a finding stands from its event to the end of the fault it raised. A fault
+still open in the node's health state at the answer (the query API's ``open``, or one of
+/api/v1/findings' faults) stands to now, so a fault raised before the job that was never cleared
+was there for the whole run, however long ago its check last repeated it.
+
+The onset window: a suspect explains *this* failure only if it came when the failure began. A
+collective that hangs is given up one watchdog timeout after it was issued (``expected``); the fault
+behind it came up to a step and a teardown before that (the collective is issued at the next step
+after the fault; the job's end is stamped after its ranks are torn down), or at any moment up to the
+failure itself (a rank that dies with its GPU ends the job at once). So the window is
+[expected - ONSET_MARGIN_S, the job's end]. A fault before it is one the job ran on past: still a
+suspect (a fault open during the job), still a culprit an epilog may drain (the node needs it), but
+never said to have killed the job.
 """
 
 from __future__ import annotations
@@ -44,6 +64,15 @@ PYTORCH_WATCHDOG_DEFAULT_S = 600.0  # ProcessGroupNCCL's default timeout (PyTorc
 # an event this long before the job's start is still read (the state the job started on)
 LEAD_S = 3600.0
 _HW_ACTIONS = frozenset({"reset_gpu", "reboot_node", "check_cables", "inspect_hardware"})
+# A skew smaller than this is left as recorded: NTP keeps nodes within milliseconds of each other,
+# and the measurement (the node's "now" against the middle of one request) is only good to half a
+# round trip, so correcting less (or less than that error) would move times by the measurement's noise
+SKEW_CORRECT_S = 1.0
+# How long before the expected moment the fault behind a failure may have come (module docstring):
+# the step between the fault and the next collective (seconds for a training step, more for an
+# evaluation or a checkpoint) plus the teardown between the watchdog and the job's recorded end
+# (Slurm's KillWait is 30 s by default)
+ONSET_MARGIN_S = 120.0
 # Tier-1 suspects that are the node's hardware (what an epilog may drain the node for). A reboot is
 # tier 1 but not one of them: an operator's reboot, or a kernel panic of software, look the same.
 HARDWARE_WHATS = frozenset({"gpu_lost", "xid", "ib_outage", "nvlink_down"})
@@ -51,6 +80,9 @@ HARDWARE_WHATS = frozenset({"gpu_lost", "xid", "ib_outage", "nvlink_down"})
 # utilization with little power, no memory activity and no PCIe traffic for a minute, the picture of
 # a rank spinning in a collective that waits for another rank
 HANG_CHECK = "collective_hang"
+# A timeline item that is a hole in the evidence, not an event (the xid check could not read the
+# kernel log): Xids in its span would not have been seen
+MISSING = "missing_evidence"
 
 
 def _version(text: str | None) -> tuple[int, int, int] | None:
@@ -127,13 +159,18 @@ class Item:
     evidence: dict[str, Any] = field(default_factory=dict)
     score: float = 0.0
     action: str | None = None  # the remedy the node's check named for it (gpumon's Action words)
+    open: bool = False  # the fault it raised was still open at the node's answer
+    node_time: float | None = None  # ``time`` as the node's clock said it, where that was corrected
+    # whether it came in the onset window (Reasoner.onset); None: not judged (outside the job)
+    in_onset: bool | None = None
 
     def to_json(self, end: float | None) -> dict[str, Any]:
         return {"node": self.node, "time": self.time,
                 "relative_s": None if end is None else round(self.time - end, 1),
-                "until": self.until, "component": self.component, "check": self.check, "what": self.what,
-                "tier": self.tier, "summary": self.summary, "why": self.why, "evidence": self.evidence,
-                "action": self.action}
+                "until": self.until, "open": self.open, "node_time": self.node_time,
+                "in_onset_window": self.in_onset, "component": self.component, "check": self.check,
+                "what": self.what, "tier": self.tier, "summary": self.summary, "why": self.why,
+                "evidence": self.evidence, "action": self.action}
 
 
 @dataclass
@@ -151,6 +188,12 @@ class Verdict:
     log: JobLog | None
     notes: list[str]
     flight: Flight | None = None  # the job's Flight Recorder dumps, when given
+    onset: tuple[float, float] = (0.0, 0.0)  # the onset window (Reasoner.onset)
+    # per node, seconds added to its times to put them on this host's clock (minus its skew)
+    corrections: dict[str, float] = field(default_factory=dict)
+    # spans of the job in which a node could not see what a suspect would be made of (its kernel
+    # log unreadable): evidence of nothing, and so no "no infrastructure evidence" either
+    gaps: list[Item] = field(default_factory=list)
 
     @property
     def unreachable(self) -> list[NodeEvidence]:
@@ -170,9 +213,57 @@ class Verdict:
         return list(out.values())
 
     @property
+    def at_onset(self) -> list[Item]:
+        return [s for s in self.suspects if s.in_onset]
+
+    @property
     def exit_code(self) -> int:
         return {"no_infrastructure_evidence": 0, "inconclusive": 1, "infrastructure": 2,
                 "cannot_answer": 3}[self.verdict]
+
+
+def _moved(times: Mapping[str, Any], keys: tuple[str, ...], d: float) -> dict[str, Any]:
+    out = dict(times)
+    for key in keys:
+        if isinstance(out.get(key), (int, float)):
+            out[key] = float(out[key]) + d
+    return out
+
+
+def _moved_evidence(evidence: Any, d: float) -> Any:
+    """The evidence times the reasoning reads (an IB port's outages, a hang's start), moved by ``d``."""
+    if not isinstance(evidence, Mapping):
+        return evidence
+    out = _moved(evidence, ("since",), d)
+    if isinstance(out.get("recent_outages"), list):
+        out["recent_outages"] = [_moved(r, ("start", "end"), d) if isinstance(r, Mapping) else r
+                                 for r in out["recent_outages"]]
+    return out
+
+
+def on_our_clock(record: Mapping[str, Any], d: float) -> dict[str, Any]:
+    """An event of the query API (or one of /findings' faults) with its times moved by ``d`` s:
+    from the node's clock onto this host's."""
+    if d == 0.0:
+        return dict(record)
+    out = _moved(record, ("time", "last_seen", "raised"), d)
+    if "evidence" in out:
+        out["evidence"] = _moved_evidence(out["evidence"], d)
+    if isinstance(out.get("latest"), Mapping):
+        latest = _moved(out["latest"], ("time",), d)
+        if "evidence" in latest:
+            latest["evidence"] = _moved_evidence(latest["evidence"], d)
+        out["latest"] = latest
+    return out
+
+
+def _fault_event(fault: Mapping[str, Any]) -> dict[str, Any]:
+    """The finding event an open fault of /findings stands for, from the fault itself (an older
+    daemon's event window leaves out a fault raised before it and not repeated since)."""
+    return {"id": fault.get("event_id"), "time": fault.get("raised"), "last_seen": fault.get("last_seen"),
+            "kind": "finding", "check": fault.get("check"), "component": fault.get("component"),
+            "severity": fault.get("severity"), "action": fault.get("reported_action") or fault.get("action"),
+            "message": fault.get("message"), "evidence": fault.get("evidence") or {}, "open": True}
 
 
 def _span(event: Mapping[str, Any]) -> tuple[float, float]:
@@ -255,7 +346,8 @@ def _fmt_s(s: float) -> str:
 
 class Reasoner:
     def __init__(self, job: Job, nodes: list[NodeEvidence], log: JobLog | None, nccl: NcclSettings,
-                 *, now: float, watchdog_s: float | None = None, flight: Flight | None = None) -> None:
+                 *, now: float, watchdog_s: float | None = None, flight: Flight | None = None,
+                 onset_margin_s: float = ONSET_MARGIN_S) -> None:
         self.job = job
         self.nodes = nodes
         self.log = log
@@ -274,35 +366,62 @@ class Reasoner:
             self.watchdog_s = PYTORCH_WATCHDOG_DEFAULT_S
             self.watchdog_source = "PyTorch ProcessGroupNCCL's default (10 min): no watchdog line in a log"
         self.expected = max(job.start, self.end - self.watchdog_s)
+        self.onset_margin_s = onset_margin_s
+        # the onset window (module docstring): from ONSET_MARGIN_S before the expected moment to
+        # the failure (as the job's end is counted: to its resolution)
+        self.onset = (self.expected - onset_margin_s, self.end + job.resolution_s)
         self.notes: list[str] = list(job.notes)
+        # onto this host's clock: minus each node's measured skew, where it is past SKEW_CORRECT_S
+        # and past what the measurement cannot tell from none
+        self.corrections = {
+            n.node: -n.clock_skew_s for n in nodes if n.reachable and n.clock_skew_s is not None
+            and abs(n.clock_skew_s) > max(SKEW_CORRECT_S, n.clock_skew_error_s or 0.0)}
 
     # -- one node's history to items ------------------------------------------------------------
 
     def items(self, ev: NodeEvidence) -> list[Item]:
+        """The node's history as timeline items, on this host's clock."""
+        d = self.corrections.get(ev.node, 0.0)
+        out = self._items(ev, d)
+        if d:
+            for item in out:
+                item.node_time = item.time - d
+        return out
+
+    def _items(self, ev: NodeEvidence, d: float) -> list[Item]:
         out: list[Item] = []
-        events = list(ev.events)
-        # an open fault's current words (from /findings) are fresher than the stored refresh
+        events = [on_our_clock(e, d) for e in ev.events]
+        faults = [on_our_clock(f, d) for f in ev.faults]
+        # what was open at the node's answer stands to now, whatever its last_seen says (an older
+        # daemon does not say "open": its /findings faults do)
+        open_ids = {f.get("event_id") for f in faults if f.get("event_id") is not None}
         by_id = {e.get("id"): e for e in events}
-        for fault in ev.faults:
+        for fault in faults:
             e = by_id.get(fault.get("event_id"))
-            if e is not None:
-                e = dict(e)
-                e["last_seen"] = max(float(e.get("last_seen") or 0.0), float(fault.get("last_seen") or 0.0))
-                e["latest"] = {"time": fault.get("last_seen"), "message": fault.get("message"),
-                               "evidence": fault.get("evidence") or {}}
-                by_id[e.get("id")] = e
-        events = [by_id.get(e.get("id"), e) for e in events]
+            if e is None:
+                events.append(_fault_event(fault))
+                continue
+            # an open fault's current words (from /findings) are fresher than the stored refresh
+            e = dict(e)
+            e["last_seen"] = max(float(e.get("last_seen") or 0.0), float(fault.get("last_seen") or 0.0))
+            e["latest"] = {"time": fault.get("last_seen"), "message": fault.get("message"),
+                           "evidence": fault.get("evidence") or {}}
+            by_id[e.get("id")] = e
+        events = [by_id.get(e.get("id"), e) if e.get("id") is not None else e for e in events]
         lost: set[str] = set()
         for e in events:
             kind = e.get("kind")
             t, until = _span(e)
+            still = bool(e.get("open")) or (e.get("id") is not None and e.get("id") in open_ids)
+            if still:
+                until = max(until, self.end)
             if kind == "boot":
                 if not self.job.start <= t <= self.end + self.job.resolution_s:
                     continue
                 ident = ev.identity or {}
                 booted = ident.get("boot_time")
                 if (e.get("boot_id") and e.get("boot_id") == ident.get("boot_id")
-                        and isinstance(booted, (int, float)) and booted < self.job.start):
+                        and isinstance(booted, (int, float)) and booted + d < self.job.start):
                     # the daemon (re)started during the job and first saw a boot older than the
                     # job: no reboot, only a gap in what the node recorded before
                     out.append(Item(ev.node, t, "node", "", "daemon_start", 3,
@@ -322,12 +441,23 @@ class Reasoner:
             evidence: Mapping[str, Any] = e.get("evidence") or {}
             message = str((e.get("latest") or {}).get("message") or e.get("message") or "")
             base: dict[str, Any] = {"node": ev.node, "time": t, "component": comp, "check": check,
-                                    "until": until}
+                                    "until": until, "open": still}
             if check == "ib" and comp.startswith("ib/"):
                 continue  # outages are read from every ib event together, below
             if check == "xid":
                 code = evidence.get("code")
-                if action in _HW_ACTIONS and sev == "fail":
+                if code is None and comp == "node" and sev != "fail":
+                    # the check's own state, not an Xid (an Xid it could not pin on a GPU is on the
+                    # node too, but with its code): it could not read the kernel log, or lost records
+                    # of it, so an Xid in this span would not have been seen
+                    out.append(Item(**base, what=MISSING, tier=3, summary=f"Xids not seen: {message}",
+                                    why="the xid check could not read the node's kernel log: missing "
+                                        "evidence on this node, not an application fault"))
+                elif action in _HW_ACTIONS and sev == "fail":
+                    if evidence.get("gpu_lost"):
+                        # the loss (Xid 79) the NVML checks report too, each at its next run: they
+                        # are this fault seen later, not a loss of their own that began then
+                        lost.add(comp)
                     out.append(Item(**base, what="xid", tier=1, summary=message,
                                     why=f"Xid {code}: gpumon's Xid catalog says {action}: the GPU's work "
                                         "(the rank's kernels) is lost or stalled",
@@ -378,8 +508,8 @@ class Reasoner:
             for start, end, down in outages:
                 stop = end if end is not None else start + down
                 long = down > self.nccl.retry_window_s
-                still = " (still down at the last reading)" if end is None else ""
-                summary = f"{port} down {down:.1f} s{still}"
+                ongoing = " (still down at the last reading)" if end is None else ""
+                summary = f"{port} down {down:.1f} s{ongoing}"
                 window = f"{self.nccl.retry_window_s:.2f} s"
                 if long:
                     why = (f"down {down:.1f} s, longer than NCCL's IB retry window of {window} "
@@ -397,10 +527,10 @@ class Reasoner:
                                 action="check_cables"))
         if ev.identity is not None:
             boot = ev.identity.get("boot_time")
-            if isinstance(boot, (int, float)) and self.job.start < boot <= self.end + self.job.resolution_s \
-                    and not any(
-                    i.what == "reboot" for i in out):
-                out.append(Item(ev.node, float(boot), "node", "", "reboot", 1,
+            boot_at = None if not isinstance(boot, (int, float)) else float(boot) + d
+            if boot_at is not None and self.job.start < boot_at <= self.end + self.job.resolution_s \
+                    and not any(i.what == "reboot" for i in out):
+                out.append(Item(ev.node, boot_at, "node", "", "reboot", 1,
                                 "the node booted during the job (its current boot time)",
                                 "a node that reboots takes every rank on it down"))
         return out
@@ -411,15 +541,20 @@ class Reasoner:
         until = item.until if item.until is not None else item.time
         return item.time <= self.end + self.job.resolution_s and until >= self.job.start
 
-    def _score(self, item: Item) -> float:
-        # when it mattered: an outage when it outlasted the retry window, anything else when raised
+    def _mattered(self, item: Item) -> float:
+        """When it began to matter to the job: an outage when it outlasted the retry window,
+        anything else when raised; a fault raised before the job (and open) from the job's start."""
         t = item.time
         if item.what == "ib_outage":
             t = item.time + self.nccl.retry_window_s
-        if t < self.job.start:
-            t = self.job.start  # raised before the job: it mattered from its start
-        d = abs(t - self.expected)
+        return max(t, self.job.start)
+
+    def _score(self, item: Item) -> float:
+        d = abs(self._mattered(item) - self.expected)
         return 1.0 / (1.0 + d / max(self.watchdog_s, 1.0))
+
+    def _in_onset(self, item: Item) -> bool:
+        return self.onset[0] <= self._mattered(item) <= self.onset[1]
 
     def judge(self) -> Verdict:
         timeline: list[Item] = []
@@ -427,17 +562,24 @@ class Reasoner:
             if ev.reachable:
                 timeline += self.items(ev)
         timeline.sort(key=lambda i: (i.time, i.node, i.component))
-        suspects = [i for i in timeline if i.tier <= 2 and self._in_job(i)]
+        for i in timeline:
+            if self._in_job(i):
+                i.in_onset = self._in_onset(i)
+        suspects = [i for i in timeline if i.tier <= 2 and i.in_onset is not None]
         for s in suspects:
             s.score = self._score(s)
-        suspects.sort(key=lambda i: (i.tier, -i.score, i.time))
+        # within a tier, what came in the onset window first: a fault the job ran on past did not
+        # set off its failure
+        suspects.sort(key=lambda i: (i.tier, not i.in_onset, -i.score, i.time))
         self._corroborate(suspects)
         waited = self._hang_signature(timeline, suspects)
         if self._flight_recorder(suspects) or waited:
             # a suspect on the node of a rank that never entered the stuck collective, or that the
             # others' GPUs were seen waiting for, explains more
             suspects.sort(key=lambda i: (i.tier, "flight_recorder" not in i.evidence
-                                         and "hang_signature" not in i.evidence, -i.score, i.time))
+                                         and "hang_signature" not in i.evidence, not i.in_onset, -i.score,
+                                         i.time))
+        gaps = [i for i in timeline if i.what == MISSING and i.in_onset is not None]
         reachable = [n for n in self.nodes if n.reachable]
         unreachable = [n for n in self.nodes if not n.reachable]
         for n in self.nodes:
@@ -445,16 +587,25 @@ class Reasoner:
         for n in reachable:
             if n.truncated:
                 self.notes.append(f"{n.node}: more events in the window than read (truncated)")
-            if n.history_from is not None and n.history_from > self.job.start:
+            d = self.corrections.get(n.node, 0.0)
+            if n.history_from is not None and n.history_from + d > self.job.start:
                 self.notes.append(f"{n.node}: its health history starts at "
-                                  f"{_fmt_s(n.history_from - self.end)} from the failure, after the job's "
-                                  "start (older events were folded away, or the daemon was not running)")
-            if n.clock_skew_s is not None and abs(n.clock_skew_s) > 2.0:
-                self.notes.append(f"{n.node}: its clock is {n.clock_skew_s:+.1f} s off this host's: "
-                                  "times relative to the failure are off by as much")
+                                  f"{_fmt_s(n.history_from + d - self.end)} from the failure, after the "
+                                  "job's start (older events were folded away, or the daemon was not "
+                                  "running)")
+            if d:
+                self.notes.append(f"{n.node}: its clock is {-d:+.1f} s off this host's (measured when it "
+                                  f"answered): its times are corrected by {d:+.1f} s before they are "
+                                  "compared with the job's (node_time: as the node recorded them)")
             ident = (n.identity or {}).get("node")
             if ident and ident != n.node and ident.split(".")[0] != n.node.split(".")[0]:
                 self.notes.append(f"{n.node}: the API at {n.url} answers as node {ident!r} (wrong URL?)")
+        for g in gaps:
+            until = ("still so at its answer" if g.open
+                     else f"to {_fmt_s((g.until or g.time) - self.end)}")
+            self.notes.append(f"{g.node}: missing evidence from {_fmt_s(g.time - self.end)} from the "
+                              f"failure, {until}: {g.summary}; an Xid on {g.node} then would not have "
+                              "been seen")
         if unreachable:
             self.notes.append(f"{len(unreachable)} of {len(self.nodes)} nodes did not answer: their history "
                               "is unknown, so the verdict is of the others only (lower confidence)")
@@ -462,14 +613,20 @@ class Reasoner:
             verdict = "cannot_answer"
         elif suspects:
             verdict = "infrastructure"
-        elif unreachable:
+        elif unreachable or gaps:
+            # a node's history with a hole in it is partly unknown, as a node that did not answer is
             verdict = "inconclusive"
         else:
             verdict = "no_infrastructure_evidence"
         if self.job.failed is False and verdict == "infrastructure":
             self.notes.append("the job did not fail: the suspects may explain a slow run, not a failure")
+        if suspects and not any(s.in_onset for s in suspects):
+            self.notes.append(f"no suspect came in the onset window ({_fmt_s(self.onset[0] - self.end)} "
+                              f"to {_fmt_s(self.onset[1] - self.end)} from the failure): the suspects are "
+                              "faults the job ran on past; what set off its failure was not recorded")
         return Verdict(verdict, self.job, self.end, self.expected, self.watchdog_s, self.watchdog_source,
-                       self.nccl, suspects, timeline, self.nodes, self.log, self.notes, self.flight)
+                       self.nccl, suspects, timeline, self.nodes, self.log, self.notes, self.flight,
+                       self.onset, dict(self.corrections), gaps)
 
     def _corroborate(self, suspects: list[Item]) -> None:
         """The job log's "connection closed by remote peer X": a rank on X went away. Said with a

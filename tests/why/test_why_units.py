@@ -67,7 +67,7 @@ def test_culprits_are_tier1_hardware_one_per_node_with_gpumons_reason() -> None:
     assert {s["node"] for s in doc["suspects"]} == {"n1", "n2"}
     # n2's is a tier-2 "may explain it": named, not drained
     assert doc["culprits"] == [{"node": "n1", "component": "gpu/3", "what": "xid", "action": "reboot_node",
-                                "relative_s": -100.0, "drain_reason":
+                                "relative_s": -100.0, "in_onset_window": True, "drain_reason":
                                 "gpumon: reboot_node: why job 42: gpu/3: Xid 79 GPU_HAS_FALLEN_OFF_THE_BUS "
                                 "on gpu/3"}]
 
