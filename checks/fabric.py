@@ -60,6 +60,32 @@ class FabricCheck(Check):
             "1 if the last fabric probe completed and found nothing wrong with this node, else 0 (a flag).",
             unit=None,
             source="gpumon's judgement of the probe (gpumon probe-fabric, rank 0)"),
+        ReadingSpec(
+            "fabric_pairs_measured", "gauge",
+            "Node pairs of the probe group measured in its pair rotation's current cycle, as of the last "
+            "fabric probe that judged this node (a group of up to 16 nodes: in that probe alone).",
+            unit="node pairs",
+            source="the probe's pair schedule (gpumon/fabric/schedule.py), kept on the group's nodes"),
+        ReadingSpec(
+            "fabric_pairs_in_group", "gauge",
+            "Node pairs of the group of the last fabric probe that judged this node: N(N-1)/2 of its N "
+            "nodes (compare fabric_pairs_measured).",
+            unit="node pairs",
+            source="the probe's group (gpumon probe-fabric, rank 0)"),
+        ReadingSpec(
+            "fabric_runs_since_full_coverage", "gauge",
+            "Probe runs since the last one that completed a cycle with every pair of the group measured "
+            "(0: that probe did; since the rotation began if none did).",
+            unit="probe runs",
+            source="the probe's pair schedule (gpumon/fabric/schedule.py), kept on the group's nodes",
+            note="Above fabric_runs_per_coverage_cycle: pairs went unmeasured (nodes away, runs that "
+                 "ended early)."),
+        ReadingSpec(
+            "fabric_runs_per_coverage_cycle", "gauge",
+            "The bound: runs in which the group's pair rotation measures every pair of an unchanged group "
+            "(1 up to 16 nodes; above, ceil(rounds / coverage_rounds): N-1 rounds, odd N: N).",
+            unit="probe runs",
+            source="the probe's pair schedule (gpumon/fabric/schedule.py) and checks.fabric.coverage_rounds"),
     )
     interval = 60.0
     timeout = 10.0

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpumon.atomic import write_atomic
@@ -23,6 +24,7 @@ from gpumon.errors import GpumonError, HwCondition, StartupError
 from gpumon.fabric.judge import CHECK, Verdict
 from gpumon.fabric.launch import Launch, detect
 from gpumon.fabric.probe import Gate, RankRun, RankSetup
+from gpumon.fabric.schedule import MAX_BYTES, Rotation, RotationError
 from gpumon.fabric.settings import FabricConfig
 from gpumon.idle import idle_gate
 from gpumon.model import Finding
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 
 LATEST = "latest.json"  # this node's last result, read by the fabric check
 GROUP_LATEST = "group-latest.json"  # rank 0: the last group report
+ROTATION = "rotation.json"  # the group's pair rotation, a copy on every node (gpumon.fabric.schedule)
 
 
 def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
@@ -52,10 +55,34 @@ def add_parser(sub: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     p.add_argument("--deadline", type=float, metavar="SECONDS",
                    help="end the probe by then, naming the ranks lost (default: checks.fabric.deadline_s)")
     p.add_argument("--seed", type=int, metavar="N",
-                   help="the pairing and data patterns of an earlier run (its report's 'seed'; default: "
-                        "checks.fabric.seed, else a new one each run); rank 0's counts")
+                   help="the data patterns and follow-up rounds of an earlier run (its report's 'seed'; "
+                        "default: checks.fabric.seed, else a new one each run; the coverage rounds follow "
+                        "the group's pair rotation, not the seed); rank 0's counts")
     p.add_argument("--port", type=int, help="rendezvous port (default: MASTER_PORT, else 29500)")
     p.add_argument("--master-addr", metavar="HOST", help="rendezvous host (default: from the launcher)")
+
+
+def read_rotation(state_dir: Path) -> Rotation | None:
+    """This node's copy of its group's pair rotation; None when there is none yet. A copy that cannot
+    be used raises ``RotationError`` naming the file and why (the probe reports it and goes on from
+    another node's copy or a fresh rotation; the file is replaced after the run, nothing else is
+    touched)."""
+    path = state_dir / "fabric" / ROTATION
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RotationError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        return Rotation.loads(raw)
+    except RotationError as exc:
+        raise RotationError(f"{path}: {exc}") from None
+
+
+def write_rotation(state_dir: Path, text: str) -> None:
+    write_atomic(state_dir / "fabric" / ROTATION, text)
 
 
 def _options(config: Config, checks: dict[str, type[Check]]) -> FabricConfig:
@@ -147,7 +174,9 @@ def main(args: argparse.Namespace, agent: Agent) -> int:
     setup = RankSetup(launch=launch, settings=settings, node=node, device=device,
                       deadline_s=args.deadline or settings.deadline_s, gate=gate, record=record,
                       report=report, max_bytes=args.max_bytes, enter_device=enter_device,
-                      profile=profile.name, seed=args.seed)
+                      profile=profile.name, seed=args.seed,
+                      load_rotation=lambda: read_rotation(state_dir),
+                      save_rotation=lambda text: write_rotation(state_dir, text))
     try:
         return RankRun(setup).run()
     finally:

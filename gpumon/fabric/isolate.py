@@ -7,16 +7,20 @@ then re-test the suspects against nodes that passed).
 
 Rounds (``next_round``; each round is a set of disjoint pairs, at most N/2, never all N² pairs):
 
-1. Round 1: a seeded random perfect matching of all nodes (odd N: one node sits out; as an
-   untested node it is paired in round 2).
-2. Later rounds: every *suspect* (below) and every untested node is paired with a *good* node it
-   has not been paired with yet. A good node may serve in many rounds but is in at most one pair
-   per round. When good nodes run out (small N, or many failures), the rest are paired with each
-   other, again only with partners not yet tried (re-measuring a pair adds nothing).
+1. The first pass: the rounds the caller gives (``first``: the probe's coverage rounds, every pair
+   of a small group or the next rounds of a kept tournament, ``gpumon.fabric.schedule``), measured
+   as given; without them one round, a seeded random perfect matching of all nodes (odd N: one node
+   sits out; as an untested node it is paired in round 2).
+2. Later rounds (follow-ups, at most ``max_rounds`` - 1 after the first pass): every *suspect*
+   (below) and every untested node is paired with a *good* node it has not been paired with yet. A
+   good node may serve in many rounds but is in at most one pair per round. When good nodes run
+   out (small N, or many failures), the rest are paired with each other, again only with partners
+   not yet tried (re-measuring a pair adds nothing).
 3. Stop (``next_round`` returns ``[]``) when no suspect or untested node can be given a new
-   partner, or after ``max_rounds``. One more rule, for small N: when no pair is slower than the
-   reference and every fast pair goes through one node (N=3: a-b and a-c, equal), the reference
-   may be that one node's own (bad) speed, so a round of untried pairs is added (for N=3: b-c).
+   partner, or after ``max_rounds`` - 1 follow-ups. One more rule, for small N: when no pair is
+   slower than the reference and every fast pair goes through one node (N=3: a-b and a-c, equal),
+   the reference may be that one node's own (bad) speed, so a round of untried pairs is added (for
+   N=3: b-c).
    Two fast pairs with no common node, or a fast triangle, need two nodes at the reference.
 
 Reference values are relative (no profile number is needed), and robust to bad nodes: each node's
@@ -49,8 +53,9 @@ Classification (recomputed from all pairs after every ``add``):
 - *untested*: fast with none and no unexplained bad pair (never measured, only pairs that
   measured nothing, or only pairs with node faults): not cleared.
 
-A link fault is found only on a pair that is measured: round 1 samples N/2 of the N(N-1)/2 pairs,
-so a periodic probe with a new seed each run covers the links over many runs. With N=2 there is
+A link fault is found only on a pair that is measured: a random round 1 samples N/2 of the N(N-1)/2
+pairs, which is why the probe passes its own first pass (every pair of a group of up to 16 nodes, a
+kept rotation above that: ``gpumon.fabric.schedule``). With N=2 there is
 one pair and no other value to compare it with: only a failed pair shows, and it cannot be
 attributed (both unresolved). Repeated results for one pair are merged: best busbw, lowest p95
 (performance noise), but a failure sticks (a flaky pair is bad).
@@ -99,7 +104,7 @@ class IsolationSettings:
     latency_factor: float = 3.0  # pair slow if p95 > latency_factor * reference AND > reference + floor
     latency_floor_us: float = 50.0
     confirm_partners: int = 2  # node fault: slow with this many distinct good partners, fast with none
-    max_rounds: int = 8
+    max_rounds: int = 8  # the first pass counts as one round: at most max_rounds - 1 follow-ups
 
     def __post_init__(self) -> None:
         if not 0 < self.slow_fraction <= 1:
@@ -264,13 +269,29 @@ class Isolator:
     """Plans pair rounds and attributes slow pairs to nodes or links. See the module docstring."""
 
     def __init__(self, nodes: Sequence[str], settings: IsolationSettings = IsolationSettings(),
-                 seed: int = 0) -> None:
+                 seed: int = 0, first: Sequence[Sequence[tuple[str, str]]] | None = None) -> None:
         if len(set(nodes)) != len(nodes):
             raise ValueError("node names must be unique")
         self._nodes: tuple[str, ...] = tuple(sorted(nodes))  # caller's order does not matter
         self._known = frozenset(self._nodes)
         self.settings = settings
         self._seed = seed
+        if first is None:
+            # the same generator as a follow-up round's, for round 0: a seed gives the matching it
+            # always gave
+            order = list(self._nodes)
+            random.Random(f"gpumon.fabric.isolate:{seed}:0").shuffle(order)
+            first = [[(order[i], order[i + 1]) for i in range(0, len(order) - 1, 2)]]
+        self._first: list[list[tuple[str, str]]] = []
+        for pairs in first:
+            seen: set[str] = set()
+            for a, b in pairs:
+                if a == b or a not in self._known or b not in self._known or a in seen or b in seen:
+                    raise ValueError(f"first-pass round {list(pairs)}: pair {a}-{b} is not two distinct "
+                                     "known nodes of disjoint pairs")
+                seen.update((a, b))
+            if pairs:
+                self._first.append([(a, b) for a, b in pairs])
         self._pairs: dict[tuple[str, str], _Merged] = {}
         self._met: dict[str, set[str]] = {n: set() for n in self._nodes}
         self._rounds = 0
@@ -287,15 +308,13 @@ class Isolator:
         ``max_rounds``). Asking again before ``add`` returns the same round (not a new one)."""
         if self._pending is not None:
             return list(self._pending)
-        if self._rounds >= self.settings.max_rounds or len(self._nodes) < 2:
+        if self._rounds >= self._limit() or len(self._nodes) < 2:
             return []
         # A fresh generator per round: the plan depends on the seed, the round and the results,
         # not on how often the caller asked.
         rng = random.Random(f"gpumon.fabric.isolate:{self._seed}:{self._rounds}")
-        if self._rounds == 0:
-            order = list(self._nodes)
-            rng.shuffle(order)
-            plan = [(order[i], order[i + 1]) for i in range(0, len(order) - 1, 2)]
+        if self._rounds < len(self._first):
+            plan = list(self._first[self._rounds])
         else:
             plan = self._plan(self._classify(), rng)
         if not plan:
@@ -303,6 +322,16 @@ class Isolator:
         self._rounds += 1
         self._pending = plan
         return list(plan)
+
+    def _limit(self) -> int:
+        """Rounds in all: the first pass, then ``max_rounds`` - 1 follow-ups (the first pass counts as
+        one round, as the single random round did before the probe passed rounds of its own)."""
+        return max(1, len(self._first)) + self.settings.max_rounds - 1
+
+    @property
+    def first_pass(self) -> int:
+        """Rounds of the first pass (the caller's, or the one random matching)."""
+        return len(self._first)
 
     def _plan(self, st: _State, rng: random.Random) -> list[tuple[str, str]]:
         suspects = list(st.suspects)
@@ -503,7 +532,7 @@ class Isolator:
             notes.append("2 nodes: one pair only. Its own value is the only reference, so only a failed "
                          "transfer shows, and a bad pair cannot be attributed to either node")
         if st.suspects:
-            if self._rounds >= self.settings.max_rounds:
+            if self._rounds >= self._limit():
                 notes.append(f"max_rounds ({self.settings.max_rounds}) reached with "
                              f"{len(st.suspects)} suspect(s) unresolved")
             elif self._pending is None and not any(self._untried(x, st) for x in st.suspects):

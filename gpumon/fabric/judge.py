@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon.fabric.isolate import IsolationVerdict, PairResult, bw_text
+from gpumon.fabric.schedule import Coverage
 from gpumon.fabric.settings import FabricConfig
 from gpumon.fabric.sweep import OpResult, busbw_factor
 from gpumon.model import NODE, Action, Finding, Severity, Status, overall_status, reading
@@ -163,6 +164,7 @@ class Probe:
     profile: str = ""  # the SKU profile the floors come from (named in the findings)
     # heartbeat silences that ended: rank -> [(seconds, what it said before, what it said after)]
     silences: dict[int, list[tuple[float, str, str]]] = field(default_factory=dict)
+    coverage: Coverage | None = None  # the group's pair coverage after this run (gpumon.fabric.schedule)
 
     @property
     def nodes(self) -> list[str]:
@@ -425,7 +427,12 @@ def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[Pro
         problems.append((Severity.WARN, Action.NONE,
                          "the whole group is below the profile and no node stands out (a switch, the "
                          "fabric, or congestion): " + "; ".join(m.text() for m in misses)))
-    evidence["readings"] = _readings(node, rows, pair_bw, p.time, complete and not problems)
+    if p.coverage is not None:
+        c = p.coverage
+        evidence["coverage"] = {"pairs_measured": c.pairs_measured, "pairs_total": c.pairs_total,
+                                "runs_since_full_coverage": c.runs_since_full_coverage,
+                                "runs_per_cycle": c.runs_per_cycle}
+    evidence["readings"] = _readings(node, rows, pair_bw, p.time, complete and not problems, p.coverage)
     if not problems:
         bw, lat = pair_bw.get(node, (None, None))
         detail = (f"; pairs: {bw_text(bw)}, p95 {lat:.0f} us" if bw is not None and lat is not None else "")
@@ -440,7 +447,7 @@ def _node_finding(p: Probe, node: str, rows: Sequence[Row], misses: Sequence[Pro
 
 
 def _readings(node: str, rows: Sequence[Row], pair_bw: Mapping[str, tuple[float | None, float | None]],
-              when: float, passed: bool) -> list[Any]:
+              when: float, passed: bool, coverage: Coverage | None = None) -> list[Any]:
     out: list[Any] = []
     for op in sorted({r.op for r in rows}):
         for cls in ("small", "mid", "large"):
@@ -458,4 +465,9 @@ def _readings(node: str, rows: Sequence[Row], pair_bw: Mapping[str, tuple[float 
         out.append(reading("fabric_latency_p95_seconds", lat / 1e6, op="sendrecv", size_class="small"))
     out.append(reading("fabric_last_probe_timestamp_seconds", when))
     out.append(reading("fabric_last_probe_passed", passed))
+    if coverage is not None:
+        out.append(reading("fabric_pairs_measured", coverage.pairs_measured))
+        out.append(reading("fabric_pairs_in_group", coverage.pairs_total))
+        out.append(reading("fabric_runs_since_full_coverage", coverage.runs_since_full_coverage))
+        out.append(reading("fabric_runs_per_coverage_cycle", coverage.runs_per_cycle))
     return out

@@ -6,6 +6,13 @@ which node, the idle gate, heartbeats, the sweep's agreements (iterations per si
 was wrong), the pair plan of each round, every rank's results and rank 0's verdict are keys in it.
 The data path is the process group (NCCL on GPUs, gloo on CPU).
 
+**Coverage.** The first pair rounds are the group's coverage rounds (``gpumon.fabric.schedule``): every
+pair of a group of up to 16 nodes, the next rounds of a kept round-robin rotation above that. Every
+node keeps a copy of the rotation in its state directory (rank 0 may be another node each run): each
+node's local rank 0 reads its copy and posts it, rank 0 continues from the copy with the most runs
+(an unreadable copy is named in the report and skipped; none left: a fresh rotation), and after the
+run every node writes the new state, even when the run ended early (the rounds measured count).
+
 **Bounded.** A heartbeat thread writes ``hb/<rank>`` every ``heartbeat_s`` with the phase the rank
 is in; rank 0 watches them. A watchdog ends every rank at the deadline: rank 0 names the ranks
 whose heartbeat stopped (and what they were doing), judges what was measured, posts the verdict
@@ -40,6 +47,7 @@ from typing import Any
 from gpumon.fabric.isolate import IsolationSettings, Isolator, PairResult
 from gpumon.fabric.judge import CHECK, Probe, RankInfo, Verdict, judge
 from gpumon.fabric.launch import Launch
+from gpumon.fabric.schedule import Coverage, Plan, Rotation, RotationError, preference
 from gpumon.fabric.settings import FabricConfig
 from gpumon.fabric.sweep import OpResult, Rank, SweepPlan, collective_sweep, pair_exchange, sizes
 from gpumon.model import NODE, Action, Finding, Severity
@@ -76,7 +84,11 @@ class RankSetup:
     # model: the CPU rank standing in for a simulated GPU carries out that GPU's faults)
     enter_device: Callable[[int], None] | None = None
     profile: str = ""  # the SKU profile whose floors judge NCCL on GPUs (named in the findings)
-    seed: int | None = None  # --seed: the pairing and data patterns of an earlier run (rank 0's counts)
+    seed: int | None = None  # --seed: the data patterns and follow-up rounds of an earlier run (rank 0's)
+    # this node's copy of the group's pair rotation (None: none yet; RotationError: unreadable), and
+    # where the new state goes after the run
+    load_rotation: Callable[[], Rotation | None] | None = None
+    save_rotation: Callable[[str], None] | None = None
 
 
 class _Store:
@@ -138,6 +150,14 @@ class RankRun:
         # [(seconds silent, what it said before, what it said after)]
         self.silences: dict[int, list[tuple[float, str, str]]] = {}
         self.rounds_done: list[tuple[int, list[tuple[str, str]]]] = []  # rank 0: round -> pairs
+        # rank 0: the group's rotation, this run's coverage rounds, the copies it could not read
+        self.rotation: Rotation | None = None
+        self.coverage_plan: Plan | None = None
+        self.rotation_errors: list[str] = []
+        self.coverage: Coverage | None = None  # rank 0, once the run's rounds are recorded
+        self.coverage_s: float | None = None  # rank 0: time in the coverage rounds
+        self.rotation_doc: dict[str, Any] | None = None  # the state every node writes after the run
+        self._rotation_source: str | None = None
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -296,7 +316,8 @@ class RankRun:
         if self.s.enter_device is not None:
             self.s.enter_device(self._gpu_index())
         store.set(f"rank/{self.rank}", {"node": self.s.node, "local_rank": launch.local_rank,
-                                        "pid": os.getpid(), "busy": gate.busy, "gate": gate.evidence})
+                                        "pid": os.getpid(), "busy": gate.busy, "gate": gate.evidence,
+                                        "rotation": self._post_rotation(store)})
         self.progress("rendezvous: waiting for every rank")
         if self.rank == 0:
             store.wait([f"rank/{r}" for r in range(self.world)], self.remaining())
@@ -315,6 +336,8 @@ class RankRun:
         busy = {v["node"]: v["busy"] for v in table.values() if v.get("busy")}
         if busy:
             return self._skipped(busy)
+        if self.rank == 0:
+            self._plan_coverage(store, table)
         self.progress("process group")
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, store=PrefixStore(PREFIX + "pg/", store.raw), rank=self.rank,
@@ -351,6 +374,7 @@ class RankRun:
             return verdict.status.exit_code
         store.wait(["verdict"], self.remaining())
         found = store.get("verdict")["findings"].get(self.s.node)
+        self._take_rotation(store)
         self._record_own(Finding.from_json(found) if found else None)
         store.set(f"done/{self.rank}", 1)
         self._stop.set()
@@ -395,15 +419,18 @@ class RankRun:
         iso = None
         if self.rank == 0 and len(nodes) > 1:
             margins = s.cpu if not r.cuda else s
+            first = ([list(pairs) for _, pairs in self.coverage_plan.rounds]
+                     if self.coverage_plan is not None else None)
             iso = self.iso = Isolator(nodes, IsolationSettings(
                 slow_fraction=margins.slow_fraction, latency_factor=margins.latency_factor,
                 latency_floor_us=margins.latency_floor_us, confirm_partners=s.confirm_partners,
-                max_rounds=s.max_rounds), seed=self.seed)
+                max_rounds=s.max_rounds), seed=self.seed, first=first)
         pair_plan = SweepPlan(ops=(), sizes=(plan.sizes[0], *[x for x in plan.sizes if x >= large_min]),
                               iterations=plan.iterations, warmup=plan.warmup,
                               size_budget_s=plan.size_budget_s, seed=plan.seed)
         by_node_local = {(i.node, i.local_rank): q for q, i in self.ranks.items()}
         k = 0
+        started = time.monotonic()
         while True:
             k += 1
             if self.rank == 0:
@@ -438,6 +465,76 @@ class RankRun:
                 self.probe.pairs.extend(results)
                 self.rounds_done.append((k, [(a, b) for a, b in pairs]))
                 iso.add(results)
+                if k == iso.first_pass:
+                    self.coverage_s = round(time.monotonic() - started, 3)
+
+    # -- coverage ----------------------------------------------------------------------------
+
+    def _post_rotation(self, store: _Store) -> dict[str, Any] | None:
+        """Local rank 0: this node's copy of the group's rotation, whole under ``rotation/<node>``, in
+        short (its runs, or why it cannot be used) for the rank table."""
+        if self.launch.local_rank != 0 or self.s.load_rotation is None:
+            return None
+        try:
+            rot = self.s.load_rotation()
+        except (RotationError, OSError) as exc:
+            log.warning("rank %d: the pair rotation kept on %s cannot be used: %s", self.rank, self.s.node,
+                        exc)
+            return {"error": str(exc)}
+        if rot is None:
+            return None
+        store.set(f"rotation/{self.s.node}", rot.to_json())
+        return {"runs": rot.runs}
+
+    def _plan_coverage(self, store: _Store, table: dict[str, Any]) -> None:
+        """Rank 0: continue the group's rotation from the best copy, and plan this run's coverage rounds."""
+        runs: dict[str, int] = {}
+        errors: list[str] = []
+        for v in table.values():
+            info = v.get("rotation") or {}
+            if "error" in info:
+                errors.append(f"{v['node']}: {info['error']}")
+            elif isinstance(info.get("runs"), int):
+                runs[str(v["node"])] = int(info["runs"])
+        rot, source = None, None
+        for node in preference(runs):
+            try:
+                rot, source = Rotation.from_json(store.get(f"rotation/{node}")), node
+                break
+            except (RotationError, ValueError) as exc:
+                errors.append(f"{node}: {exc}")
+        if errors:
+            log.warning("rank 0: pair rotation copies not used: %s; %s", "; ".join(errors),
+                        f"continuing from {source}'s" if source else "a fresh rotation")
+        self.rotation = rot or Rotation()
+        self.rotation_errors = errors
+        self._rotation_source = source
+        nodes = sorted({str(v["node"]) for v in table.values()})
+        self.coverage_plan = self.rotation.begin(nodes, self.s.settings.coverage_rounds)
+
+    def _end_coverage(self) -> Coverage | None:
+        """Rank 0, once: record in the rotation the coverage rounds that finished (a prefix of the
+        plan: the isolator measures them first, in order), and what the group's coverage now is."""
+        if self.coverage is not None or self.rotation is None or self.coverage_plan is None:
+            return self.coverage
+        plan, done, played = self.coverage_plan, len(self.rounds_done), 0
+        for _, pairs in plan.rounds:
+            if pairs:
+                if done == 0:
+                    break
+                done -= 1
+            played += 1
+        self.coverage = self.rotation.end(plan, played, time.time(), per_run=self.s.settings.coverage_rounds,
+                                          errors=self.rotation_errors, seconds=self.coverage_s,
+                                          source=self._rotation_source)
+        self.rotation_doc = self.rotation.to_json()
+        return self.coverage
+
+    def _take_rotation(self, client: _Store) -> None:
+        """The rotation rank 0 posted with the verdict, for this node's copy."""
+        with contextlib.suppress(Exception):
+            if client.has("rotation"):
+                self.rotation_doc = client.get("rotation")
 
     def _confirmation_round(self, iso: Isolator) -> list[tuple[str, str]]:
         """Rank 0, once the rounds are over: measure every pair judged a link fault once more
@@ -466,10 +563,14 @@ class RankRun:
         what this run covered: a link never paired was not measured)."""
         out: list[dict[str, Any]] = []
         results = iter(probe.pairs)
+        # which tournament round each of the first rounds was (None: a follow-up or confirmation)
+        plan = self.coverage_plan
+        tournament = [r for r, pairs in plan.rounds if pairs] if plan is not None else []
         for k, pairs in self.rounds_done:
             for a, b in pairs:
                 pr = next(results, None)
                 out.append({"round": k, "a": a, "b": b,
+                            "coverage_round": tournament[k - 1] if k <= len(tournament) else None,
                             "busbw_gbps": pr.busbw_gbps if pr else None,
                             "p95_latency_us": pr.p95_latency_us if pr else None,
                             "failed": pr.failed if pr else None})
@@ -481,6 +582,7 @@ class RankRun:
         probe.time = time.time()
         if self.iso is not None:
             probe.isolation = self.iso.verdict()
+        probe.coverage = self._end_coverage()
         probe.silences = {q: list(v) for q, v in self.silences.items()}
         verdict = judge(probe)
         doc = {"outcome": "completed" if verdict.complete else "incomplete",
@@ -492,10 +594,14 @@ class RankRun:
                "errors": {str(q): e for q, e in probe.errors.items()},
                "stopped": probe.hung,
                "pairs": self._pairs_doc(probe),
+               "coverage": probe.coverage.to_json() if probe.coverage is not None else None,
                "stalls": [st.to_json() for st in verdict.stalls],
                "corrupted_from_ranks": {str(q): {"node": probe.node_of(q), "wrong_elements": n}
                                         for q, n in sorted(verdict.corrupt.items())}}
         with contextlib.suppress(Exception):
+            if self.rotation_doc is not None:
+                # before the verdict: a rank that sees the verdict sees the rotation to keep
+                self.store.set("rotation", self.rotation_doc)
             self.store.set("verdict", doc)
         self.s.report(doc, verdict)
         return verdict
@@ -513,6 +619,11 @@ class RankRun:
             self.s.record(finding, self._summary())
         except Exception as exc:  # the report stands; say why this node's state was not written
             log.error("could not record the fabric finding of %s: %s", self.s.node, exc)
+        if self.rotation_doc is not None and self.s.save_rotation is not None:
+            try:
+                self.s.save_rotation(json.dumps(self.rotation_doc, separators=(",", ":")) + "\n")
+            except Exception as exc:  # the finding stands; the next run continues from another copy
+                log.error("could not keep the pair rotation on %s: %s", self.s.node, exc)
 
     def abort(self, reason: str) -> None:
         """End this rank now: name the lost ranks (rank 0), record what is known, exit, all within
@@ -585,6 +696,7 @@ class RankRun:
                 client.set(f"error/{self.rank}", reason)
                 client.wait(["verdict"], max(0.05, end - time.monotonic()))
                 found = client.get("verdict")["findings"].get(self.s.node)
+                self._take_rotation(client)
         if found is None:
             self._record_own(Finding(
                 CHECK, NODE, Severity.UNKNOWN,

@@ -57,7 +57,8 @@ def print_report(doc: dict[str, Any], verdict: Verdict | None, where: str,
         console.print(f"pair rounds: {iso['rounds']}, {iso['pairs_measured']} pairs; reference {bw}, "
                       f"p95 {lat} us", soft_wrap=True)
     if doc.get("seed") is not None:
-        console.print(f"seed {doc['seed']} (--seed {doc['seed']} repeats this pairing)", soft_wrap=True)
+        console.print(f"seed {doc['seed']} (--seed {doc['seed']} repeats its data patterns and follow-up "
+                      "rounds)", soft_wrap=True)
     pairs = doc.get("pairs") or []
     if pairs:
         by_round: dict[int, list[str]] = {}
@@ -67,6 +68,25 @@ def print_report(doc: dict[str, Any], verdict: Verdict | None, where: str,
             by_round.setdefault(int(pr["round"]), []).append(f"{pr['a']}-{pr['b']}{fig}")
         for k, measured in sorted(by_round.items()):
             console.print(f"  round {k}: {', '.join(measured)}", soft_wrap=True)
+    cov = doc.get("coverage")
+    if cov:
+        since = cov["runs_since_full_coverage"]
+        played = cov["rounds_played"]
+        span = (f"tournament rounds {played[0]}-{played[-1]} of 0-{cov['cycle_rounds'] - 1}" if played
+                else "no tournament round")
+        last = ("every pair measured, this run" if since == 0
+                else f"{since} run(s) since every pair was measured")
+        console.print(f"pair coverage ({cov['mode']}): {cov['pairs_measured']}/{cov['pairs_total']} pairs "
+                      f"this cycle, {span}; every pair within {cov['runs_per_cycle']} run(s); {last}",
+                      soft_wrap=True)
+        for note in cov.get("notes") or []:
+            console.print(f"  {note}", soft_wrap=True)
+        for err in cov.get("errors") or []:
+            console.print(f"[yellow]rotation copy not used[/] {err}", soft_wrap=True)
+        if cov.get("errors"):
+            origin = cov.get("continued_from")
+            console.print(f"  continued from {origin}'s copy" if origin else "  started a fresh rotation",
+                          soft_wrap=True)
     for st in doc.get("stalls") or []:
         console.print(f"[yellow]stall[/] {st['where']}: {st['seconds']} s, nodes {', '.join(st['nodes'])}",
                       soft_wrap=True)

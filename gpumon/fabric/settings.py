@@ -101,7 +101,23 @@ class FabricConfig:
     confirm_partners: int = field(default=2, metadata={
         "min": 1, "source": "argued: a node is named only after it was slow with two different partners, "
                             "one of them known good (two-pass isolation, Google cluster-health-scanner)"})
-    max_rounds: int = field(default=8, metadata={"min": 1})
+    max_rounds: int = field(default=8, metadata={
+        "min": 1, "source": "argued: the first pass (the coverage rounds) counts as one round; at most 7 "
+                            "follow-up rounds re-test suspects (bench/fabric_isolation.md: 2-4 rounds were "
+                            "enough up to 4,096 nodes)"})
+    coverage_rounds: int = field(default=15, metadata={
+        "min": 1,
+        "source": "argued from the cost of a pair round: on GPUs about 1.7 s of transfers (8 B, 1 and 2 GiB "
+                  "at 46 GB/s per rail, 25 calls each: README 'Budget'), so 15 rounds are ~26 s, under a "
+                  "tenth of deadline_s (300 s) next to the sweep; measured on CPU (gloo, 2-core VM, "
+                  "2026-12-07, the report's coverage.seconds): 0.10-0.13 s a round with 4 test hosts, 0.15 s "
+                  "with 8, 0.41 s with 16 (the whole 15-round tournament 6.2 s). 15 rounds "
+                  "are a whole round-robin tournament of up to 16 nodes (N-1 rounds; odd N: N), so a group "
+                  "of <= 16 nodes has every pair measured in every run; a larger group follows a rotation "
+                  "kept on its nodes, every pair within ceil(rounds/15) runs (gpumon/fabric/schedule.py). "
+                  "Simulated (tests/fabric/test_isolate.py's fabric, 200 seeds, 2026-12-07): with +/-5 % "
+                  "and +/-10 % busbw noise, every pair of 16 or 40 healthy nodes named no false link; at "
+                  "+/-20 % about 8 a run at 16 nodes (a node's best of 15 pairs lifts the reference)"})
     deadline_s: float = field(default=300.0, metadata={
         "min": 1.0,
         "source": "the issue's budget: the whole 8 B - 2 GiB sweep on 2 nodes x 8 GPUs in <= 5 min; "
@@ -122,9 +138,10 @@ class FabricConfig:
                   "NCCL call of <= 2 GiB takes < 15 ms at the profiles' floors, so 0.2 s more than the "
                   "median is no GPU's jitter"})
     seed: int | None = field(default=None, metadata={
-        "source": "None: rank 0 draws a new seed each run (a periodic probe pairs other nodes each "
-                  "time, so links not paired before get measured); the report prints it, and "
-                  "--seed or this key repeats a run's pairing and data patterns"})
+        "source": "None: rank 0 draws a new seed each run for the data patterns and the order of the "
+                  "follow-up rounds (which pairs the coverage rounds measure is the schedule's, not the "
+                  "seed's: gpumon/fabric/schedule.py); the report prints it, and --seed or this key "
+                  "repeats them"})
     idle_max_utilization_pct: int = field(default=5, metadata={
         "min": 0, "max": 100,
         "source": "the SDC canary's idle gate: a GPU with a compute process or above this utilization "

@@ -172,6 +172,10 @@ def test_findings_reach_health_state_and_metrics_and_a_passing_probe_clears_them
     assert ('gpumon_fabric_busbw_bytes_per_second{check="fabric",component="node",op="sendrecv",'
             'size_class="large"}') in metrics
     assert "gpumon_fabric_last_probe_passed" in metrics
+    # issue 35: the group's pair coverage (four nodes: every pair in this run)
+    for family, value in (("pairs_measured", 6), ("pairs_in_group", 6), ("runs_since_full_coverage", 0),
+                          ("runs_per_coverage_cycle", 1)):
+        assert f'gpumon_fabric_{family}{{check="fabric",component="node"}} {value:.1f}' in metrics, family
 
     net.unshape(3)
     again = start_static(net, tmp_path / "second", _port(), sim_dirs=sims, collectives=["all_reduce"])

@@ -195,6 +195,29 @@ def test_a_node_fault_from_the_pair_rounds_fails_that_node_only_and_carries_read
     assert ("fabric_latency_p95_seconds", "all_reduce", "small") in names
 
 
+def test_every_node_carries_the_groups_pair_coverage_for_metrics() -> None:
+    """Issue 35: the coverage after the run (a rotation of 40 nodes, the first of its 3 runs) is in
+    every node's evidence and readings, which the fabric check puts on /metrics."""
+    from gpumon.fabric.schedule import Rotation
+
+    p = _probe(FabricConfig())
+    rot = Rotation()
+    plan = rot.begin([f"gpu{i:02d}" for i in range(40)], 15)
+    p.coverage = rot.end(plan, len(plan.rounds), 1.0, per_run=15)
+    v = judge(p)
+    for node in p.nodes:
+        ev = v.findings[node].evidence
+        assert ev["coverage"] == {"pairs_measured": 300, "pairs_total": 780, "runs_since_full_coverage": 1,
+                                  "runs_per_cycle": 3}
+        plain = {r[0]: r[1] for r in ev["readings"] if not r[2]}
+        assert (plain["fabric_pairs_measured"], plain["fabric_pairs_in_group"],
+                plain["fabric_runs_since_full_coverage"], plain["fabric_runs_per_coverage_cycle"]) == \
+            (300.0, 780.0, 1.0, 3.0)
+    declared = {spec.name for spec in FabricCheck.readings}
+    assert {"fabric_pairs_measured", "fabric_pairs_in_group", "fabric_runs_since_full_coverage",
+            "fabric_runs_per_coverage_cycle"} <= declared
+
+
 def test_lost_ranks_fail_their_node_unless_rank_0_lost_most_of_the_group() -> None:
     p = _probe(FabricConfig())
     p.lost, p.hung = {2: "all_gather 64 B warm-up"}, "deadline"
