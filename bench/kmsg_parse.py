@@ -1,4 +1,4 @@
-"""Benchmark: kernel-log parsing throughput (gpumon.hw.kmsg + gpumon.hw.nvrm). Not a test.
+"""Benchmark: kernel-log parsing throughput (gpumon.hw.kmsg_parse + gpumon.hw.nvrm). Not a test.
 
 Measures lines/s of ``parse_line`` alone and of ``parse_line`` + ``NvrmParser.feed``:
 
@@ -34,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpumon.hw.kmsg import KernelLogFollower, parse_line  # noqa: E402
+from gpumon.hw.kmsg_follow import KernelLogFollower  # noqa: E402
+from gpumon.hw.kmsg_parse import parse_line  # noqa: E402
 from gpumon.hw.nvrm import NvrmParser, SXidEvent, XidEvent  # noqa: E402
 
 DATA = REPO / "tests" / "data" / "kmsg-xid"

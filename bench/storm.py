@@ -22,7 +22,7 @@ followed like ``tail -F``) and samples it with psutil:
 CPU is given with and without the probe windows (while /metrics is polled every
 few ms the daemon also serves scrapes, which a 15 s Prometheus scrape does not
 cost). Then, with the daemon stopped, the same storm lines go through the
-kernel-log parse loop (gpumon.hw.kmsg / gpumon.hw.nvrm / gpumon.hw.pci, as the
+kernel-log parse loop (gpumon.hw.kmsg_* / gpumon.hw.nvrm / gpumon.hw.pci, as the
 daemon's pump and checks call them), through the daemon's KernelLogPump itself
 (its thread's CPU time) and through a bare prefilter + one regex loop, side by
 side, with the same-run ratio of the daemon all-in to the bare loop. The daemon's
@@ -69,7 +69,8 @@ sys.path.insert(0, str(REPO))
 from _flame import summarize  # noqa: E402
 from _machine import describe  # noqa: E402
 
-from gpumon.hw.kmsg import KernelLogFollower, parse_line  # noqa: E402
+from gpumon.hw.kmsg_follow import KernelLogFollower  # noqa: E402
+from gpumon.hw.kmsg_parse import parse_line  # noqa: E402
 from gpumon.hw.nvrm import NvrmParser  # noqa: E402
 from gpumon.hw.pci import parse_aer_message  # noqa: E402
 

@@ -54,7 +54,7 @@ class PcieTopologyConfig:
                   "the same PEX890xx switch (GPU 19:00.0 / NIC 1a:00.0 below upstream port 16:00.0)"})
     load_utilization_pct: int = field(default=PcieConfig.load_utilization_pct, metadata={
         "min": 0, "max": 100,
-        "source": "the pcie check's load_utilization_pct (checks/pcie/check.py, sources there)"})
+        "source": "the pcie check's load_utilization_pct (checks/pcie/options.py, sources there)"})
     correctable_per_minute: float = field(default=8.0, metadata={
         "min": 0,
         "source": "NVIDIA/DCGM common/DcgmGPUHardwareLimits.h @ 28bfbd4c97413d4aec249cdd9543a67d24f95b78: "

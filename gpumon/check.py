@@ -69,7 +69,7 @@ class KernelLogNeeds:
     bootstrap suite, a saved log) the check is handed every event and record of the log."""
 
     # the NVRM event types (gpumon.hw.nvrm) it reads in KernelLog.events. None: every event and
-    # every raw record (gpumon.hw.kmsg.KernelRecord, in KernelLog.records), any of which runs it
+    # every raw record (gpumon.hw.kmsg_record.KernelRecord, in KernelLog.records), any of which runs it
     events: tuple[type, ...] | None = None
     # makes the fold of the records that the pump keeps for it, handed over in KernelLog.folded
     # (a new one for each pump: a daemon start, a restart of the pump's reader)

@@ -319,7 +319,7 @@ def test_an_event_handed_with_its_repeats_is_the_event_with_those_fields_replace
     dataclasses.replace: every other field as it was, whatever XidEvent holds (issue 23)."""
     from dataclasses import fields, replace
 
-    from gpumon.hw.kmsg import KernelRecord
+    from gpumon.hw.kmsg_record import KernelRecord
     from gpumon.kernel_pump import _with_repeats
 
     first, last = KernelRecord("a", "a", 1, 10), KernelRecord("a", "a", 9, 90)

@@ -27,7 +27,7 @@ _KINDS = frozenset(pcihw.AER_FILES)  # correctable, nonfatal, fatal
 
 @dataclass
 class _AerEvent:
-    """Uncorrectable errors of one kind counted since gpumon started watching (``_compare``)."""
+    """Uncorrectable errors of one kind counted since gpumon started watching (``judge._compare``)."""
 
     count: int
     first: float
@@ -37,7 +37,7 @@ class _AerEvent:
 
 @dataclass
 class _AerBaseline:
-    """A device's AER counters as ``_aer`` keeps them, from its first reading of the boot."""
+    """A device's AER counters as ``judge.judge_counters`` keeps them, from its first reading of the boot."""
 
     totals: dict[str, int]
     names: dict[str, dict[str, int]]
@@ -48,14 +48,14 @@ class _AerBaseline:
     cor_rate: float | None = None  # absent until the second reading
 
     def __post_init__(self) -> None:
-        missing = [k for k in ("fatal", "nonfatal") if k not in self.totals]  # what _compare reads
+        missing = [k for k in ("fatal", "nonfatal") if k not in self.totals]  # what judge._compare reads
         if missing:
             raise ValueError(f"totals lacks {', '.join(missing)}")
 
 
 @dataclass
 class _Report:
-    """Reports of one severity in the kernel log (``_ingest``)."""
+    """Reports of one severity in the kernel log (``aer_log._ingest``)."""
 
     count: int
     first: float
@@ -67,7 +67,7 @@ class _Report:
 
 @dataclass
 class _Counted:
-    """Summary or not-recovered lines of one kind (``_ingest_summary``)."""
+    """Summary or not-recovered lines of one kind (``aer_log._ingest_summary``)."""
 
     count: int
     first: float

@@ -10,7 +10,7 @@ details:...``), which have no header of their own; they belong to the entry
 above. The stamp is the host's local time, without a zone (see
 :func:`entry_epoch`).
 
-Why not :class:`gpumon.hw.kmsg.KernelLogFollower`: it keeps an open descriptor
+Why not :class:`gpumon.hw.kmsg_follow.KernelLogFollower`: it keeps an open descriptor
 between reads and turns lines into kernel records (wrappers, boot filtering by
 kernel clocks), while a check is re-created on every run and may keep only
 JSON in its state. :class:`FabricManagerLog` therefore keeps its position in a
@@ -37,7 +37,7 @@ from typing import Any
 from gpumon.errors import HwFailure
 from gpumon.hw.calls import BoundedCaller
 from gpumon.hw.hostfs import HostFs
-from gpumon.hw.kmsg import MAX_LINE_BYTES
+from gpumon.hw.kmsg_lines import MAX_LINE_BYTES
 from gpumon.hw.nvrm import canonical_pci
 
 __all__ = [

@@ -31,7 +31,8 @@ from typing import Any, Protocol
 
 from gpumon.errors import HwCondition
 from gpumon.hw.hostfs import HostFs
-from gpumon.hw.kmsg import KernelLogFollower, KernelRecord
+from gpumon.hw.kmsg_follow import KernelLogFollower
+from gpumon.hw.kmsg_record import KernelRecord
 from gpumon.hw.nvrm import NvrmParser
 
 
@@ -44,7 +45,7 @@ class KernelLog:
     """
 
     events: Sequence[Any] = ()
-    # the raw kernel records (gpumon.hw.kmsg.KernelRecord), for checks that read non-NVRM lines
+    # the raw kernel records (gpumon.hw.kmsg_record.KernelRecord), for checks that read non-NVRM lines
     records: Sequence[Any] = ()
     available: bool = True
     error: str | None = None

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
-from gpumon.hw.kmsg import KernelRecord, records_from_bytes
+from gpumon.hw.kmsg_lines import records_from_bytes
+from gpumon.hw.kmsg_record import KernelRecord
 
 __all__ = [
     "FallenOffBus",

@@ -24,7 +24,7 @@ from gpumon.errors import ConfigError
 from gpumon.hw import Hardware
 from gpumon.hw.fabricmanager import DEFAULT_LOG_PATH
 from gpumon.hw.inventory import Inventory, PciDevice, collect
-from gpumon.hw.kmsg import KernelRecord
+from gpumon.hw.kmsg_record import KernelRecord
 from gpumon.hw.nvml import GpuInfo
 from gpumon.hw.nvrm import SXidEvent, parse_file
 from gpumon.model import Action, Finding, Severity
@@ -621,7 +621,7 @@ def test_daemon_logs_a_node_change_once(tmp_path: Path) -> None:
 
 
 def parse_sxid(line: str) -> SXidEvent:
-    from gpumon.hw.kmsg import parse_line
+    from gpumon.hw.kmsg_parse import parse_line
     from gpumon.hw.nvrm import NvrmParser
 
     [event] = NvrmParser().feed(parse_line(line))

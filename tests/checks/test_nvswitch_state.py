@@ -23,7 +23,7 @@ from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.fabricmanager import DEFAULT_LOG_PATH
 from gpumon.hw.inventory import Inventory, PciDevice
-from gpumon.hw.kmsg import parse_line
+from gpumon.hw.kmsg_parse import parse_line
 from gpumon.hw.nvrm import NvrmParser, SXidEvent, parse_file
 from gpumon.model import Finding, Severity
 from gpumon.profiles import GENERIC

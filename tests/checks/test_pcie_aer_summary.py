@@ -15,7 +15,7 @@ from conftest import run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory
-from gpumon.hw.kmsg import parse_line
+from gpumon.hw.kmsg_parse import parse_line
 from gpumon.hw.nvml import GpuInfo
 from gpumon.model import Finding, Severity
 from gpumon.profiles import GENERIC

@@ -21,7 +21,8 @@ from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw import pci as pcihw
 from gpumon.hw.inventory import Inventory
-from gpumon.hw.kmsg import KernelRecord, parse_line
+from gpumon.hw.kmsg_parse import parse_line
+from gpumon.hw.kmsg_record import KernelRecord
 from gpumon.hw.nvml import GpuInfo
 from gpumon.profiles import GENERIC
 from gpumon_checks.pcie import AerDelta, AerFold, PcieCheck, _ingest, _ingest_summary

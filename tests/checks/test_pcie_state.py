@@ -23,7 +23,7 @@ from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw import pci as pcihw
 from gpumon.hw.inventory import Inventory
-from gpumon.hw.kmsg import parse_line
+from gpumon.hw.kmsg_parse import parse_line
 from gpumon.hw.nvml import GpuInfo
 from gpumon.model import Finding
 from gpumon.profiles import GENERIC

@@ -14,7 +14,7 @@ from conftest import clean_env, run_gpumon, run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory, PciDevice, UnreadableGpu
-from gpumon.hw.kmsg import parse_line
+from gpumon.hw.kmsg_parse import parse_line
 from gpumon.hw.nvml import GpuInfo
 from gpumon.hw.nvrm import NvrmParser, parse_file
 from gpumon.model import Finding, Severity

@@ -24,7 +24,8 @@ from conftest import run_on_json
 from gpumon.check import CheckContext, KernelLog
 from gpumon.hw import Hardware
 from gpumon.hw.inventory import Inventory, PciDevice
-from gpumon.hw.kmsg import KernelRecord, parse_line
+from gpumon.hw.kmsg_parse import parse_line
+from gpumon.hw.kmsg_record import KernelRecord
 from gpumon.hw.nvml import GpuInfo
 from gpumon.hw.nvrm import FallenOffBus, NvrmEvent, NvrmParser, SXidEvent, XidEvent, canonical_pci
 from gpumon.model import NODE, Finding, Severity

@@ -30,7 +30,7 @@ from gpumon.hw.fabricmanager import (
     older_than_boot,
     parse_header,
 )
-from gpumon.hw.kmsg import MAX_LINE_BYTES
+from gpumon.hw.kmsg_lines import MAX_LINE_BYTES
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "fabricmanager"
 DEC = DATA / "fabricmanager_inband-multicast-team_dec2024.log"

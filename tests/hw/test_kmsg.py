@@ -1,4 +1,5 @@
-"""gpumon.hw.kmsg: wrappers of real captures, and following files and /dev/kmsg-like devices.
+"""gpumon.hw.kmsg_record, kmsg_parse, kmsg_lines, kmsg_follow: wrappers of real captures, and
+following files and /dev/kmsg-like devices.
 
 Inputs are the real captures in tests/data/kmsg-xid (provenance in SOURCES.md
 there); synthetic lines are used only for follower mechanics (append, rotate,
@@ -19,15 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpumon.hw.kmsg import (
-    MAX_LINE_BYTES,
-    KernelLogFollower,
-    KernelRecord,
-    _device_records,
-    _LineBuffer,
-    parse_line,
-    records_from_bytes,
-)
+from gpumon.hw.kmsg_follow import KernelLogFollower, _device_records
+from gpumon.hw.kmsg_lines import MAX_LINE_BYTES, LineBuffer, records_from_bytes
+from gpumon.hw.kmsg_parse import parse_line
+from gpumon.hw.kmsg_record import KernelRecord
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "kmsg-xid"
 CAPTURES = sorted(DATA.glob("*.log"))
@@ -619,7 +615,7 @@ def test_the_lines_and_their_malformed_count_do_not_depend_on_how_the_reads_cut_
     the reads that carry them (the daemon reads a file in 64 KiB slices)."""
     data = (b"[ 1.0] ok\n" + b"\x00" * 150000 + b"[ 2.0] after\n" + b"B" * (MAX_LINE_BYTES + 5000) + b"\n"
             + b"[ 3.0] \xff bad\n" + b"\x00\x00[ 4.0] nul\x00s inside\n" + b"\x00" * 70000)
-    buf = _LineBuffer()
+    buf = LineBuffer()
     lines = [line for i in range(0, len(data), size) for line in buf.feed(data[i:i + size])]
     assert [line[:9] for line in lines] == ["[ 1.0] ok", "[ 2.0] af", "B" * 9, "[ 3.0] \ufffd ", "[ 4.0] nu"]
     assert len(lines[2]) == MAX_LINE_BYTES
@@ -855,20 +851,22 @@ _KMSG_PIECES = st.lists(st.sampled_from([
 def test_the_dev_kmsg_fast_path_parses_as_the_general_path(line: str) -> None:
     """parse_line takes a /dev/kmsg record apart with find/split (the daemon's line after line);
     whatever it accepts is what the wrapper regexes give."""
-    from gpumon.hw.kmsg import _kmsg_record, _parse_wrapped
+    from gpumon.hw.kmsg_parse import _parse_wrapped
+    from gpumon.hw.kmsg_record import parse_kmsg_record
 
     raw = line.rstrip("\r\n")
-    fast = _kmsg_record(raw) if "0" <= raw[:1] <= "9" else None
+    fast = parse_kmsg_record(raw) if "0" <= raw[:1] <= "9" else None
     assert parse_line(line) == (fast if fast is not None else _parse_wrapped(raw, None))
     if fast is not None:
         assert fast == _parse_wrapped(raw, None)
 
 
 def test_every_real_kmsg_record_takes_the_fast_path_to_the_same_record() -> None:
-    from gpumon.hw.kmsg import _kmsg_record, _parse_wrapped
+    from gpumon.hw.kmsg_parse import _parse_wrapped
+    from gpumon.hw.kmsg_record import parse_kmsg_record
 
     raw = [line for line in REAL_LINES if "0" <= line[:1] <= "9"]
-    fast = [(line, _kmsg_record(line)) for line in raw]
+    fast = [(line, parse_kmsg_record(line)) for line in raw]
     assert sum(rec is not None for _, rec in fast) >= 20
     for line, rec in fast:
         if rec is not None:
@@ -914,11 +912,11 @@ def test_a_bounded_follower_reads_a_backlog_in_turns_of_about_a_mib(tmp_path: Pa
     _KMSG_PIECES), min_size=1, max_size=6), st.integers(0, 3))
 def test_a_read_of_kmsg_records_is_built_as_line_by_line(lines: list[str], split: int) -> None:
     """Outside a first read, a list of lines that are all plain /dev/kmsg records is made into
-    records from one block (_kmsg_block); any list gives what the line-by-line path gives,
+    records from one block (parse_kmsg_block); any list gives what the line-by-line path gives,
     continuation lines after it included."""
-    from gpumon.hw.kmsg import _Assembler
+    from gpumon.hw.kmsg_lines import Assembler
 
-    block, by_line = _Assembler(None), _Assembler(None)
+    block, by_line = Assembler(None), Assembler(None)
     got = block.add(lines[:split], initial=False) + block.add(lines[split:], initial=False)
     want = by_line.add(iter(lines[:split]), initial=False) + by_line.add(iter(lines[split:]), initial=False)
     assert got == want
@@ -927,10 +925,10 @@ def test_a_read_of_kmsg_records_is_built_as_line_by_line(lines: list[str], split
 
 
 def test_a_storm_read_takes_the_block_path() -> None:
-    from gpumon.hw.kmsg import _kmsg_block
+    from gpumon.hw.kmsg_record import parse_kmsg_block
 
     lines = [f"4,{i},{i * 50},-;NVRM: Xid (PCI:0000:19:00): 13, pid=1, name=x, e {i % 7}" for i in range(500)]
-    block = _kmsg_block(lines)
+    block = parse_kmsg_block(lines)
     assert block is not None and block == [parse_line(line) for line in lines]
-    assert _kmsg_block([*lines, "   a continuation"]) is None
-    assert _kmsg_block([*lines, "6,1,-5,-;"]) is None  # blank, no kernel time: the per-line path skips it
+    assert parse_kmsg_block([*lines, "   a continuation"]) is None
+    assert parse_kmsg_block([*lines, "6,1,-5,-;"]) is None  # blank, no kernel time: skipped line by line

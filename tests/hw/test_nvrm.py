@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpumon.hw.kmsg import KernelRecord, parse_line
+from gpumon.hw.kmsg_parse import parse_line
+from gpumon.hw.kmsg_record import KernelRecord
 from gpumon.hw.nvrm import (
     FallenOffBus,
     GpuIdentity,

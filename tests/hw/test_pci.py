@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from gpumon.errors import HwFailure, NotSupported
 from gpumon.hw import Hardware
-from gpumon.hw.kmsg import parse_line
+from gpumon.hw.kmsg_parse import parse_line
 from gpumon.hw.pci import (
     AER_FILES,
     AerParseError,
