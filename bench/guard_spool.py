@@ -20,7 +20,7 @@ in a temporary ``--sim-dir``, default configuration) and samples it from /proc (
 4. at the end: the guard faults in health.db per component, its events, the files left in the
    spool and in ``judged/``, and the time a /metrics scrape took;
 5. with the daemon stopped, what one file costs the check in this process (CPU time, the least of
-   five passes over ``--per-file`` files of each kind): reading and judging it (``_load``: open,
+   five passes over ``--per-file`` files of each kind): reading and judging it (``read_verdict``: open,
    read, JSON, the verdict's JSON Schema) and listing it (``os.scandir``, with and without the
    ``lstat`` a new file needs): the figures behind the check's ``max_files`` and ``max_scan``.
 
@@ -293,7 +293,7 @@ def _least_cpu(fn: Callable[[], object], passes: int = 5) -> float:
 
 
 def per_file(directory: Path, n: int, uuids: list[str]) -> None:
-    from gpumon_checks.guard.check import _load
+    from gpumon_checks.guard.spool import read_verdict
 
     kinds: dict[str, list[Path]] = {"bad JSON": [], "foreign JSON": [], "a transient verdict": []}
     directory.mkdir()
@@ -312,7 +312,7 @@ def per_file(directory: Path, n: int, uuids: list[str]) -> None:
     def load_all(paths: list[Path]) -> None:
         for path in paths:
             with contextlib.suppress(vf.VerdictError, OSError):
-                _load(path)
+                read_verdict(path)
 
     def names() -> int:
         with os.scandir(directory) as entries:

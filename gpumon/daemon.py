@@ -141,7 +141,7 @@ class Daemon:
         # a daemon restart must not start a heavy run on GPUs that may be busy
         canaries = agent.selected(Phase.CANARY)
         self._checks = agent.selected(Phase.CONTINUOUS) + canaries
-        # the daemon sets a corrupt health.db aside and starts afresh (gpumon.health.store)
+        # the daemon sets a corrupt health.db aside and starts afresh (gpumon.health.keeper)
         self.health = Health.open(agent.state_dir, boot_id=agent.hw.fs.boot_id(), recover=True)
         self.remediation = RemediationLoop.build(agent.config.remediation, self.health,
                                                  agent.config.node_name, agent.hw.tools, agent.config.layers)

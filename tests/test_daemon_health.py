@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from conftest import clean_env
-from gpumon.health.store import DB_NAME, Health
+from gpumon.health.keeper import Health
+from gpumon.health.store import DB_NAME
 from gpumon.model import Action, Finding, Severity
 
 
@@ -371,7 +372,7 @@ def test_status_on_a_full_disk(tmp_path: Path) -> None:
 
 _WRITER = """
 import sys
-from gpumon.health.store import Health
+from gpumon.health.keeper import Health
 from gpumon.model import Action, Finding, Severity
 h = Health.open(sys.argv[1], boot_id="boot-1")
 h.record_findings("xid", [Finding("xid", "gpu/5", Severity.FAIL, "Xid 48 on gpu/5", Action.RESET_GPU,

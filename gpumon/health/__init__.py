@@ -1,9 +1,11 @@
 """Health state: findings become events, events fold into a reboot-aware state per component and node.
 
 ``state`` is the pure fold (no I/O, no clock); ``store`` keeps the events in
-SQLite and ``Health`` ties the two together for the daemon and the CLI.
+SQLite (``store_file``: the file opened, its errors in words) and ``Health``
+(``keeper``) ties the two together for the daemon and the CLI.
 """
 
+from gpumon.health.keeper import Health
 from gpumon.health.state import (
     Accepted,
     ComponentHealth,
@@ -20,7 +22,8 @@ from gpumon.health.state import (
     Quarantine,
     fold,
 )
-from gpumon.health.store import DB_NAME, EventStore, Health, StoreError, load_view
+from gpumon.health.store import DB_NAME, EventStore, load_view
+from gpumon.health.store_file import StoreError
 
 __all__ = [
     "DB_NAME",

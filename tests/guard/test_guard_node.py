@@ -19,8 +19,8 @@ from nvidia_smi_capture import run_check
 
 from gpumon.guard import identity
 from gpumon.guard import verdict as vf
+from gpumon.health.keeper import Health
 from gpumon.health.state import Level
-from gpumon.health.store import Health
 from gpumon.model import NODE, Action, Finding, Severity
 from gpumon.sdc.confirm import REPRODUCED, ConfirmQueue, Result
 from gpumon.sim.nvml_state import NvmlNodeState

@@ -25,8 +25,8 @@ import pytest
 
 from gpumon.check import CheckContext, KernelLog
 from gpumon.guard import verdict as vf
+from gpumon.health.keeper import Health
 from gpumon.health.state import EventKind, Level
-from gpumon.health.store import Health
 from gpumon.hw.inventory import collect
 from gpumon.model import NODE, Action, Finding, Severity
 from gpumon.profiles import builtin_profiles, select_profile
@@ -34,7 +34,9 @@ from gpumon.sdc.confirm import REPRODUCED, ConfirmQueue, Result
 from gpumon.sim.nvml_state import NvmlNodeState
 from gpumon.sim.simulation import simulated_hardware
 from gpumon_checks.guard import GuardCheck, GuardConfig
+from gpumon_checks.guard import book as guard_book
 from gpumon_checks.guard import check as guard_check
+from gpumon_checks.guard import spool as guard_spool
 
 T = TypeVar("T")
 
@@ -113,8 +115,10 @@ class Daemon:
         """A new daemon process: the state as saved (JSON), a new process token, nothing the old
         process remembered of the spool's files, the health store reopened."""
         self.state = json.loads(json.dumps(self.state))
-        monkeypatch.setattr(guard_check, "_PROCESS", token)
-        guard_check._LEFT.pop(str(self.spool), None)
+        # the token is read where a verdict is booked (book) and where a booked one is carried (check)
+        monkeypatch.setattr(guard_book, "PROCESS", token)
+        monkeypatch.setattr(guard_check, "PROCESS", token)
+        guard_spool.LEFT.pop(str(self.spool), None)
         self.health.close()
         self.health = Health.open(self.db, boot_id="boot-1", clock=lambda: self.now)
 
@@ -152,7 +156,7 @@ def daemon(nvml_state: Path, tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     finally:
         for d in made:
             d.health.close()
-            guard_check._LEFT.pop(str(d.spool), None)
+            guard_spool.LEFT.pop(str(d.spool), None)
         hw.nvml.shutdown()
 
 

@@ -24,8 +24,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpumon.health.keeper import DAY_S, STORE_CHECK, Health
 from gpumon.health.state import Event, EventKind, Level, finding_event
-from gpumon.health.store import DAY_S, DB_NAME, STORE_CHECK, EventStore, Health, StoreError, load_view
+from gpumon.health.store import DB_NAME, EventStore, load_view
+from gpumon.health.store_file import StoreError
 from gpumon.model import NODE, Action, CheckRun, Finding, Severity
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,7 +158,7 @@ def test_status_without_a_store_says_so(tmp_path: Path) -> None:
 
 _WRITER = textwrap.dedent("""
     import sys
-    from gpumon.health.store import Health
+    from gpumon.health.keeper import Health
     from gpumon.model import Action, Finding, Severity
     health = Health.open(sys.argv[1], boot_id="boot-1")
     print("ready", flush=True)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import pytest
 
 from gpumon.export.api import HistoryApi, identity_of
-from gpumon.health.store import Health
+from gpumon.health.keeper import Health
 from gpumon.model import Action, Finding, Severity
 from gpumon.why.collect import Access, NodeEvidence, fetch_node
 from gpumon.why.job import Job
