@@ -103,6 +103,9 @@ _COMPONENT_RE = re.compile(
     r"|pci/[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
     r"|nvswitch/\d+)$"
 )
+# the same as a regular expression both Python and JSON Schema (ECMA-262) read: the query API's
+# OpenAPI document (gpumon.export.openapi) gives it as every component's pattern
+COMPONENT_PATTERN = _COMPONENT_RE.pattern
 
 NODE = "node"
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Collection, Iterable, Sequence
+from importlib import resources
 from typing import IO, Any
 
 from rich.cells import cell_len
@@ -43,6 +45,19 @@ def shown(runs: Sequence[CheckRun], verbose: bool) -> list[Finding]:
             message = first.message if n == 1 else f"{n} components ok"
             out.append(Finding(run.check, first.component if n == 1 else "node", Severity.OK, message))
     return out
+
+
+# The JSON Schema of the report (what json_report returns), shipped as package data
+SCHEMA_PACKAGE = "gpumon.schemas"
+SCHEMA_FILE = "report-v1.schema.json"
+
+
+def schema() -> dict[str, Any]:
+    """The report's JSON Schema (draft 2020-12): every key of :func:`json_report`'s document, of
+    ``gpumon run-bootstrap --json`` and of the daemon's report.json, described."""
+    loaded: dict[str, Any] = json.loads(resources.files(SCHEMA_PACKAGE).joinpath(SCHEMA_FILE)
+                                        .read_text(encoding="utf-8"))
+    return loaded
 
 
 def json_report(runs: Sequence[CheckRun], *, node: str, profile: str, verbose: bool = False,

@@ -20,7 +20,7 @@ from import_graph import AT_IMPORT, LAZY, PACKAGE, TYPE_ONLY, Edge, chain, cycle
 LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("base", "plain data and helpers every layer shares: they touch no machine and know no check",
      ("gpumon", "gpumon.errors", "gpumon.model", "gpumon.atomic", "gpumon.schema", "gpumon.distribution",
-      "gpumon.usage", "gpumon.intake_protocol")),
+      "gpumon.usage", "gpumon.intake_protocol", "gpumon.schemas")),
     ("hw", "the only code that touches the machine",
      ("gpumon.hw", "gpumon.hw.*")),
     ("libraries", "built on the hw layer, knowing no check: the node as handed in, the worker pool, "

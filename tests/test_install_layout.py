@@ -335,6 +335,8 @@ def test_every_package_of_the_checkout_is_in_the_wheel(wheel: Path) -> None:
             if p.is_file() and p.suffix in (".yaml", ".json")}
     assert data and not {f"gpumon_config/{d}" for d in data} - names
     assert "gpumon/sim/nvml_inject/nvml_inject.c" in names and "gpumon/export/nvhcd/nvhcd.proto" in names
+    # the query API's OpenAPI document the daemon serves at /api/v1/openapi.json
+    assert "gpumon/export/openapi-v1.json" in names
     # the verdict schema the node's guard check validates every spool file against
     schemas = {p.relative_to(ROOT).as_posix() for p in (ROOT / "gpumon").rglob("*.schema.json")}
     assert "gpumon/guard/schema/verdict-v1.schema.json" in schemas and not schemas - names

@@ -1,9 +1,11 @@
 """The node's query API: its health history and current findings as JSON, on the exporter's listener.
 
 ``GET /api/v1/events?since=T&until=T&limit=N`` and ``GET /api/v1/findings`` (README, "Query API")
-are what ``gpumon why`` asks every node of a failed job. They are served by the same server as
-``/metrics``, behind the same TLS and basic auth (``exporter.web_config_file``): who may scrape
-may read the history, nobody else.
+are what ``gpumon why`` asks every node of a failed job; ``GET /api/v1/openapi.json`` is the API's
+own OpenAPI 3.1 document, the package's ``openapi-v1.json`` as shipped (built by
+gpumon.export.openapi from this module and the types it answers with). They are served by the same
+server as ``/metrics``, behind the same TLS and basic auth (``exporter.web_config_file``): who may
+scrape may read the history, nobody else.
 
 Read-only and bounded:
 
@@ -28,6 +30,7 @@ Events older than the store's retention are folded into its snapshot (gpumon.hea
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import socket
@@ -35,6 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -50,6 +54,14 @@ DEFAULT_WINDOW_S = 86400.0
 MAX_LIMIT = 10_000
 DEFAULT_LIMIT = 1_000
 _EVENT_PARAMS = frozenset({"since", "until", "limit"})
+EVENTS_PATH = "/api/v1/events"
+FINDINGS_PATH = "/api/v1/findings"
+OPENAPI_PATH = "/api/v1/openapi.json"
+# every path the API answers (anything else under /api/ is a 404): the OpenAPI document describes
+# these, and tests/export/test_openapi.py holds the two to each other
+PATHS = (EVENTS_PATH, FINDINGS_PATH, OPENAPI_PATH)
+# the OpenAPI document, package data beside this module (pyproject's package-data)
+OPENAPI_FILE = "openapi-v1.json"
 
 
 class BadRequest(ValueError):
@@ -169,16 +181,17 @@ class HistoryApi:
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         try:
-            if path == "/api/v1/events":
+            if path == EVENTS_PATH:
                 doc = self._events(environ.get("QUERY_STRING", ""))
-            elif path == "/api/v1/findings":
+            elif path in PATHS:
                 if environ.get("QUERY_STRING"):
-                    raise BadRequest(None, "/api/v1/findings takes no parameters")
+                    raise BadRequest(None, f"{path} takes no parameters")
+                if path == OPENAPI_PATH:
+                    return _answer(start_response, "200 OK", openapi_document())
                 doc = self._current()
             else:
                 return _json(start_response, "404 Not Found",
-                             {"error": f"no such API path {path!r} (known: /api/v1/events, "
-                                       "/api/v1/findings)"})
+                             {"error": f"no such API path {path!r} (known: {', '.join(PATHS)})"})
         except BadRequest as exc:
             return _json(start_response, "400 Bad Request", {"error": str(exc), "parameter": exc.parameter})
         except StoreError as exc:
@@ -227,10 +240,20 @@ class HistoryApi:
 
 
 def _json(start_response: Callable[..., Any], status: str, doc: Mapping[str, Any]) -> list[bytes]:
-    body = (json.dumps(doc, separators=(",", ":"), default=str, allow_nan=False) + "\n").encode()
+    return _answer(start_response, status,
+                   (json.dumps(doc, separators=(",", ":"), default=str, allow_nan=False) + "\n").encode())
+
+
+def _answer(start_response: Callable[..., Any], status: str, body: bytes) -> list[bytes]:
     start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
                             ("Cache-Control", "no-store")])
     return [body]
+
+
+@functools.cache
+def openapi_document() -> bytes:
+    """The API's OpenAPI document as the package ships it (``OPENAPI_FILE``), read once."""
+    return (files("gpumon.export") / OPENAPI_FILE).read_bytes()
 
 
 def identity_of(node: str, boot_id: str | None, boot_time: float | None,

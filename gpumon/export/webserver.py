@@ -186,7 +186,8 @@ class Routes:
         self.api = api
         self.landing = _LANDING.replace(b"%API%\n", b"" if api is None else (
             b'<p>Query API (JSON): <a href="api/v1/findings">api/v1/findings</a>, '
-            b'<a href="api/v1/events">api/v1/events</a></p>\n'))
+            b'<a href="api/v1/events">api/v1/events</a>; its OpenAPI document: '
+            b'<a href="api/v1/openapi.json">api/v1/openapi.json</a></p>\n'))
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
