@@ -20,7 +20,7 @@ from gpumon.model import is_component
 
 @dataclass
 class OpenEvent:
-    """The SXid event whose lines are still arriving (see check._add_sxid_line)."""
+    """The SXid event whose lines are still arriving (see sxid._add_sxid_line)."""
 
     t: float
     headed: bool  # its Fatal/Non-fatal line was seen
@@ -52,7 +52,7 @@ class SxidGroup:
 
 @dataclass
 class SxidMark:
-    """The last kernel record folded this boot (check._Watermark): /dev/kmsg sequence number,
+    """The last kernel record folded this boot (sxid._Watermark): /dev/kmsg sequence number,
     kernel uptime in microseconds."""
 
     seq: int | None

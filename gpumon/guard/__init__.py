@@ -1,9 +1,9 @@
 """gpumon.guard: SDC checks inside a PyTorch DDP training job.
 
-Importing this package imports no torch: ``Guard``, ``GuardAlarm`` and ``GuardError`` load
-``gpumon.guard.core`` (and torch) on first use. Verdicts go to the node's daemon over its intake
-socket (``gpumon.guard.handover``: the daemon attests the sender by its GPU), else as files in the
-spool (``gpumon.guard.verdict``); the ``guard`` check turns them into findings.
+Importing this package imports no torch: ``Guard`` loads ``gpumon.guard.core`` (``GuardAlarm`` and
+``GuardError``: ``gpumon.guard.alarm``), and torch, on first use. Verdicts go to the node's daemon
+over its intake socket (``gpumon.guard.handover``: the daemon attests the sender by its GPU), else as
+files in the spool (``gpumon.guard.verdict``); the ``guard`` check turns them into findings.
 
     from gpumon.guard import Guard, GuardAlarm
     guard = Guard(ddp_model, optimizer, weight_check_every=100)
@@ -31,14 +31,18 @@ from gpumon.guard.verdict import (
 )
 
 if TYPE_CHECKING:
+    from gpumon.guard.alarm import GuardAlarm, GuardError
     from gpumon.guard.audit import AuditError, deterministic, step_seed
     from gpumon.guard.checkpoint import save_checkpoint, weights_fingerprint
-    from gpumon.guard.core import Guard, GuardAlarm, GuardError, WeightReport
+    from gpumon.guard.core import Guard
     from gpumon.guard.sharded import ShardedGuard, ShardedWeightReport
+    from gpumon.guard.weights import WeightReport
 
 # each name -> the module that holds it (every one imports torch, so none is loaded before use)
 _LAZY = {
-    **dict.fromkeys(("Guard", "GuardAlarm", "GuardError", "WeightReport"), "core"),
+    "Guard": "core",
+    **dict.fromkeys(("GuardAlarm", "GuardError"), "alarm"),
+    "WeightReport": "weights",
     **dict.fromkeys(("AuditError", "deterministic", "step_seed"), "audit"),
     **dict.fromkeys(("save_checkpoint", "weights_fingerprint"), "checkpoint"),
     **dict.fromkeys(("ShardedGuard", "ShardedWeightReport"), "sharded"),

@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 from gpumon.guard import attestation as at
-from gpumon.guard.core import Guard, GuardAlarm, WeightReport
+from gpumon.guard.alarm import GuardAlarm
+from gpumon.guard.core import Guard
 from gpumon.guard.verdict import job_id
+from gpumon.guard.weights import WeightReport
 from gpumon.sdc.fingerprint import fingerprint, fingerprint_tensor
 
 log = logging.getLogger("gpumon.guard")

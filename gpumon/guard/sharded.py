@@ -41,9 +41,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from gpumon.guard.core import GuardAlarm, GuardBase, GuardError, fingerprint_hex, first_difference, nonfinite
+from gpumon.guard.alarm import GuardAlarm, GuardError
+from gpumon.guard.base import GuardBase
+from gpumon.guard.hook import nonfinite
 from gpumon.guard.identity import identify
 from gpumon.guard.verdict import Identity, Verdict
+from gpumon.guard.weights import fingerprint_hex, first_difference
 from gpumon.sdc.fingerprint import fingerprint_tensor
 
 log = logging.getLogger("gpumon.guard")

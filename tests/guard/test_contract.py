@@ -71,7 +71,8 @@ _PLACE = {"replica": 1, "shard": 0, "replicas": 3, "shards": 2,
 _KEPT = {"bundle": "/var/lib/gpumon/guard/bundles/x", "bundle_kind": "replay",
          "bundle_replay": "gpumon canary replay /var/lib/gpumon/guard/bundles/x", "bundle_micro_batch_of": 2,
          "bundle_seed": 77}
-# evidence as the guard writes it for each check (core.py, sharded.py, audit.py, pace.py, keep.py)
+# evidence as the guard writes it for each check (step_verdict.py, weights.py, stragglers.py, sharded.py,
+# audit.py, pace.py, keep.py)
 EVIDENCE_OF = {
     "nonfinite_grad": {
         "ranks_nonfinite_local": [2], "ranks_nonfinite_reduced": [0, 1, 2], "parameters": ["0.weight"],
