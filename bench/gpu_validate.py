@@ -77,7 +77,7 @@ def bootstrap(args: argparse.Namespace) -> int:
     print(f"suite: {doc.get('status')} (exit {proc.returncode}) in {wall:.1f} s "
           f"({'within' if wall <= BUDGET_S else 'OVER'} the {BUDGET_S:.0f} s budget); "
           f"order: {', '.join(boot.get('order', []))}")
-    # the plan (each check's cost, README "Bootstrap suite") next to what it took here
+    # the plan (each check's cost, docs/operators/bootstrap.md) next to what it took here
     planned = {c["check"]: c.get("expected_s") for c in boot.get("checks", [])}
     print("\nper check (seconds measured / planned, outcome):")
     for run in doc.get("checks", []):

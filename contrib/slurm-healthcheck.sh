@@ -1,5 +1,5 @@
 #!/bin/sh
-# gpumon as a Slurm HealthCheckProgram (docs/slurm-healthcheck.md).
+# gpumon as a Slurm HealthCheckProgram (docs/operators/slurm-healthcheck.md).
 #
 # Slurm ignores a health check's exit code: the program must drain the node
 # itself. This wrapper runs `gpumon check --json` and acts on its exit code
@@ -20,7 +20,7 @@
 # Settings (environment, or the file named by GPUMON_HC_DEFAULTS, default
 # /etc/default/gpumon-healthcheck, since slurmd passes no environment):
 #   GPUMON                    gpumon command (default: gpumon on PATH, else
-#                             /opt/gpumon/bin/gpumon, the venv the README installs)
+#                             /opt/gpumon/bin/gpumon, the venv of docs/operators/install.md)
 #   GPUMON_ARGS               extra arguments for `gpumon check`, e.g. "--config /etc/gpumon/gpumon.yaml"
 #   GPUMON_HC_TIMEOUT         seconds for gpumon check (default 40; slurmd kills us at 60)
 #   GPUMON_HC_DRAIN_ON_ERROR  1: drain when gpumon cannot run (default 0)
@@ -40,7 +40,8 @@ if [ -r "$defaults" ]; then
     . "$defaults"
 fi
 
-# The README's layout is a venv at /opt/gpumon; the /usr/local/bin link to it is optional.
+# The documented layout (docs/operators/install.md) is a venv at /opt/gpumon; the /usr/local/bin
+# link to it is optional.
 if [ -z "${GPUMON:-}" ]; then
     if command -v gpumon >/dev/null 2>&1; then GPUMON=gpumon; else GPUMON=/opt/gpumon/bin/gpumon; fi
 fi

@@ -138,8 +138,9 @@ class RemediationSettings:
 @dataclass(frozen=True)
 class BootstrapSettings:
     """What the bootstrap suite cannot pass without, on top of the profile's ``bootstrap.required``
-    (README, "What the suite requires"). A required check that cannot run here (torch missing,
-    perftest or DCGM not installed, a site check not installed) leaves the suite INCOMPLETE (exit 3):
+    (docs/operators/bootstrap.md, "What the suite requires"). A required check that cannot run here
+    (torch missing, perftest or DCGM not installed, a site check not installed) leaves the suite
+    INCOMPLETE (exit 3):
     the unit that gates kubelet and slurmd keeps the node out, and no fault is cleared."""
 
     required: list[str] = field(default_factory=list, metadata={

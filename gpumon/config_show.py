@@ -24,7 +24,7 @@ HEADER = """\
 # A site file (/etc/gpumon/gpumon.yaml or --config FILE) sets any of these keys; an unknown key, a
 # wrong type or a value out of bounds stops gpumon naming the file, the line and the key. Layers,
 # later wins: declared defaults, the SKU profile (the check options it tunes), the site file,
-# command-line flags. README, "Configuration".
+# command-line flags. docs/operators/configuration.md.
 """
 
 

@@ -60,7 +60,7 @@ class MemorySpec:
 @dataclass(frozen=True)
 class BootstrapSpec:
     # the bootstrap checks a node of this SKU must have run to pass the suite (a list of names,
-    # not a number: its reasons are in the profile's comments and the README's table)
+    # not a number: its reasons are in the profile's comments and docs/operators/configuration.md)
     required: list[str] = field(default_factory=list)
 
 

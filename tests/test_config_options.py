@@ -203,11 +203,14 @@ def test_gpumon_config_refuses_a_bad_site_file_like_every_command(tmp_path: Path
     assert proc.returncode == 3 and f"{site}:2: daemon.jitter: must be <= 0.5" in proc.stderr
 
 
-# ------------------------------------------------------------------------- the README's table
+# ------------------------------------------------ the options table of docs/operators/configuration.md
 
-def _readme_rows() -> Iterator[tuple[list[str], list[str]]]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+CONFIG_PAGE = REPO / "docs" / "operators" / "configuration.md"
+
+
+def _page_rows() -> Iterator[tuple[list[str], list[str]]]:
+    text = CONFIG_PAGE.read_text()
+    section = text.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 3 or not cells[0].startswith("`"):
@@ -227,15 +230,15 @@ def _lookup(data: Any, dotted: str) -> tuple[bool, Any]:
     return True, data
 
 
-def test_the_readme_configuration_table_names_declared_options_with_their_defaults() -> None:
+def test_the_configuration_page_table_names_declared_options_with_their_defaults() -> None:
     printed = yaml.safe_load(run_gpumon("config", "--defaults").stdout)
     compared = 0
-    for keys, defaults in _readme_rows():
+    for keys, defaults in _page_rows():
         for i, key in enumerate(keys):
             if "<" in key or "…" in key:  # a pattern (checks.<name>.enabled, <counter>_warn_per_s), "…"
                 continue
             found, value = _lookup(printed, key)
-            assert found, f"README names {key}, which is not an option"
+            assert found, f"{CONFIG_PAGE.name} names {key}, which is not an option"
             if len(defaults) != len(keys):
                 continue
             cell = defaults[i]

@@ -1,5 +1,6 @@
-"""The first hour of a new operator (issue 12): README's commands run as a newcomer runs them, the real
-CLI in a subprocess on simulated nodes.
+"""The first hour of a new operator (issue 12): the quick start's commands (README.md's "Quick start",
+walked through in docs/quickstart.md) run as a newcomer runs them, the real CLI in a subprocess on
+simulated nodes.
 
 - ``gpumon check --simulate S`` shows every fault of the scenario, also one that is over by the end
   (an IB port down for 9 s and back);

@@ -1,4 +1,4 @@
-"""The install the README documents ("Install"), done for real on a root tree.
+"""The install docs/operators/install.md documents, done for real on a root tree.
 
 The wheel is built from this checkout (offline: no index, no build isolation) and its metadata read
 as pip reads it: the distribution is ``gpumon-node`` (``gpumon`` on the package index is someone
@@ -143,7 +143,7 @@ def _site(venv: Path) -> Path:
 
 
 def _venv(venv: Path, wheel: Path) -> Path:
-    """The README's venv with the wheel in it (offline: the dependencies lent by a .pth line naming
+    """The documented venv with the wheel in it (offline: the dependencies lent by a .pth line naming
     the test interpreter's site-packages, after the venv's own)."""
     proc = _run(sys.executable, "-m", "venv", venv)
     assert proc.returncode == 0, proc.stderr
@@ -192,7 +192,7 @@ def test_the_wheel_is_gpumon_node_with_the_gpumon_command(wheel: Path) -> None:
 
 def _host_tree(root: Path) -> Path:
     """A fresh host for ``systemd-analyze --root``: the host's own unit directory (sysinit.target &
-    co.), gpumon's units copied where the README copies them, and nothing of gpumon else."""
+    co.), gpumon's units copied where the install page copies them, and nothing of gpumon else."""
     need_tool("systemd-analyze", "systemd")
     unit_dir = next((d for d in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
                      if (d / "sysinit.target").exists()), None)
@@ -211,14 +211,14 @@ def _verify(root: Path) -> subprocess.CompletedProcess[str]:
     return _run(need_tool("systemd-analyze", "systemd"), "verify", f"--root={root}", *UNITS)
 
 
-def test_readme_install_commands_are_the_ones_tested() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_documented_install_commands_are_the_ones_tested() -> None:
+    page = (ROOT / "docs" / "operators" / "install.md").read_text()
     for line in ("python3 -m venv /opt/gpumon",
                  "/opt/gpumon/bin/pip install ./dist/gpumon_node-*.whl",
                  "ln -s /opt/gpumon/bin/gpumon /usr/local/bin/gpumon",
                  "install -m 0644 systemd/gpumon.service systemd/gpumon-bootstrap.service "
                  "/etc/systemd/system/"):
-        assert line in readme, line
+        assert line in page, line
 
 
 def test_units_verify_on_the_documented_layout_and_not_without_it(wheel: Path, tmp_path: Path) -> None:
@@ -228,7 +228,7 @@ def test_units_verify_on_the_documented_layout_and_not_without_it(wheel: Path, t
     for name in UNITS:
         assert f"{name}: Command /opt/gpumon/bin/gpumon is not executable" in before.stderr, before.stderr
 
-    # the README's commands, under the root tree (and offline: --no-index, dependencies below)
+    # the install page's commands, under the root tree (and offline: --no-index, dependencies below)
     venv = _venv(root / VENV, wheel)
     (root / "usr" / "local" / "bin").mkdir(parents=True)
     (root / "usr" / "local" / "bin" / "gpumon").symlink_to("/opt/gpumon/bin/gpumon")

@@ -1,5 +1,6 @@
-"""The shape of the code stays what README's Layout says: the simulator out of the production path,
-a framework that knows no individual check, and a layout section that names what the tree holds."""
+"""The shape of the code stays what docs/extending/architecture.md says: the simulator out of the
+production path, a framework that knows no individual check, and a module map that names what the tree
+holds."""
 
 from __future__ import annotations
 
@@ -59,15 +60,24 @@ def test_protocol_members_are_not_looked_up_by_name() -> None:
     assert not found, "\n".join(found)
 
 
+# the architecture page's module map: the first fenced block (a plain ``` fence) under its heading
+ARCHITECTURE = ROOT / "docs" / "extending" / "architecture.md"
+MODULE_MAP = "## Module map\n"
+
+
 def _layout() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## Layout\n")
-    block = re.search(r"```\n(.*?)```", text[start:], re.S)
-    assert block is not None, "README's Layout section has no code block"
-    return block.group(1)
+    text = ARCHITECTURE.read_text()
+    assert MODULE_MAP in text, f"{ARCHITECTURE.relative_to(ROOT)} has no {MODULE_MAP.strip()!r} section"
+    section = text[text.index(MODULE_MAP) + len(MODULE_MAP):]
+    section = section[:m.start()] if (m := re.search(r"^## ", section, re.M)) else section
+    # its first fence opens the map (a plain one: not the diagram's ```mermaid), and the next closes it
+    block = re.search(r"^(```[^\n]*)\n(.*?)^```$", section, re.S | re.M)
+    assert block is not None and block.group(1) == "```", \
+        "the architecture page's Module map section does not open with a plain ``` block"
+    return block.group(2)
 
 
-def test_readme_layout_names_every_module_and_check() -> None:
+def test_the_module_map_names_every_module_and_check() -> None:
     words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", _layout()))
     missing = []
     for path in _sources("gpumon"):
@@ -84,10 +94,10 @@ def test_readme_layout_names_every_module_and_check() -> None:
         if entry.is_dir():
             missing += [str(p.relative_to(ROOT)) for p in entry.glob("*.py")
                         if p.name != "__init__.py" and p.stem not in words]
-    assert not missing, "README Layout does not name: " + ", ".join(missing)
+    assert not missing, "the architecture page's module map does not name: " + ", ".join(missing)
 
 
-def test_readme_layout_names_nothing_that_is_gone() -> None:
+def test_the_module_map_names_nothing_that_is_gone() -> None:
     tree = [p for top in ("gpumon", "checks", "config", "tools", "deploy") for p in (ROOT / top).rglob("*")
             if "__pycache__" not in p.parts]
     names = {p.name for p in tree} | {p.name for p in ROOT.iterdir()}
@@ -96,7 +106,7 @@ def test_readme_layout_names_nothing_that_is_gone() -> None:
     for pkg in re.findall(r"^  ([a-z_]+)/", _layout(), re.M):
         if not (ROOT / "checks" / pkg / "__init__.py").exists():
             gone.append(f"checks/{pkg}/")
-    assert not gone, "README Layout names what the tree does not hold: " + ", ".join(gone)
+    assert not gone, "the architecture page's module map names what the tree lacks: " + ", ".join(gone)
 
 
 def test_optional_members_are_not_discovered_at_run_time() -> None:

@@ -1,5 +1,5 @@
-"""README's "Writing a check" example runs as written: loaded from the README itself, configured
-through the real config loader, run by the real runner on a host-root tree."""
+"""The "Writing a check" page's example runs as written: loaded from docs/extending/writing-a-check.md
+itself, configured through the real config loader, run by the real runner on a host-root tree."""
 
 from __future__ import annotations
 
@@ -21,17 +21,17 @@ from gpumon.model import Action, Severity
 from gpumon.profiles import GENERIC
 from gpumon.runner import Runner
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending" / "writing-a-check.md"
 
 
 def _example() -> type[Check]:
-    text = README.read_text()
-    section = text[text.index("## Writing a check\n"):]
+    text = PAGE.read_text()
+    section = text[text.index("# Writing a check\n"):]
     code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None, "README's Writing a check section has no python example"
+    assert code is not None, "the Writing a check page has no python example"
     module = types.ModuleType("readme_fans")
     sys.modules[module.__name__] = module  # dataclasses look their module up while building
-    exec(compile(code.group(1), str(README), "exec"), module.__dict__)
+    exec(compile(code.group(1), str(PAGE), "exec"), module.__dict__)
     cls = module.__dict__["FanCheck"]
     assert isinstance(cls, type) and issubclass(cls, Check)
     return cls

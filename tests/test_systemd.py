@@ -5,9 +5,9 @@ warns), so any line on stderr is a failure; it also needs the ExecStart binary
 to exist, hence a root tree with the units, a stub ``/opt/gpumon/bin/gpumon``
 and a copy of the host's own unit directory (sysinit.target & co., which every
 service depends on by default); tests/test_install_layout.py verifies them
-against the real venv the README installs instead of the stub.
+against the real venv of docs/operators/install.md instead of the stub.
 ``systemd-analyze security --offline=yes`` scores the daemon's sandbox; the
-score is reported in the README.
+score is reported in docs/operators/deploy.md ("systemd").
 
 What this does not prove: that the sandbox lets gpumon work on a real GPU node
 (NVML through /dev/nvidia*, /dev/kmsg with CAP_SYSLOG only); no systemd runs

@@ -59,6 +59,7 @@ SCHEMAS = {  # the file in docs/reference/ -> the package file it is a copy of
     "report-v1.schema.json": ROOT / "gpumon" / "schemas" / "report-v1.schema.json",
     "verdict-v1.schema.json": ROOT / "gpumon" / "guard" / "schema" / "verdict-v1.schema.json",
 }
+OPENAPI = ("openapi-v1.json", ROOT / "gpumon" / "export" / "openapi-v1.json")
 _USAGE_WIDTH = 100
 
 
@@ -910,6 +911,51 @@ def schemas_page(schemas: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _resolved(doc: Mapping[str, Any], node: Any) -> Any:
+    """``node`` with a top-level ``$ref`` (``#/components/...``) followed."""
+    while isinstance(node, Mapping) and "$ref" in node:
+        target: Any = doc
+        for part in str(node["$ref"]).lstrip("#/").split("/"):
+            target = target[part]
+        node = target
+    return node
+
+
+def openapi_page(doc: Mapping[str, Any]) -> str:
+    """The Query API's operations, from the OpenAPI document the daemon serves."""
+    info = doc.get("info", {})
+    out = [
+        "# Query API (OpenAPI)",
+        "",
+        _note("the OpenAPI document gpumon ships (gpumon/export/openapi-v1.json)"),
+        "",
+        f"{md(str(info.get('title', '')))}, version {code(str(info.get('version', '')))}: the daemon serves "
+        "this document at `/api/v1/openapi.json`, behind the same TLS and basic auth as the rest of the "
+        f"API. The whole document: [{OPENAPI[0]}]({OPENAPI[0]}) "
+        f"(OpenAPI {code(str(doc.get('openapi', '')))}). "
+        "How the API is used: [Query API](../postmortem/query-api.md).",
+    ]
+    for path, item in doc.get("paths", {}).items():
+        for method, op in item.items():
+            if method not in ("get", "head", "post", "put", "delete") or not isinstance(op, Mapping):
+                continue
+            out += ["", f"## {method.upper()} `{path}`", "", md(str(op.get("summary", ""))), ""]
+            params = [_resolved(doc, p) for p in op.get("parameters", [])]
+            if params:
+                rows = []
+                for prm in params:
+                    schema = _resolved(doc, prm.get("schema", {}))
+                    kind = schema.get("type", "") if isinstance(schema, Mapping) else ""
+                    meaning = md(first_paragraph(str(prm.get("description", ""))))
+                    rows.append((code(str(prm.get("name", ""))), md(str(prm.get("in", ""))),
+                                 code(str(kind)) if kind else "", meaning))
+                out += [*table(("parameter", "in", "type", "meaning"), rows), ""]
+            rows = [(code(str(status)), md(first_paragraph(str(_resolved(doc, r).get("description", "")))))
+                    for status, r in op.get("responses", {}).items()]
+            out += table(("status", "answer"), rows)
+    return "\n".join(out) + "\n"
+
+
 # --------------------------------------------------------------------------- all of it
 
 
@@ -921,12 +967,15 @@ def generate() -> dict[str, str]:
     checks = builtin_checks()
     texts = {file: path.read_text(encoding="utf-8") for file, path in SCHEMAS.items()}
     schemas = {file: json.loads(text) for file, text in texts.items()}
+    texts[OPENAPI[0]] = OPENAPI[1].read_text(encoding="utf-8")
+    openapi = json.loads(texts[OPENAPI[0]])
     pages: dict[str, Callable[[], str]] = {
         "checks.md": lambda: checks_page(checks),
         "metrics.md": lambda: metrics_page(checks),
         "configuration.md": lambda: configuration_page(checks),
         "cli.md": cli_page,
         "schemas.md": lambda: schemas_page(schemas),
+        "openapi.md": lambda: openapi_page(openapi),
     }
     out = {name: re.sub(r"\n{3,}", "\n\n", render()) for name, render in pages.items()}
     out.update(texts)

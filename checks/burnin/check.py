@@ -88,7 +88,7 @@ class BurninConfig:
     duration_s: float = field(default=15.0, metadata={
         "min": 0.05, "max": 3600,
         "source": "argued: 3 dtypes x 15 s = 45 s of the 5-minute bootstrap budget (issue 5; the suite's "
-                  "default costs add up to 293 s, README 'Bootstrap suite'); bf16 first draws full power "
+                  "default costs add up to 293 s, docs/operators/bootstrap.md); bf16 first draws full power "
                   "and brings clocks to their loaded state within seconds. A longer soak belongs to "
                   "acceptance testing, not to every admission"})
     straggler_share: float = field(default=0.9, metadata={"min": 0.0, "max": 1.0, "source": _SHARE_NOTE})
@@ -98,7 +98,7 @@ class BurninConfig:
         "min": 0.0, "max": 1.0,
         "source": "argued from the issue's bf16 measurement: 769-798 of 989 TFLOP/s = 78-81 % of the "
                   "datasheet peak on a healthy H200; 65 % leaves 13 points of headroom. Not measured for "
-                  "the other dtypes (see README: bootstrap checks)"})
+                  "the other dtypes (see docs/operators/bootstrap.md)"})
     memory_bandwidth_gbps: float | None = field(default=None, metadata={"min": 0})
     memory_share: float = field(default=0.7, metadata={
         "min": 0.0, "max": 1.0,

@@ -1,6 +1,6 @@
 """The node's query API: its health history and current findings as JSON, on the exporter's listener.
 
-``GET /api/v1/events?since=T&until=T&limit=N`` and ``GET /api/v1/findings`` (README, "Query API")
+``GET /api/v1/events?since=T&until=T&limit=N`` and ``GET /api/v1/findings`` (docs/postmortem/query-api.md)
 are what ``gpumon why`` asks every node of a failed job; ``GET /api/v1/openapi.json`` is the API's
 own OpenAPI 3.1 document, the package's ``openapi-v1.json`` as shipped (built by
 gpumon.export.openapi from this module and the types it answers with). They are served by the same

@@ -111,7 +111,7 @@ def detect(env: Mapping[str, str], *, port: int | None = None, master_addr: str 
         return _checked(Launch("kubernetes", _int(env, "JOB_COMPLETION_INDEX"),
                                _int(env, "GPUMON_FABRIC_WORLD_SIZE"), 0, 1, addr, _port(env, port)))
     raise StartupError("not started by a launcher: run one gpumon probe-fabric per rank under torchrun, "
-                       "srun, mpirun or a Kubernetes Indexed Job (README, 'Fabric probe')")
+                       "srun, mpirun or a Kubernetes Indexed Job (docs/operators/fabric-probe-launch.md)")
 
 
 def _slurm(env: Mapping[str, str], port: int | None, master_addr: str | None,

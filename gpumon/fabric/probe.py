@@ -322,7 +322,7 @@ class RankRun:
         if self.rank == 0:
             store.wait([f"rank/{r}" for r in range(self.world)], self.remaining())
             table = {str(r): store.get(f"rank/{r}") for r in range(self.world)}
-            # a new seed each run unless one is asked for: another pairing every run (README)
+            # a new seed each run unless one is asked for: other data patterns every run
             chosen = self.s.seed if self.s.seed is not None else s.seed
             self.seed = chosen if chosen is not None else int.from_bytes(os.urandom(4), "big") >> 1
             store.set("seed", self.seed)

@@ -40,7 +40,8 @@ measured (since the rotation began, if none did). A small group's cycle is one r
 
 A node keeps one rotation (``<state_dir>/fabric/rotation.json``, written by the probe): a node probed
 in two different groups by turns carries each group's rotation into the other, which then looks like
-nodes coming and going. Probe fixed groups (one per leaf switch, README "At fleet scale").
+nodes coming and going. Probe fixed groups (one per leaf switch: docs/operators/fabric-probe.md,
+"At fleet scale").
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ class FabricConfig:
     coverage_rounds: int = field(default=15, metadata={
         "min": 1,
         "source": "argued from the cost of a pair round: on GPUs about 1.7 s of transfers (8 B, 1 and 2 GiB "
-                  "at 46 GB/s per rail, 25 calls each: README 'Budget'), so 15 rounds are ~26 s, under a "
+                  "at 46 GB/s per rail, 25 calls each: docs/operators/fabric-probe.md, 'Budget'), so 15 "
+                  "rounds are ~26 s, under a "
                   "tenth of deadline_s (300 s) next to the sweep; measured on CPU (gloo, 2-core VM, "
                   "2026-12-07, the report's coverage.seconds): 0.10-0.13 s a round with 4 test hosts, 0.15 s "
                   "with 8, 0.41 s with 16 (the whole 15-round tournament 6.2 s). 15 rounds "

@@ -71,8 +71,10 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
 
     - non-finite gradients: a comm hook flags NaN/Inf in each bucket's local gradients before the
       all-reduce and in the reduced ones after it (one 0-d flag per bucket, on the device, no host
-      sync); ``before_step`` all-reduces the flags of every rank once (a tiny int tensor on the
-      guard's own gloo group) and, on a hit, skips the update on every rank;
+      sync); every rank's local flag travels in DDP's last gradient bucket, so ``before_step`` reads
+      the same list on every rank with no collective of its own (with a ``comm_hook=`` of the
+      user's, the flags are all-reduced once, a tiny int tensor on the guard's own gloo group), and,
+      on a hit, skips the update on every rank;
     - weight fingerprints: every ``weight_check_every`` steps (and on demand, ``check_weights``,
       e.g. before a checkpoint save) the 128-bit fingerprint of every parameter, all-gathered (only
       fingerprints travel); a strict majority of >= 3 replicas names the one that differs.

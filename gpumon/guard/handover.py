@@ -130,6 +130,7 @@ def hand_over(v: Verdict, spool_dir: str | Path | None, files: list[Path]) -> No
                   v.subject.rank, why, v.check, type(exc).__name__, exc)
         return
     files.append(path)
-    # the line's start is what the README promises ("verdict written for this node's daemon: PATH")
+    # the line's start is what docs/guard/contract.md promises
+    # ("verdict written for this node's daemon: PATH")
     log.warning("gpumon.guard: rank %d: verdict written for this node's daemon: %s (to the spool: %s)",
                 v.subject.rank, path, why)

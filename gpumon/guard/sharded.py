@@ -1,6 +1,6 @@
 """The guard under FSDP and HSDP (imports torch; ``gpumon.guard`` loads it on first use).
 
-What applies when the weights are sharded (the README's table says the same, per strategy):
+What applies when the weights are sharded (docs/guard/fsdp.md's table says the same, per strategy):
 
 - **check 3, weights**: under HSDP (FSDP1 ``ShardingStrategy.HYBRID_SHARD``, FSDP2 ``fully_shard``
   on a 2-D ``(replicate, shard)`` mesh) every replica group holds the same shards: rank (replica i,

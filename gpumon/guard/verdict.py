@@ -134,7 +134,7 @@ class Identity:
 @dataclass(frozen=True)
 class Verdict:
     """One verdict: the file's fields but ``format`` and ``version`` (``to_json`` adds them). Each
-    field is described in the schema (``schema()``) and the README's "The guard's contract"."""
+    field is described in the schema (``schema()``) and docs/guard/contract.md."""
 
     check: str
     fault: str

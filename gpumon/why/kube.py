@@ -46,7 +46,7 @@ JOB_LABELS = ("batch.kubernetes.io/job-name", "job-name")
 PYTORCHJOB_LABELS = ("training.kubeflow.org/job-name", "pytorch-job-name")
 PYTORCHJOB = ("kubeflow.org", "v1", "pytorchjobs")
 _RBAC_HINT = ("gpumon why needs get on {what} and list on pods in namespace {ns} "
-              "(README, \"gpumon why\": Kubernetes)")
+              "(docs/postmortem/why.md: Kubernetes)")
 _NO_ROUTE = "the server could not find the requested resource"  # the apiserver's 404 for an unknown kind
 _DONE_PHASES = frozenset({"Succeeded", "Failed"})
 

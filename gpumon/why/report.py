@@ -1,6 +1,6 @@
 """The verdict for people (a table) and for programs (``--json``, schema ``gpumon.why/v1``).
 
-JSON (a contract once documented in the README, "gpumon why"): ``schema``, ``verdict``
+JSON (a contract documented in docs/postmortem/why.md): ``schema``, ``verdict``
 (``infrastructure`` | ``no_infrastructure_evidence`` | ``inconclusive`` | ``cannot_answer``),
 ``exit_code``, ``job``, ``failure_time``, ``expected_cause_time``, ``watchdog_timeout_s`` and its
 ``watchdog_source``, ``nccl`` (the IB retry window used), ``suspects`` (ranked, best first),

@@ -105,8 +105,9 @@ def test_each_fault_fails_with_its_component_and_action(tmp_path: Path) -> None:
 
 def test_the_default_suite_is_planned_to_fit_five_minutes_on_a_gpu_node() -> None:
     """Issue 5: the default suite finishes in <= 5 minutes on an 8-GPU node. Each check's ``cost`` is its
-    healthy run time there (an estimate until bench/gpu_validate.py measures it on a GPU node; README
-    'Bootstrap suite' lists each check's default duration and size); their sum is the plan."""
+    healthy run time there (an estimate until bench/gpu_validate.py measures it on a GPU node; the
+    'Time plan' of docs/operators/bootstrap.md lists each check's default work and duration); their sum
+    is the plan."""
     costs = {name: cls.cost for name, cls in load_checks().items()
              if cls.phase.value == "bootstrap"}
     assert set(costs) == set(BOOTSTRAP) and all(c is not None and c > 0 for c in costs.values()), costs

@@ -6,7 +6,7 @@ mmdebstrap (python3, python3-venv, apt: what the Containerfile needs of its base
 ``BASE``; every RUN step of the recipe runs as written (image_build.py). The build costs about 2.2
 minutes alone on 2 cores (105 s of CPU); it starts with the session at the lowest CPU priority and
 these tests run last, so it takes only the CPU the rest of the suite leaves idle. The compute target
-(torch, several GB) is not built here — see the README's "Container images".
+(torch, several GB) is not built here — see "Container images" in docs/operators/deploy.md.
 """
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ def test_daemon_in_the_image_serves_metrics(container: str, tmp_path: Path) -> N
 
 def test_manifests_name_the_images_the_recipe_builds() -> None:
     """The DaemonSet runs the daemon target, the probe Job the compute target, under the tags the
-    README's build commands give them."""
+    build commands of docs/operators/deploy.md give them."""
     import yaml
 
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "operators" / "deploy.md").read_text()
     tags = {}
     for target in ("daemon", "compute"):
-        line = next(ln for ln in readme.splitlines()
+        line = next(ln for ln in page.splitlines()
                     if ln.startswith("buildah bud") and f"--target {target}" in ln.replace("  ", " "))
         tags[target] = line.split(" -t ")[1].split()[0]
     images = {}

@@ -50,6 +50,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "config" / "prometheus" / "gpumon-rules.yaml"
 RULE_TESTS = ROOT / "config" / "prometheus" / "gpumon-rules.test.yaml"
 DASHBOARD = ROOT / "config" / "grafana" / "gpumon-dashboard.json"
+# the alerts' runbooks: one `##` heading per alert on this page of the docs site, which MkDocs serves at
+# operators/alerts/ (use_directory_urls) under the site's base, the placeholder the rules ship with
+ALERTS_PAGE = ROOT / "docs" / "operators" / "alerts.md"
+DOCS_BASE = "https://example.invalid/gpumon/"
 # Named by issue 4 for the circuit breaker; the lead adds it to the exporter. Allowed before it
 # exists so that the alert can ship with the rules; found in gpumon/ once it is there.
 ANNOUNCED = {"gpumon_remediation_breaker_open"}
@@ -126,14 +130,53 @@ def _minutes(text: str) -> float:
     return int(m[1]) * {"s": 1 / 60, "m": 1, "h": 60}[m[2]]
 
 
+def _page_headings(path: Path) -> dict[str, tuple[int, str]]:
+    """Heading text -> (level, anchor) of a docs page, as MkDocs makes them: Python-Markdown's toc
+    extension (mkdocs.yml's, with attr_list for a heading's own {#id}; fenced code is not headings)."""
+    import markdown
+
+    md = markdown.Markdown(extensions=["toc", "attr_list", "fenced_code"])
+    md.convert(path.read_text())
+    out: dict[str, tuple[int, str]] = {}
+
+    def walk(tokens: list[dict[str, Any]]) -> None:
+        for t in tokens:
+            out.setdefault(t["name"], (t["level"], t["id"]))
+            walk(t["children"])
+
+    walk(md.toc_tokens)
+    return out
+
+
 def test_every_alert_has_severity_summary_description_and_runbook() -> None:
     alerts = _alerts()
     assert len({a["alert"] for a in alerts}) == len(alerts)
+    headings = _page_headings(ALERTS_PAGE)
     for a in alerts:
         assert a["labels"]["severity"] in ("page", "ticket"), a["alert"]
         assert set(a["annotations"]) == {"summary", "description", "runbook_url"}, a["alert"]
-        # the README has one heading per alert; GitHub's anchor for it is the lower-cased name
-        assert a["annotations"]["runbook_url"].endswith(f"README.md#{a['alert'].lower()}"), a["alert"]
+        # the alerts page has a `## <alert>` heading, and the runbook_url is that page on the docs site
+        # at that heading's anchor
+        assert a["alert"] in headings, f"docs/operators/alerts.md has no heading '## {a['alert']}'"
+        level, anchor = headings[a["alert"]]
+        assert level == 2, (a["alert"], level)
+        # the form the rules file's header promises: the alert's name in lower case
+        assert anchor == a["alert"].lower(), (a["alert"], anchor)
+        assert a["annotations"]["runbook_url"] == f"{DOCS_BASE}operators/alerts/#{anchor}", a["alert"]
+
+
+def test_the_rule_tests_expect_the_same_runbook_urls() -> None:
+    """promtool compares the annotations, so this holds already; said here in words, so that a test
+    file left on old URLs fails by name."""
+    urls = {a["alert"]: a["annotations"]["runbook_url"] for a in _alerts()}
+    doc = yaml.safe_load(RULE_TESTS.read_text())
+    seen = 0
+    for case in doc["tests"]:
+        for e in case["alert_rule_test"]:
+            for alert in e.get("exp_alerts") or []:
+                assert alert["exp_annotations"]["runbook_url"] == urls[e["alertname"]], e["alertname"]
+                seen += 1
+    assert seen >= len(urls)
 
 
 def test_rules_use_only_metrics_gpumon_exports() -> None:

@@ -1,6 +1,7 @@
-"""The README's one-machine recipe for ``gpumon probe-fabric``, run as written.
+"""The one-machine recipe for ``gpumon probe-fabric``, run as written.
 
-The commands are read from the README's "On one machine" block and run one after the other with
+The commands are read from the command block of the "On one machine" section of
+docs/operators/fabric-probe-launch.md and run one after the other with
 ``torchrun`` and ``gpumon`` of this environment first on PATH, stdout piped (as in ``| cat``, a log
 or a health-check wrapper). Both nodes are simulated; the faulty one's fault is its GPU 1's device
 model (``allreduce_corrupt``), carried out by the CPU rank standing in for that GPU: nothing tells
@@ -19,14 +20,15 @@ from pathlib import Path
 
 from gpumon.sim import nvml_inject
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "operators" / "fabric-probe-launch.md"
 
 
 def _recipe() -> list[str]:
-    text = README.read_text()
-    start = text.index("**On one machine**")
-    block = re.search(r"```\n(.*?)```", text[start:], re.S)
-    assert block, "no command block after 'On one machine' in the README"
+    text = PAGE.read_text()
+    start = text.index("\n## On one machine\n")
+    section = text[start:].split("\n## ", 2)[1]  # up to the next section
+    block = re.search(r"```\n(.*?)```", section, re.S)
+    assert block, f"no command block in the 'On one machine' section of {PAGE}"
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 
@@ -47,7 +49,7 @@ def _node_row(out: str, node: str) -> str:
     return rows[0]
 
 
-def test_the_readme_one_node_recipe_passes_a_healthy_node_and_fails_a_faulty_one(tmp_path: Path) -> None:
+def test_the_documented_one_node_recipe_passes_a_healthy_node_and_fails_a_faulty_one(tmp_path: Path) -> None:
     # a deep state directory: the report's path is far longer than 80 columns
     state_home = tmp_path / "a-state-directory-deep-enough-that-no-path-fits-in-eighty-columns"
     env = _env(state_home)

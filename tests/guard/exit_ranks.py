@@ -10,8 +10,8 @@ guard once and forks each rank; a forked rank then leaves by raising SystemExit 
 this script, which is a normal interpreter exit (multiprocessing's workers would ``os._exit`` and
 skip it). Nothing of torch runs in the parent before the forks: no thread exists to be forked.
 
-Scenarios (every rank ends with ``dist.destroy_process_group()`` and a normal return, as the README
-tells users):
+Scenarios (every rank ends with ``dist.destroy_process_group()`` and a normal return, as
+docs/guard/adopting.md tells users):
 - ``alarm``: a NaN in rank 1's input at step 3 (once): check 1's alarm (GuardAlarm, exit 16 on
   every rank), the loop breaks out of it, the ranks leave;
 - ``healthy``: 12 guarded steps with a weight check every 4, no alarm, exit 0;

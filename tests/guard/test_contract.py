@@ -1,6 +1,7 @@
 """The guard's contract held together: the verdict file's JSON Schema the package ships, the
-dataclasses that write and read it (``Verdict``, ``Identity``), the reader, and the README's
-"The guard's contract" tables. Any of them changed without the others fails here.
+dataclasses that write and read it (``Verdict``, ``Identity``), the reader, and the tables of the
+docs page "The guard's contract" (``docs/guard/contract.md``). Any of them changed without the others
+fails here.
 """
 
 from __future__ import annotations
@@ -109,14 +110,14 @@ def _verdict(check: str, **changes: Any) -> vf.Verdict:
 
 
 def _contract() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("### The guard's contract\n")
-    end = text.index("\n### ", start + 1)
-    return text[start:end]
+    """The docs page of the guard's contract (the whole page: every table below is on it)."""
+    text = (ROOT / "docs" / "guard" / "contract.md").read_text()
+    assert text.startswith("# The guard's contract\n")
+    return text
 
 
 def _table(head: str) -> list[list[str]]:
-    """The rows (cells, stripped) of the contract section's table whose header row starts with
+    """The rows (cells, stripped) of the contract page's table whose header row starts with
     ``head``."""
     lines = _contract().splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith(f"| {head}"))
@@ -282,9 +283,9 @@ def test_the_validator_is_built_once() -> None:
     assert vf.validator() is vf.validator()
 
 
-# -- the README -------------------------------------------------------------------------------------
+# -- the docs page (docs/guard/contract.md) -----------------------------------------------------------
 
-def test_the_readme_lists_every_field_of_the_file_with_its_type_and_whether_required() -> None:
+def test_the_contract_page_lists_every_field_of_the_file_with_its_type_and_whether_required() -> None:
     rows = _table("field | type | required")
     said = {_ticked(r[0])[0]: (r[1], r[2]) for r in rows}
     expected = {f"{prefix}{name}": (prop["description"].partition(":")[0],
@@ -294,7 +295,7 @@ def test_the_readme_lists_every_field_of_the_file_with_its_type_and_whether_requ
     assert said == expected
 
 
-def test_the_readme_names_every_evidence_key_and_every_check() -> None:
+def test_the_contract_page_names_every_evidence_key_and_every_check() -> None:
     rows = _table("check | evidence keys")
     # the cells name the guards, their arguments and a key's values beside the keys
     words = {*vf.CHECKS, "Guard", "ShardedGuard", "batch_for", "loss_fn", "replay", "state"}
@@ -304,7 +305,7 @@ def test_the_readme_names_every_evidence_key_and_every_check() -> None:
     assert set(vf.CHECKS) <= named
 
 
-def test_the_readme_contract_says_how_to_load_the_schema_and_the_spool_order() -> None:
+def test_the_contract_page_says_how_to_load_the_schema_and_the_spool_order() -> None:
     text = _contract()
     assert 'files("gpumon.guard.schema") / "verdict-v1.schema.json"' in text
     assert f"`gpumon/guard/schema/{vf.SCHEMA_FILE}`" in text and f"`{vf.SCHEMA_ID}`" in text
@@ -317,7 +318,7 @@ def test_the_readme_contract_says_how_to_load_the_schema_and_the_spool_order() -
     assert _ticked(rows["`local_rank`"]) == ["LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"]
 
 
-def test_the_readme_documents_every_field_of_the_reports_the_state_and_the_alarm() -> None:
+def test_the_contract_page_documents_every_field_of_the_reports_the_state_and_the_alarm() -> None:
     core = pytest.importorskip("gpumon.guard.core")  # torch
     sharded = pytest.importorskip("gpumon.guard.sharded")
 

@@ -1,5 +1,6 @@
-"""examples/guard_ddp.py run as the README shows it: ``torchrun --standalone --nproc_per_node 3``,
-healthy and with each ``--demo-fault`` (the three launches run at once: torch's import dominates).
+"""examples/guard_ddp.py run as docs/guard/adopting.md shows it: ``torchrun --standalone
+--nproc_per_node 3``, healthy and with each ``--demo-fault`` (the three launches run at once: torch's
+import dominates).
 
 What is checked is what a platform engineer sees: the launcher's exit code and its per-rank
 ``exitcode``, the alarm on rank 0, the verdict file in the spool, the attestations, and what

@@ -15,7 +15,7 @@ from conftest import clean_env
 
 EXIT_RANKS = Path(__file__).with_name("exit_ranks.py")
 Launch = tuple[Path, list[dict[str, Any]]]
-# how many launches of each ending the test runs (the README says the same)
+# how many launches of each ending the test runs (docs/guard/adopting.md says the same: checked below)
 LAUNCHES = {"alarm": 20, "with": 4, "rerun": 4}
 
 
@@ -66,3 +66,11 @@ def test_a_guarded_job_ends_cleanly_launch_after_launch_beside_a_busy_core(
     bad = [(x["launch"], e) for x in launches for e in x["ranks"] if e["aborted"] or e.get("exit") != 16]
     print(f"{ending}: {n} launches of 3 ranks, {sum(x['seconds'] for x in launches):.1f} s")
     assert not bad, bad[:3]
+
+
+def test_the_docs_say_how_many_launches_this_test_runs() -> None:
+    page = Path(__file__).resolve().parents[2] / "docs" / "guard" / "adopting.md"
+    text = " ".join(page.read_text().split())
+    assert (f"runs {sum(LAUNCHES.values())} three-rank jobs on real gloo ({LAUNCHES['alarm']} that end "
+            f"after check 1's alarm, {LAUNCHES['with']} inside `with Guard(...)`, {LAUNCHES['rerun']} with "
+            "check 1's reruns and the kept step)") in text

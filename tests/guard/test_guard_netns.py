@@ -145,7 +145,7 @@ def _run(j: Job, lib_dir: Path) -> None:
     for h in net.hosts:
         cfg = daemon_config(j.base, h.name, h.ip)
         j.spool(h.name).mkdir(parents=True, exist_ok=True)
-        j.spool(h.name).chmod(0o1777)  # as the README asks of a node's spool
+        j.spool(h.name).chmod(0o1777)  # as docs/guard/index.md asks of a node's spool
         with (j.base / h.name / "daemon.log").open("w") as log:
             j.daemons[h.name] = net.popen(
                 h.index, [GPUMON, "daemon", "--simulate", "healthy-8xh100", "--sim-dir", str(j.sim(h.name)),

@@ -6,8 +6,8 @@ Recorder on by ``TORCH_FR_BUFFER_SIZE``) where rank 2 stops taking part and the 
 times out after 2 s. This torch (2.13) records gloo collectives but only ProcessGroupNCCL dumps on a
 timeout, so each rank writes PyTorch's own dump bytes (``_dump_fr_trace()``) to
 ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` itself (fr_job.py says why). Each rank gets its own prefix
-``<dir>/<node>/rank_``, a folder per node as the README tells a job to do, so that the ranks' nodes are
-known. Both jobs run at once, once for the module (about 15 s on two cores).
+``<dir>/<node>/rank_``, a folder per node as docs/postmortem/why.md tells a job to do, so that the
+ranks' nodes are known. Both jobs run at once, once for the module (about 15 s on two cores).
 """
 
 from __future__ import annotations
