@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,9 +40,12 @@ class Broken(Sink):
 
     def __init__(self) -> None:
         self.seen: list[str] = []
+        self.enough = threading.Event()  # thermal seen three times: the test has what it waits for
 
     def record(self, run: CheckRun) -> None:
         self.seen.append(run.check)
+        if self.seen.count("thermal") >= 3:
+            self.enough.set()
         raise RuntimeError(f"bug in a site's sink ({run.check})")
 
     def health_changed(self) -> None:
@@ -81,8 +85,12 @@ def test_a_sink_that_raises_is_logged_once_counted_and_costs_the_other_sinks_not
     agent = make_agent("checks:\n  thermal:\n    interval_s: 1\nexporter:\n  listen: 127.0.0.1:0\n")
     broken = Broken()
     d = Daemon(agent, sinks=[broken])
+    # stopped once thermal ran three times (a busy machine may take longer than 3 s), not after a sleep
+    stopper = threading.Thread(target=lambda: broken.enough.wait(60.0) and d.stop.set(), daemon=True)
+    stopper.start()
     with caplog.at_level(logging.INFO, logger="gpumon.daemon"):
-        assert d.serve(duration=3.5) == 0
+        assert d.serve(duration=60.0) == 0
+    stopper.join(timeout=5.0)
     assert d.sinks.names == ["health", "log", "broken", "exporter", "report"]
     # the daemon went on running its checks: thermal every second, each run handed to every sink
     assert broken.seen.count("thermal") >= 3 and "gpu_presence" in broken.seen, broken.seen

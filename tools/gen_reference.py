@@ -950,9 +950,9 @@ def openapi_page(doc: Mapping[str, Any]) -> str:
                     rows.append((code(str(prm.get("name", ""))), md(str(prm.get("in", ""))),
                                  code(str(kind)) if kind else "", meaning))
                 out += [*table(("parameter", "in", "type", "meaning"), rows), ""]
-            rows = [(code(str(status)), md(first_paragraph(str(_resolved(doc, r).get("description", "")))))
-                    for status, r in op.get("responses", {}).items()]
-            out += table(("status", "answer"), rows)
+            answers = [(code(str(status)), md(first_paragraph(str(_resolved(doc, r).get("description", "")))))
+                       for status, r in op.get("responses", {}).items()]
+            out += table(("status", "answer"), answers)
     return "\n".join(out) + "\n"
 
 
