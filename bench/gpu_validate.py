@@ -8,7 +8,9 @@ bandwidth, all-reduce busbw per size, RDMA Gb/s, ...) with the check, the
 component and the verdict, plus the machine (NVML inventory via gpumon).
 Then, when torch sees CUDA GPUs, the in-job guard's overhead benchmark
 (bench/guard_overhead.py) on them: DDP over NCCL, one rank per GPU (up to 4),
-each check's cost per step (issue 19, point 9); ``--no-guard`` skips it.
+each check's cost per step (issue 19, point 9), check 1's two modes (``nonfinite="hook"`` and
+``"after"``) A/B in launches of their own, and check 1's cost model fitted on the GPU (fixed per
+step + per bucket + per gradient byte) printed with a projection (issue 37); ``--no-guard`` skips it.
 
     .venv/bin/python bench/gpu_validate.py [--simulate healthy-8xh100] [--no-guard] [-- extra gpumon args]
 """
@@ -19,6 +21,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +45,10 @@ def main() -> int:
 
 
 def guard_overhead() -> int:
-    """The guard's overhead benchmark on this node's GPUs (NCCL), or why it did not run."""
+    """The guard's overhead benchmark on this node's GPUs (NCCL), or why it did not run: the
+    interleaved run of every check (both modes of check 1 among them), the A/B of check 1's two
+    modes (each configuration in launches of its own), and the cost model fitted on this GPU and
+    printed beside them (fixed + per bucket + per gradient byte, with a projection)."""
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
                            capture_output=True, text=True, timeout=300)
     count = int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
@@ -51,11 +57,25 @@ def guard_overhead() -> int:
         why = probe.stderr.strip().splitlines()[-1:] if probe.returncode else ["torch sees no CUDA GPU"]
         print(f"  not run: {why[0] if why else 'torch sees no CUDA GPU'}")
         return 0
-    cmd = [sys.executable, str(Path(__file__).with_name("guard_overhead.py")), "--device", "cuda",
-           "--world", str(min(count, 4))]
-    print(f"  command: {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.run(cmd, timeout=3600)
-    return proc.returncode
+    script = str(Path(__file__).with_name("guard_overhead.py"))
+    world = ["--device", "cuda", "--world", str(min(count, 4))]
+    code = 0
+    with tempfile.TemporaryDirectory(prefix="gpu-validate-") as tmp:
+        fit = str(Path(tmp, "fit.json"))
+        runs = [
+            ("every check, interleaved (check 1 in both modes)", [*world]),
+            ("check 1's two modes, A/B: each configuration in launches of its own",
+             [*world, "--ab", "--launches", "4", "--rounds", "3", "--steps", "100"]),
+            ("the cost model of check 1 on this GPU (both modes)",
+             [*world, "--fit", "--launches", "2", "--rounds", "3", "--steps", "50", "--save-fit", fit,
+              "--project", "500,2000,80"]),
+        ]
+        for what, extra in runs:
+            cmd = [sys.executable, script, *extra]
+            print(f"\n  {what}\n  command: guard_overhead.py {' '.join(extra)}", flush=True)
+            proc = subprocess.run(cmd, timeout=3600)
+            code = max(code, proc.returncode)
+    return code
 
 
 def bootstrap(args: argparse.Namespace) -> int:

@@ -664,3 +664,27 @@ class Auditor:
                              "loss_bits": there.loss_bits(), "grads_fingerprint": there.grads_digest()})
             out[t] = (fault, why, {"reruns": rows, "rerun_judgement": why})
         return out
+
+    def rerun_every(self, step: int) -> dict[int, tuple[bool, bool | None, list[dict[str, Any]]]]:
+        """Check 1 in mode "after" saw NaN/Inf in the reduced gradients, whose rank it cannot see:
+        every rank computes its own micro-batch again on its own GPU and one other rank's (the one it
+        audits: a GPU of another node where there is one), in one round. rank -> (its rerun on the
+        same GPU is non-finite, the other node's computation of its micro-batch is (None: nobody
+        else computed it), the rows for the verdict's ``reruns``)."""
+        helpers = {t: self.elsewhere(t, ()) for t in range(self.world)}
+        jobs: list[tuple[int, int]] = [(t, t) for t in range(self.world)]
+        jobs += [(h, t) for t, h in helpers.items() if h is not None]
+        done, _ = self._round(jobs, step)
+        out: dict[int, tuple[bool, bool | None, list[dict[str, Any]]]] = {}
+        for t, h in helpers.items():
+            again = done[(t, t)]
+            there = done[(h, t)] if h is not None else None
+            rows = [{"role": "rerun_same_gpu", "rank": t, "node": node_of(self.identities[t]),
+                     "nonfinite": again.nonfinite, "loss": again.loss_value, "loss_bits": again.loss_bits(),
+                     "grads_fingerprint": again.grads_digest()}]
+            if h is not None and there is not None:
+                rows.append({"role": "other_node", "rank": h, "node": node_of(self.identities[h]),
+                             "nonfinite": there.nonfinite, "loss": there.loss_value,
+                             "loss_bits": there.loss_bits(), "grads_fingerprint": there.grads_digest()})
+            out[t] = (again.nonfinite, there.nonfinite if there is not None else None, rows)
+        return out

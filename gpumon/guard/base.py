@@ -152,13 +152,15 @@ class GuardBase:
                        evidence=evidence, job=job_id(), time=when, id=new_id(subject, when))
 
     def _alarm(self, verdicts: Sequence[Verdict], *, skipped: bool, write_files: bool = True,
-               every_rank: bool = True) -> GuardAlarm:
+               every_rank: bool = True, unfiled: Sequence[Verdict] = ()) -> GuardAlarm:
         """The alarm of ``verdicts``, after each named rank wrote its verdict file. ``every_rank``:
         every rank has this alarm now (the guard's decisions are collective, except a reduce result
-        that only some ranks saw non-finite); they then leave it together (``leave_together``)."""
+        that only some ranks saw non-finite); they then leave it together (``leave_together``).
+        ``unfiled``: verdicts of ``verdicts`` that name no GPU (no file for a node's daemon)."""
         for v in verdicts:
             # each named rank reports itself, on its own node, to that node's daemon
-            if write_files and self.write_verdicts and v.subject.rank == self.rank:
+            if (write_files and self.write_verdicts and v.subject.rank == self.rank
+                    and all(v is not u for u in unfiled)):
                 hand_over(v, self.spool_dir, self.verdict_files)
         if every_rank and self.world > 1 and self.disabled is None:
             failed = leave_together(self._group, self.timeout_s)

@@ -4,6 +4,8 @@
 optimizer, ``after_step``); what it does is in the modules it is made of:
 
 - ``gpumon.guard.hook``: the comm hook (each bucket's NaN/Inf flags, the guard's own all-reduce);
+- ``gpumon.guard.after``: check 1 with ``nonfinite="after"`` (no comm hook: one fused pass over the
+  reduced gradients after the backward; the audit's and the straggler meter's hooks without it);
 - ``gpumon.guard.step_verdict``: the verdict of a step (check 1 and the exchange, the audit's step,
   the failing step kept);
 - ``gpumon.guard.weights``: check 3 (``check_weights``, ``WeightReport``);
@@ -30,7 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.hooks import RemovableHandle
 
+from gpumon.guard.after import AfterHooksMixin
 from gpumon.guard.alarm import GuardAlarm as GuardAlarm
 from gpumon.guard.alarm import GuardError as GuardError
 from gpumon.guard.alarm import leave_together as leave_together
@@ -66,15 +70,24 @@ from gpumon.guard.weights import first_difference as first_difference
 log = logging.getLogger("gpumon.guard")
 
 
-class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
+NONFINITE_MODES = ("hook", "after")
+
+
+class Guard(CommHookMixin, AfterHooksMixin, StepVerdictMixin, StragglerMixin, GuardBase):
     """SDC checks in a DDP training step.
 
-    - non-finite gradients: a comm hook flags NaN/Inf in each bucket's local gradients before the
-      all-reduce and in the reduced ones after it (one 0-d flag per bucket, on the device, no host
-      sync); every rank's local flag travels in DDP's last gradient bucket, so ``before_step`` reads
-      the same list on every rank with no collective of its own (with a ``comm_hook=`` of the
-      user's, the flags are all-reduced once, a tiny int tensor on the guard's own gloo group), and,
-      on a hit, skips the update on every rank;
+    - non-finite gradients (check 1), ``nonfinite="hook"`` (the default): a comm hook flags NaN/Inf
+      in each bucket's local gradients before the all-reduce and in the reduced ones after it (one
+      0-d flag per bucket, on the device, no host sync); every rank's local flag travels in DDP's
+      last gradient bucket, so ``before_step`` reads the same list on every rank with no collective
+      of its own (with a ``comm_hook=`` of the user's, the flags are all-reduced once, a tiny int
+      tensor on the guard's own gloo group), and, on a hit, skips the update on every rank;
+      ``nonfinite="after"``: no comm hook (DDP's C++ all-reduce, or the user's ``comm_hook``
+      registered as it is), one fused NaN/Inf pass over the reduced gradients in ``before_step``
+      (a NaN/Inf of any rank survives the sum), the update skipped on every rank on a hit; the rank
+      it came from is named afterwards, by its loss (``step(loss)``) and by the reruns where
+      ``batch_for`` and ``loss_fn`` are given, or said to be unknown (``gpumon.guard.after``;
+      what each mode catches, misses and costs: the guard's overhead page);
     - weight fingerprints: every ``weight_check_every`` steps (and on demand, ``check_weights``,
       e.g. before a checkpoint save) the 128-bit fingerprint of every parameter, all-gathered (only
       fingerprints travel); a strict majority of >= 3 replicas names the one that differs.
@@ -111,7 +124,11 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
                  model_factory: Callable[..., torch.nn.Module] | None = None,
                  model_kwargs: dict[str, Any] | None = None, bundle_dir: str | Path | None = None,
                  pace_window: int = 100, pace_of_last: int = 5, pace_need: int = 3,
-                 on_straggler: Callable[[list[Verdict]], None] | None = None) -> None:
+                 on_straggler: Callable[[list[Verdict]], None] | None = None,
+                 nonfinite: str = "hook") -> None:
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite: {nonfinite!r} is not one of {', '.join(NONFINITE_MODES)} (the "
+                             "same on every rank)")
         if audit_every < 0:
             raise ValueError("audit_every: must be >= 0 (0: no audit)")
         if audit_every and (batch_for is None or loss_fn is None):
@@ -147,6 +164,9 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
         self._local: dict[int, torch.Tensor] = {}  # param id -> local gradient's fingerprint
         self._flags: list[BucketFlags] = []
         self._lock = threading.Lock()
+        self.nonfinite_mode = nonfinite
+        self._after = nonfinite == "after"
+        self._capture_handles: list[RemovableHandle] = []
         # The all-reduce goes over the DDP model's own group. One that is not the whole job (data
         # parallel inside tensor or pipeline parallelism) is refused: the guard's checks take every
         # rank of the job for a replica of the same weights, and its all-reduce must never mix
@@ -168,7 +188,7 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
         # 8-byte all-reduce per step cost more than everything else the check does: bench/
         # guard_overhead.py). Decided here, alike on every rank, never per step: the bucket's size
         # must be the same on every rank or the all-reduce would mix them.
-        self._carry = comm_hook is None
+        self._carry = comm_hook is None and not self._after
         self._carried: torch.Tensor | None = None  # this step's flags, after the all-reduce
         self._payload: torch.Tensor | None = None  # the last bucket's all-reduce buffer
         self._pending_local: list[torch.Tensor] = []  # this step's local flags, before it
@@ -184,8 +204,8 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
         # here: if that is every rank they learn it at once, if not the others never come and the
         # wait is short (an all-reduce that gave different ranks different results).
         self._reduce_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(
-            seconds=min(timeout_s * REDUCE_EXCHANGE_SHARE, REDUCE_EXCHANGE_TIMEOUT_S))) if self._carry
-            else self._group)
+            seconds=min(timeout_s * REDUCE_EXCHANGE_SHARE, REDUCE_EXCHANGE_TIMEOUT_S)))
+            if self._carry or self._after else self._group)
         self._exchange_off: str | None = None  # why that group is out of step (a wait that timed out)
         self.identity = identify(self.rank, self.world, self._device)
         gathered: list[Any] = [None] * self.world
@@ -205,6 +225,9 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
                 self._refuse_unless_deterministic()
             module.register_forward_pre_hook(self._never_raises("the audit's copy of the buffers",
                                                                 self._auditor.pre_forward))
+            if self._after and audit_every:
+                module.register_forward_pre_hook(self._never_raises("the audit's look at the local gradients",
+                                                                    self._capture_pre_forward))
         # stragglers: every rank times its own compute; every pace_window steps they are scored
         self.on_straggler = on_straggler
         self.pace: PaceMeter | None = None
@@ -212,8 +235,15 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
             self.pace = PaceMeter(rank=self.rank, world=self.world, group=self._group, device=self._device,
                                   window=pace_window, of_last=pace_of_last, need=pace_need)
             module.register_forward_pre_hook(self.pace.forward_pre)
+            if self._after:
+                module.register_forward_hook(self._never_raises("the straggler meter's hook",
+                                                                self._pace_forward))
         self._step_work: float | None = None
-        model.register_comm_hook(None, self._hook)
+        if not self._after:
+            model.register_comm_hook(None, self._hook)
+        elif comm_hook is not None:
+            # the user's hook as it is: the guard reads the gradients after it, in before_step
+            model.register_comm_hook(comm_state, comm_hook)
 
     def _audit_state(self) -> str:
         if not self.audit_every:
@@ -233,6 +263,8 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
         pace = getattr(self, "pace", None)
         if pace is not None:
             pace.group = None
+        if getattr(self, "_capture_handles", None):
+            self._end_capture()
         with self._lock:
             self._flags, self._local = [], {}
         self._payload = self._carried = None
@@ -309,7 +341,10 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
         On an audit step (``audit_due()``) the audit runs here: ``loss`` is this rank's loss of the
         step (compared bit for bit; None: only the gradients are), ``batch`` the micro-batch it
         trained on (None: rebuilt with ``batch_for``). ``AuditError`` (on every rank): the audit
-        cannot judge (a rebuilt micro-batch of another shape, ...)."""
+        cannot judge (a rebuilt micro-batch of another shape, ...). With ``nonfinite="after"`` a
+        NaN/Inf ``loss`` also names its rank when the reduced gradients are non-finite."""
+        if self._capture_handles:
+            self._end_capture()  # the audit's own backward must not be captured
         with self._lock:
             flags, self._flags = self._flags, []
             local, self._local = self._local, {}
@@ -324,7 +359,8 @@ class Guard(CommHookMixin, StepVerdictMixin, StragglerMixin, GuardBase):
             return True
         self._bad_step = False
         try:
-            alarm = self._judge_gradients(flags, batch, carried)
+            alarm = (self._judge_after(loss, batch) if self._after
+                     else self._judge_gradients(flags, batch, carried))
             if alarm is None and self.audit_due():
                 alarm = self._audit(loss, batch, local)
         except AuditError as exc:

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpumon.guard import rerun
+from gpumon.guard.after import grads_of, reduced_nonfinite
 from gpumon.guard.alarm import GuardAlarm
 from gpumon.guard.audit import AuditError, Auditor, LossFn, SettleFailed, step_seed
 from gpumon.guard.hook import BucketFlags
@@ -44,6 +46,7 @@ class StepVerdictMixin(WeightCheckMixin):
     model_kwargs: dict[str, Any] | None
     _loss_fn: LossFn | None
     _device: torch.device
+    _named: list[tuple[str, torch.nn.Parameter]]
     _name_of: dict[int, str]
     _reduce_group: Any
     _exchange_off: str | None
@@ -173,6 +176,137 @@ class StepVerdictMixin(WeightCheckMixin):
                     g = p.grad
                     if g is not None and not bool(torch.isfinite(g).all()):
                         out.append(self._name_of.get(id(p), f"bucket {f.index}"))
+        except Exception as exc:
+            log.error("gpumon.guard: could not name the parameters with non-finite gradients: %s: %s",
+                      type(exc).__name__, exc)
+        return out[:20]
+
+    # -- check 1 in mode "after": the reduced gradients, the rank named afterwards ------------------
+
+    def _judge_after(self, loss: torch.Tensor | None, batch: Any) -> GuardAlarm | None:
+        """Check 1 with ``nonfinite="after"``: one fused NaN/Inf pass over the reduced gradients
+        (every rank's are the same, so every rank reaches the same answer with no collective; the
+        flag's read is the step's one host sync). On a hit the ranks that saw it meet (bounded): if
+        every rank did, the rank whose gradients it came from is named by its loss (NaN/Inf where
+        the loop handed it in) and by the reruns (every rank computes its micro-batch again, and
+        another rank computes it too), or said to be unknown; if not every rank did, this rank's
+        result of the all-reduce is named, as in mode "hook"."""
+        step = self.steps
+        bad = reduced_nonfinite(grads_of([p for _, p in self._named]))
+        if bad is None or not bool(bad):  # the one host sync of the step
+            return None
+        self._bad_step = True
+        loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+        saw, loss_ranks = self._exchange_after(step, loss_bad)
+        where = self._bad_reduced_params()
+        common: dict[str, Any] = {"nonfinite_mode": "after", "ranks_nonfinite_reduced": saw,
+                                  "parameters": where}
+        if len(saw) < self.world:
+            v = self._verdict(
+                self.rank, "nonfinite_reduce", step,
+                f"step {step}: NaN/Inf in rank {self.rank}'s reduced gradients and not in every rank's (the "
+                "all-reduce gave the ranks different results, or this rank's gradients changed after it); "
+                "the update is skipped on this rank only: the ranks whose result was finite applied it, so "
+                "this replica's weights now differ from theirs (the weight check names it)",
+                reduce_on_every_rank=False, replica_diverged=True, **common)
+            return self._alarm([v], skipped=True, every_rank=False)
+        reran: dict[int, tuple[bool, bool | None, list[dict[str, Any]]]] = {}
+        diverged = None
+        not_rerun = ""
+        if self._auditor is None:
+            not_rerun = ("no rerun: the guard was given no batch_for and loss_fn to compute a micro-batch "
+                         "again")
+        else:
+            diverged = self._diverged_before(step, "the rerun of check 1")
+            if diverged is not None:
+                not_rerun = ("not rerun: the replicas' weights differ (see the weight verdict), so a rerun "
+                             "on another GPU would start from other weights")
+            else:
+                try:
+                    reran = self._auditor.rerun_every(step)
+                except Exception as exc:
+                    # the gradients are known to be NaN/Inf: the update is skipped all the same, only
+                    # the naming is lost (a peer gone mid-rerun turns the guard off)
+                    if not isinstance(exc, AuditError):
+                        self._internal("the rerun of check 1", exc, raise_strict=False)
+                    log.error("gpumon.guard: step %d: the rerun of the non-finite gradients failed: %s", step,
+                              exc)
+                    not_rerun = f"the reruns failed ({type(exc).__name__}: {exc})"
+        named: dict[int, tuple[str, str, dict[str, Any]]] = {}
+        for r in range(self.world):
+            again_bad, there_bad, rows = reran.get(r, (False, None, []))
+            evidence: dict[str, Any] = {"reruns": rows} if rows else {}
+            if rows and again_bad:
+                fault, why = rerun.nonfinite_fault(True, there_bad)
+                named[r] = (fault, f"named by its rerun; {fault}: {why}",
+                            {**evidence, "rerun_judgement": why})
+            elif r in loss_ranks and rows:
+                fault, why = rerun.nonfinite_fault(False, there_bad)
+                named[r] = (fault, f"named by its loss, which was NaN/Inf; {fault}: {why}",
+                            {**evidence, "rerun_judgement": why})
+            elif r in loss_ranks:
+                named[r] = ("unknown", f"named by its loss, which was NaN/Inf; {not_rerun}", {})
+        verdicts = []
+        for r, (fault, why, evidence) in sorted(named.items()):
+            v = self._verdict(
+                r, "nonfinite_grad", step,
+                f"step {step}: rank {r}'s local gradients had NaN/Inf, seen after the all-reduce in "
+                f"every rank's reduced gradients ({self.identities[r].describe()}); {why}; the update is "
+                "skipped on every rank", fault=fault, source_known=True, ranks_named=sorted(named),
+                ranks_nonfinite_loss=loss_ranks, **common, **evidence)
+            verdicts.append(self._keep(v, r, step, batch if r == self.rank else None))
+        unfiled = []
+        if not named:
+            if not not_rerun:
+                not_rerun = ("every rank computed its micro-batch again and got finite gradients: a "
+                             "transient fault, of one rank's GPU or of the all-reduce, that no rerun "
+                             "reproduces")
+            no_loss = ("; the loop handed no loss to guard.step()" if loss is None
+                       else "; no rank's loss was NaN/Inf")
+            for r in range(self.world):
+                v = self._verdict(
+                    r, "nonfinite_grad", step,
+                    f"step {step}: NaN/Inf in the reduced gradients after the all-reduce, on every rank "
+                    f"({self.identities[r].describe()}); whose gradients it came from is not known: "
+                    f"{not_rerun}{no_loss} (nonfinite='after' sees only the sum of every rank's gradients; "
+                    "nonfinite='hook' sees each rank's own); the update is skipped on every rank",
+                    source_known=False, ranks_nonfinite_loss=loss_ranks, rerun_judgement=not_rerun, **common)
+                unfiled.append(v)
+            verdicts = unfiled
+        if diverged is not None:
+            verdicts = diverged.verdicts + verdicts
+        # no GPU named: nothing for a node's daemon (the weight verdicts of a diverged replica still go)
+        return self._alarm(verdicts, skipped=True, unfiled=unfiled)
+
+    def _exchange_after(self, step: int, loss_bad: bool) -> tuple[list[int], list[int]]:
+        """This rank's reduced gradients are non-finite: which ranks' are, and whose loss was? Every
+        rank whose reduced gradients are comes here (all of them, when a rank's local gradients were
+        non-finite); if one does not, the wait ends after REDUCE_EXCHANGE_TIMEOUT_S and this rank
+        names itself alone, as ``_exchange_reduced`` does (that group is then not used again)."""
+        if self._exchange_off is not None:
+            return [self.rank], ([self.rank] if loss_bad else [])
+        vec = torch.zeros(2, self.world, dtype=torch.int32)
+        vec[0, self.rank] = 1
+        vec[1, self.rank] = int(loss_bad)
+        try:
+            dist.all_reduce(vec, group=self._reduce_group)
+        except Exception as exc:
+            self._exchange_off = f"{type(exc).__name__}: {exc}"
+            log.error("gpumon.guard: step %d: this rank's reduced gradients have NaN/Inf and not every "
+                      "rank's do (%s); this rank skips the update the others apply, so its weights now "
+                      "differ from theirs and the weight check names it", step, self._exchange_off)
+            return [self.rank], ([self.rank] if loss_bad else [])
+        return ([r for r in range(self.world) if vec[0, r]], [r for r in range(self.world) if vec[1, r]])
+
+    def _bad_reduced_params(self) -> list[str]:
+        """Names of the parameters whose reduced gradients are non-finite (the same on every rank;
+        only on an alarm; best effort, as ``_bad_params``)."""
+        out: list[str] = []
+        try:
+            for name, p in self._named:
+                got = grads_of([p])
+                if got and not bool(torch.isfinite(got[0]).all()):
+                    out.append(name)
         except Exception as exc:
             log.error("gpumon.guard: could not name the parameters with non-finite gradients: %s: %s",
                       type(exc).__name__, exc)
