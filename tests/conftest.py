@@ -8,6 +8,7 @@ CLI tests run ``gpumon`` as a child process with LD_LIBRARY_PATH.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deploy.image_build import ImageBuild, tools
+from deploy.image_build import ImageBuild, remove, status_file, tools
 from hypothesis import settings
 
 from gpumon.sim import nvml_inject
@@ -206,22 +207,111 @@ def sim(inject_lib_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         h.close()
 
 
+# The suite's slow files (`pytest -m "not slow"` leaves them out: the developers' inner loop): test
+# hosts in network namespaces and Slurm clusters, image and wheel builds, daemons run for a while, and
+# multi-rank training jobs. Measured: each holds tests of several seconds to a minute (--durations).
+SLOW = (
+    "tests/bootstrap/test_run_bootstrap.py",
+    "tests/deploy/test_container_image.py",
+    "tests/export/test_nvhcd.py",
+    "tests/export/test_openapi.py",
+    "tests/fabric/test_coverage.py",
+    "tests/fabric/test_flaps.py",
+    "tests/fabric/test_harness.py",
+    "tests/fabric/test_one_node.py",
+    "tests/fabric/test_probe.py",
+    "tests/fabric/test_probe_slurm.py",
+    "tests/guard/test_example.py",
+    "tests/guard/test_guard_audit.py",
+    "tests/guard/test_guard_close.py",
+    "tests/guard/test_guard_confirm.py",
+    "tests/guard/test_guard_ddp.py",
+    "tests/guard/test_guard_fsdp.py",
+    "tests/guard/test_guard_netns.py",
+    "tests/guard/test_guard_overhead_bench.py",
+    "tests/guard/test_guard_pace.py",
+    "tests/guard/test_guard_slurm.py",
+    "tests/guard/test_guard_spool_bounds.py",
+    "tests/integration/test_prometheus_scrape.py",
+    "tests/sdc/test_canary.py",
+    "tests/sdc/test_canary_gpu_identity.py",
+    "tests/sdc/test_canary_replay_injection.py",
+    "tests/test_daemon.py",
+    "tests/test_daemon_health.py",
+    "tests/test_daemon_intake.py",
+    "tests/test_first_hour.py",
+    "tests/test_hung_host_files.py",
+    "tests/test_install_layout.py",
+    "tests/test_light_install.py",
+    "tests/test_lint.py",
+    "tests/why/test_flight_recorder.py",
+    "tests/why/test_why_e2e.py",
+    "tests/why/test_why_edges_netns.py",
+    "tests/why/test_why_prometheus.py",
+    "tests/why/test_why_slurm.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if item.nodeid.split("::", 1)[0] in SLOW:
+        item.add_marker(pytest.mark.slow)
+
+
+def xdist_run(config: pytest.Config) -> tuple[str, str] | None:
+    """(this worker's id, the run's id) in a pytest-xdist worker; None in a plain run or the controller."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return None
+    return str(workerinput["workerid"]), str(workerinput["testrunuid"])
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) and xdist_run(config) is None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _xdist_controller(config) and not getattr(config.option, "testrunuid", None):
+        import uuid
+
+        config.option.testrunuid = uuid.uuid4().hex  # the workers' testrunuid: the image build's name
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m have deselected: only a selected image test builds
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
     """The container image tests run last, and their image is built from the start of the session in
     the background at the lowest CPU priority (tests/deploy/image_build.py): ~2 minutes of CPU that
-    the rest of the suite's waits leave idle, not 2 minutes of the suite's wall time."""
+    the rest of the suite's waits leave idle, not 2 minutes of the suite's wall time. Under
+    pytest-xdist worker gw0 builds it (every worker collects every test; the controller then hands
+    the image tests to one of them), and a worker that runs them without having built it waits for
+    gw0's build (``deploy.image_build.wait_for_other``); the controller removes the image."""
     image = [i for i in items if i.nodeid.startswith(IMAGE_TESTS)]
     if not image:
         return
     items[:] = [i for i in items if not i.nodeid.startswith(IMAGE_TESTS)] + image
     buildah, mmdebstrap = tools()
-    if buildah and mmdebstrap and os.geteuid() == 0 and not config.option.collectonly:
+    if not (buildah and mmdebstrap and os.geteuid() == 0 and not config.option.collectonly):
+        return
+    run = xdist_run(config)
+    if run is None:
         config.stash[IMAGE_BUILD] = ImageBuild(buildah, mmdebstrap).start()
+    elif run[0] == "gw0":
+        config.stash[IMAGE_BUILD] = ImageBuild(buildah, mmdebstrap, tag=run[1][:8],
+                                               status=status_file(run[1])).start()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    build = session.config.stash.get(IMAGE_BUILD, None)
+    config = session.config
+    build = config.stash.get(IMAGE_BUILD, None)
     if build is not None:
-        build.remove()
+        if xdist_run(config) is None:
+            build.remove()
+        elif build.status is not None:
+            # another worker may run the image tests: this process must outlive the build
+            with contextlib.suppress(Exception):
+                build.wait(timeout=1200)
+    if _xdist_controller(config):
+        buildah, _ = tools()
+        if buildah and os.geteuid() == 0:
+            remove(config.option.testrunuid, buildah)

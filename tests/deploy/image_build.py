@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +40,13 @@ class ImageBuild:
     the recipe's ``daemon`` target on it with ``buildah bud --isolation chroot``: every RUN step as
     written. ``wait`` gives the built image's name or raises what failed."""
 
-    def __init__(self, buildah: str, mmdebstrap: str) -> None:
+    def __init__(self, buildah: str, mmdebstrap: str, tag: str | None = None,
+                 status: Path | None = None) -> None:
         self.buildah, self.mmdebstrap = buildah, mmdebstrap
-        tag = secrets.token_hex(4)
-        self.base, self.image = f"localhost/gpumon-test-base:{tag}", f"localhost/gpumon-test:{tag}"
+        tag = tag or secrets.token_hex(4)
+        self.base, self.image = names(tag)
+        # under pytest-xdist one worker builds and the others wait on this file: "ok" or the error
+        self.status = status
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._build, name="image-build", daemon=True)
 
@@ -71,6 +75,11 @@ class ImageBuild:
             _run([*cmd, str(ROOT)], timeout=1200)
         except BaseException as exc:  # handed to the test that waits for the image
             self._error = exc
+        if self.status is not None:
+            text = "ok" if self._error is None else f"error\n{type(self._error).__name__}: {self._error}"
+            tmp = self.status.with_name(self.status.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(self.status)
 
     def wait(self, timeout: float) -> str:
         self._thread.join(timeout)
@@ -85,6 +94,36 @@ class ImageBuild:
             self._thread.join(60)
         subprocess.run([self.buildah, "rmi", "-f", self.image, self.base], capture_output=True, timeout=120,
                        check=False)
+
+
+def names(tag: str) -> tuple[str, str]:
+    """The base image's and the built image's names for one build."""
+    return f"localhost/gpumon-test-base:{tag}", f"localhost/gpumon-test:{tag}"
+
+
+def status_file(run: str) -> Path:
+    """Where one test run's image build says how it ended, for the workers that did not build it."""
+    return Path(tempfile.gettempdir()) / f"gpumon-image-{run}.status"
+
+
+def wait_for_other(run: str, timeout: float) -> str:
+    """The image another pytest-xdist worker of this run builds: its name once built, else raises."""
+    path = status_file(run)
+    deadline = time.monotonic() + timeout
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise BuildError(f"the image build (another worker's) did not finish within {timeout} s")
+        time.sleep(1.0)
+    text = path.read_text()
+    if text != "ok":
+        raise BuildError(f"the image build failed: {text.removeprefix('error').strip()}")
+    return names(run[:8])[1]
+
+
+def remove(run: str, buildah: str) -> None:
+    """Remove one run's images and its status file (the controller of a pytest-xdist run)."""
+    subprocess.run([buildah, "rmi", "-f", *names(run[:8])], capture_output=True, timeout=120, check=False)
+    status_file(run).unlink(missing_ok=True)
 
 
 def tools() -> tuple[str | None, str | None]:

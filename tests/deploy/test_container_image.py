@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IMAGE_BUILD, need_tool
+from conftest import IMAGE_BUILD, need_tool, xdist_run
 
-from .image_build import BuildError
+from .image_build import BuildError, wait_for_other
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINERFILE = ROOT / "deploy" / "container" / "Containerfile"
@@ -42,8 +42,11 @@ def image(request: pytest.FixtureRequest) -> str:
     need_tool("buildah", "buildah")
     need_tool("mmdebstrap", "mmdebstrap")
     build = request.config.stash.get(IMAGE_BUILD, None)
-    assert build is not None, "the session did not start the image build (tests/conftest.py)"
+    run = xdist_run(request.config)
     try:
+        if build is None and run is not None:
+            return wait_for_other(run[1], timeout=1200)  # worker gw0 builds it
+        assert build is not None, "the session did not start the image build (tests/conftest.py)"
         return build.wait(timeout=1200)
     except BuildError as exc:
         pytest.fail(str(exc))
