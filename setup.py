@@ -61,5 +61,8 @@ def check_entry_points() -> list[str]:
     return [f"{name} = {target}" for name, target in sorted(where.items())]
 
 
-setup(packages=packages(), entry_points={"console_scripts": ["gpumon = gpumon.cli:main"],
-                                         "gpumon.checks": check_entry_points()})
+# setuptools runs this file as __main__ (pip's build backend and ``python setup.py`` alike);
+# tools/gen_reference.py imports it for _checks_in, the one rule of what a check is
+if __name__ == "__main__":
+    setup(packages=packages(), entry_points={"console_scripts": ["gpumon = gpumon.cli:main"],
+                                             "gpumon.checks": check_entry_points()})

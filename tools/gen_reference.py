@@ -33,7 +33,9 @@ import argparse
 import ast
 import dataclasses
 import enum
+import functools
 import importlib
+import importlib.util
 import inspect
 import io
 import json
@@ -307,20 +309,20 @@ def options_table(options: Sequence[Option], key_label: str = "option") -> list[
 # --------------------------------------------------------------------------- the checks
 
 
+@functools.cache
+def _setup_py() -> Any:
+    """setup.py as a module (it runs ``setup()`` only as a script)."""
+    spec = importlib.util.spec_from_file_location("_gpumon_setup", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _checks_in(path: Path) -> list[tuple[str, str]]:
-    """(check name, class name) of every check class defined at the top of ``path``: setup.py's
+    """(check name, class name) of every check class defined at the top of ``path``: setup.py's own
     rule for the ``gpumon.checks`` entry points."""
-    found = []
-    for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
-        if not (isinstance(node, ast.ClassDef) and node.name.endswith("Check")):
-            continue
-        for stmt in node.body:
-            target = (stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-                      else stmt.target if isinstance(stmt, ast.AnnAssign) else None)
-            value = getattr(stmt, "value", None)
-            if (isinstance(target, ast.Name) and target.id == "name" and isinstance(value, ast.Constant)
-                    and isinstance(value.value, str)):
-                found.append((value.value, node.name))
+    found: list[tuple[str, str]] = _setup_py()._checks_in(path)
     return found
 
 
