@@ -67,8 +67,8 @@ def guard_overhead() -> int:
             ("check 1's two modes, A/B: each configuration in launches of its own",
              [*world, "--ab", "--launches", "4", "--rounds", "3", "--steps", "100"]),
             ("the cost model of check 1 on this GPU (both modes)",
-             [*world, "--fit", "--launches", "2", "--rounds", "3", "--steps", "50", "--save-fit", fit,
-              "--project", "500,2000,80"]),
+             [*world, "--fit", "--paired", "--launches", "1", "--rounds", "8", "--steps", "50",
+              "--save-fit", fit, "--project", "500,2000,80"]),
         ]
         for what, extra in runs:
             cmd = [sys.executable, script, *extra]

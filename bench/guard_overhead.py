@@ -6,7 +6,7 @@ same measurement on a model of the user's.
     .venv/bin/python bench/guard_overhead.py [--world 2] [--rounds 5] [--steps 100] [--launches 1]
                                              [--device cpu|cuda]
     .venv/bin/python bench/guard_overhead.py --ab [--launches 8] [--kinds none,after,check1]
-    .venv/bin/python bench/guard_overhead.py --fit [--launches 2] [--save-fit fit.json]
+    .venv/bin/python bench/guard_overhead.py --fit [--paired] [--launches 2] [--save-fit fit.json]
     .venv/bin/python bench/guard_overhead.py --project 450,2048,80 [--fit-file fit.json]
     .venv/bin/python bench/guard_overhead.py --model mypkg.train:make_model --batch mypkg.train:make_batch
                                              [--loss mypkg.train:loss_fn] [--bucket-cap-mb 25]
@@ -47,7 +47,10 @@ median of its launches' median rounds, and the spread of the launches.
 ``FIT_POINTS`` (three model sizes, each with DDP's default buckets and with small ones;
 ``FIT_POINTS_CUDA`` with ``--device cuda``), each point and configuration in launches of its own,
 alternating; printed with the fit (R², each point's
-residual) and saved with ``--save-fit``. ``--project STEP_MS,GRAD_MB,BUCKETS`` prints what the model
+residual) and saved with ``--save-fit``. ``--fit --paired``: each point and mode one launch of one
+guarded model whose rounds run with the check on and off in turn (the launch's own speed cancels
+out; mode "hook" over a bare Python comm hook), fitted on the median difference of the pairs.
+``--project STEP_MS,GRAD_MB,BUCKETS`` prints what the model
 projects for a step of that time, gradient megabytes and bucket count (``--fit-file``: a saved fit).
 
 **Your model** (``--model``/``--batch``, or ``measure()`` from Python): the A/B of ``none``,
@@ -258,6 +261,15 @@ bare_hook.__annotations__ = {"state": Any, "bucket": GradBucket,
                              "return": torch.futures.Future[torch.Tensor]}
 
 
+def paired_hook(guarded: Callable[..., Any], on: list[bool]) -> Callable[..., Any]:
+    """One comm hook that is the guard's while ``on[0]`` and ``bare_hook`` otherwise (--paired)."""
+    def hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return guarded(state, bucket) if on[0] else bare_hook(state, bucket)
+
+    hook.__annotations__ = dict(bare_hook.__annotations__)
+    return hook
+
+
 # -- one configuration per launch: the A/B, the cost model, the user's model ------------------------
 
 # check 1's configurations in the A/B and the fit; "none" is the baseline of both
@@ -289,6 +301,9 @@ class Job:
     warmup: int = 10
     threads: int = 1
     device: str = "cpu"
+    # rounds alternate with the check on and off on the same model and guard (--paired): rounds
+    # holds the "on" rounds, off_rounds the "off" rounds, in pairs
+    paired: bool = False
     # a model of the user's: callables, or "module:function" strings imported in each rank
     model: Any = None
     make_batch: Any = None
@@ -307,6 +322,8 @@ class Launched:
     params: int
     disabled: str | None = None
     other_cores: float | None = None  # the cores other processes kept busy during the launch
+    off_rounds: list[float] = field(default_factory=list)  # --paired: the same model, check off
+    off_cpu: list[float] = field(default_factory=list)
 
     @property
     def step(self) -> float:
@@ -386,13 +403,21 @@ def worker_one(rank: int, world: int, port: int, job: Job, out: str) -> None:
     model = DDP(module, device_ids=[rank] if cuda else None, bucket_cap_mb=job.bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard: Guard | None = None
+    on = [True]  # --paired: this round's check is on
     if job.kind == "hook":
         model.register_comm_hook(None, bare_hook)
     elif job.kind in MODE_OF:
+        if job.paired and MODE_OF[job.kind] == "hook":
+            # the guard's comm hook and the bare one behind one registered hook: an "off" round is
+            # the same Python comm hook without the check (the floor, measured by the A/B)
+            register = model.register_comm_hook
+            model.register_comm_hook = lambda state, hook: register(state, paired_hook(hook, on))  # type: ignore[method-assign]
         guard = Guard(model, opt, weight_check_every=0, timeout_s=300, spool_dir=out, pace_window=0,
                       nonfinite=MODE_OF[job.kind])
     elif job.kind != "none":
         raise ValueError(f"kind {job.kind!r}: one of none, hook, {', '.join(MODE_OF)}")
+    if job.paired and guard is None:
+        raise ValueError("--paired measures a guarded configuration (after, check1)")
 
     def sync() -> None:
         if cuda:
@@ -410,7 +435,7 @@ def worker_one(rank: int, world: int, port: int, job: Job, out: str) -> None:
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model, b)
             loss.backward()  # type: ignore[no-untyped-call]
-            if guard is None:
+            if guard is None or not on[0]:
                 opt.step()
             else:
                 guard.step(loss, b)
@@ -419,16 +444,26 @@ def worker_one(rank: int, world: int, port: int, job: Job, out: str) -> None:
         return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
     train(job.warmup)
-    rounds, cpu = [], []
-    for _ in range(job.rounds):
-        wall_s, cpu_s = train(job.steps)
-        rounds.append(wall_s)
-        cpu.append(cpu_s)
+    if job.paired:
+        on[0] = False
+        train(job.warmup)  # the "off" path warmed up too
+    rounds: list[float] = []
+    cpu: list[float] = []
+    off_rounds: list[float] = []
+    off_cpu: list[float] = []
+    for i in range(job.rounds):
+        # on, off; off, on; ...: a drift over the launch falls on both alike
+        for state in ((True, False) if i % 2 == 0 else (False, True)) if job.paired else (True,):
+            on[0] = state
+            wall_s, cpu_s = train(job.steps)
+            (rounds if state else off_rounds).append(wall_s)
+            (cpu if state else off_cpu).append(cpu_s)
+    on[0] = True
     if rank == 0:
         params = [p for p in module.parameters() if p.requires_grad]
         got = Launched(job.kind, rounds, cpu, sum(p.numel() * p.element_size() for p in params),
                        buckets_of(model), sum(p.numel() for p in params),
-                       guard.disabled if guard is not None else None)
+                       guard.disabled if guard is not None else None, off_rounds=off_rounds, off_cpu=off_cpu)
         Path(out, "result.json").write_text(json.dumps(asdict(got)))
     dist.barrier()
     if guard is not None:
@@ -556,6 +591,9 @@ def load_fits(path: str | None) -> list[Fit]:
     if not path:
         return []
     doc = json.loads(Path(path).read_text())
+    if doc.get("method") == "paired":
+        print(f"{path}: a paired fit: its nonfinite='hook' projection is over a bare Python comm hook "
+              "(add that floor, measured by --ab --kinds none,hook)")
     return [Fit(**f) for f in doc["fits"]]
 
 
@@ -718,6 +756,85 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def paired_extra(runs: Sequence[Launched], cpu: bool = False) -> list[float]:
+    """--paired: each round's extra seconds per step with the check on over its paired "off" round."""
+    out: list[float] = []
+    for r in runs:
+        on, off = (r.cpu, r.off_cpu) if cpu else (r.rounds, r.off_rounds)
+        out += [a - b for a, b in zip(on, off, strict=True)]
+    return out
+
+
+def run_paired(args: argparse.Namespace) -> int:
+    """The cost model from paired rounds: in each launch one guarded model trains rounds with the
+    check on and off in turn (mode "after": ``guard.step`` or the plain ``optimizer.step()``; mode
+    "hook": the guard's comm hook or the bare one behind it), so that a launch's own speed, which
+    moves by more than the check costs, cancels out. Mode "hook"'s figure is its cost over a bare
+    Python comm hook (the floor, +1.4 to +2 % in the A/B)."""
+    default = FIT_POINTS_CUDA if args.device == "cuda" else FIT_POINTS
+    points = default if not args.points else tuple(
+        (s, int(b), float(c)) for s, b, c in (p.split(":") for p in args.points.split(",")))
+    kinds = ("after", "check1")
+    jobs = {(point, kind): Job(kind, size=point[0], batch=point[1], bucket_cap_mb=point[2],
+                               rounds=args.rounds, steps=args.steps, warmup=args.warmup, threads=args.threads,
+                               device=args.device, paired=True)
+            for point in points for kind in kinds}
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    print(header(args.world, args.device, args.threads), flush=True)
+    got = alternate(jobs, args.launches, args.world, max_other=args.max_other_cores)
+    load1 = os.getloadavg()
+    print(f"paired cost model: {len(points)} points x {len(kinds)} modes, {args.launches} launch(es) each, "
+          f"{args.rounds} pairs of rounds (check on, check off) x {args.steps} steps after 2 x {args.warmup} "
+          f"warm-up; load average {load0[0]:.2f} at start, {load1[0]:.2f} at end; wall "
+          f"{time.monotonic() - t0:.0f} s\n")
+    print(f"{'model':<8}{'batch':>6}{'cap MB':>8}{'grad MB':>9}{'buckets':>8}{'off step':>11}"
+          f"{'after: extra (IQR)':>28}{'hook over floor (IQR)':>28}")
+    data: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODE_OF.values()}
+    data_cpu: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODE_OF.values()}
+    for point in points:
+        cells = []
+        off = 0.0
+        for kind in kinds:
+            runs = got[(point, kind)]
+            if any(r.disabled for r in runs):
+                print(f"WARNING: the guard switched itself off at {point} {kind}: {runs[0].disabled}")
+            extra = paired_extra(runs)
+            q = statistics.quantiles(extra, n=4) if len(extra) >= 2 else [extra[0]] * 3
+            buckets = float(max(r.buckets for r in runs))
+            grad = float(runs[0].grad_bytes)
+            off = statistics.median(x for r in runs for x in r.off_rounds)
+            data[MODE_OF[kind]].append((buckets, grad, statistics.median(extra)))
+            data_cpu[MODE_OF[kind]].append((buckets, grad, statistics.median(paired_extra(runs, cpu=True))))
+            cells.append(f"{statistics.median(extra) * 1e3:+.3f} ms ({q[0] * 1e3:+.2f}..{q[2] * 1e3:+.2f})")
+        print(f"{point[0]:<8}{point[1]:>6}{point[2]:>8g}{grad / 1e6:>9.2f}{buckets:>8.0f}{off * 1e3:>8.2f} ms"
+              f"{cells[0]:>28}{cells[1]:>28}")
+    fits = [fit_cost(mode, pts) for mode, pts in data.items()]
+    print("\nfitted (wall): extra time per step = fixed + per bucket x buckets + per MB x gradient MB")
+    for f in fits:
+        print(f"  nonfinite={f.mode!r:<8} {f.describe()}")
+        for p in f.points:
+            print(f"    {p['grad_bytes'] / 1e6:6.2f} MB, {p['buckets']:3.0f} buckets: measured "
+                  f"{p['extra_s'] * 1e3:+.3f} ms, model {p['predicted_s'] * 1e3:+.3f} ms")
+    print("fitted (rank 0's CPU time):")
+    for f in (fit_cost(mode, pts) for mode, pts in data_cpu.items()):
+        print(f"  nonfinite={f.mode!r:<8} {f.describe()}")
+    print("\nextra (IQR): the median over every pair of rounds of (check on - check off), per step, and "
+          "the quartiles of those differences. 'hook' is over a bare Python comm hook: add the floor.")
+    if args.save_fit:
+        Path(args.save_fit).write_text(json.dumps({
+            "machine": describe(), "torch": torch.__version__, "device": args.device, "world": args.world,
+            "threads": args.threads, "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "method": "paired", "fits": [asdict(f) for f in fits]}, indent=1))
+        print(f"saved: {args.save_fit}")
+    step_ms, grad_mb, buckets_n = (float(x) for x in args.project.split(",")) if args.project else (
+        20.0, 1.36, 2.0)
+    print(f"\nprojection for a {step_ms:g} ms step with {grad_mb:g} MB of gradients in {buckets_n:g} buckets "
+          "(on this machine's costs; 'hook' over the floor):")
+    print_projection(fits, step_ms / 1e3, grad_mb * 1e6, buckets_n)
+    return 0
+
+
 def measure(model_factory: Callable[[], nn.Module] | str, make_batch: Callable[[torch.device], Any] | str,
             loss_fn: Callable[[nn.Module, Any], torch.Tensor] | str | None = None, *, world: int = 2,
             device: str | None = None, bucket_cap_mb: float = 25.0, launches: int = 3, rounds: int = 3,
@@ -779,6 +896,9 @@ def main() -> int:
                     help="run a launch again (up to 3 times) when other processes kept more than C cores "
                          "busy during it (a shared machine)")
     ab.add_argument("--fit", action="store_true", help="fit the cost model over FIT_POINTS")
+    ab.add_argument("--paired", action="store_true",
+                    help="with --fit: each launch one guarded model, rounds with the check on and off in "
+                         "turn (the launch's own speed cancels out)")
     ab.add_argument("--points", default="", metavar="SIZE:BATCH:CAP,...",
                     help="--fit's points instead of FIT_POINTS (e.g. small:8:25,small:8:0.25,...)")
     ab.add_argument("--save-fit", metavar="FILE", help="write the fitted model to FILE (JSON)")
@@ -802,7 +922,7 @@ def main() -> int:
                 max_other_cores=args.max_other_cores)
         return 0
     if args.fit:
-        return run_fit(args)
+        return run_paired(args) if args.paired else run_fit(args)
     if args.ab:
         return run_ab(args)
     if args.project:

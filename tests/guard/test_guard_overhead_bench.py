@@ -73,3 +73,22 @@ def test_a_users_model_is_measured_in_both_modes_and_projected(tmp_path: Path, b
     projected = [line.split()[0] for line in out.splitlines()
                  if " projected " in line and "; measured " in line]
     assert projected == ["nonfinite='hook'", "nonfinite='after'"], out
+
+
+def test_the_paired_cost_model_turns_the_check_on_and_off_on_one_guarded_model(tmp_path: Path) -> None:
+    """--fit --paired: per point and mode one launch whose rounds run with the check on and off in turn
+    (mode "hook" through one registered comm hook that is the guard's or the bare one); the guard
+    stays on, and the fit is printed and saved."""
+    fit = tmp_path / "fit.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(BENCH / "guard_overhead.py"), "--fit", "--paired", "--points",
+                           "small:2:25,small:2:0.25", "--launches", "1", "--rounds", "2", "--steps", "2",
+                           "--warmup", "2", "--device", "cpu", "--save-fit", str(fit)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "2 pairs of rounds (check on, check off)" in out and "WARNING" not in out, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("small ")]
+    assert [r[3] for r in rows] == ["1.36", "1.36"] and rows[0][4] != rows[1][4], out  # 25 MB: fewer buckets
+    saved = json.loads(fit.read_text())
+    assert saved["method"] == "paired" and [f["mode"] for f in saved["fits"]] == ["hook", "after"]
