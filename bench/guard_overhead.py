@@ -237,6 +237,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             "disabled": disabled}))
     dist.barrier()
     dist.destroy_process_group()
+    leave()
+
+
+def leave() -> None:
+    """End a spawned rank here, its result written: the DDP models' reference cycles keep the
+    process group's C++ threads alive into interpreter teardown, which can abort a finished rank
+    (SIGABRT, "terminate called without an active exception", pytorch/pytorch#179291; seen once in
+    a launch of this benchmark), and the benchmark measures steps, not its own exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
@@ -469,6 +480,7 @@ def worker_one(rank: int, world: int, port: int, job: Job, out: str) -> None:
     if guard is not None:
         guard.close()
     dist.destroy_process_group()
+    leave()
 
 
 def busy_seconds() -> float | None:
@@ -672,15 +684,37 @@ def after_pass_seconds(size: str, device: str, repeat: int = 500) -> tuple[float
     return statistics.median(times), sum(g.numel() * g.element_size() for g in grads)
 
 
-def run_fit(args: argparse.Namespace) -> int:
-    """The cost model: FIT_POINTS x (none, after, check1), each in launches of its own."""
+def fit_jobs(args: argparse.Namespace, kinds: Sequence[str], paired: bool = False
+             ) -> tuple[tuple[tuple[str, int, float], ...], dict[Any, Job]]:
+    """--fit's points (``--points`` or the device's default) and one job per point and kind."""
     default = FIT_POINTS_CUDA if args.device == "cuda" else FIT_POINTS
     points = default if not args.points else tuple(
         (s, int(b), float(c)) for s, b, c in (p.split(":") for p in args.points.split(",")))
     jobs = {(point, kind): Job(kind, size=point[0], batch=point[1], bucket_cap_mb=point[2],
                                rounds=args.rounds, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                               device=args.device)
-            for point in points for kind in KINDS}
+                               device=args.device, paired=paired)
+            for point in points for kind in kinds}
+    return points, jobs
+
+
+def save_and_project(args: argparse.Namespace, fits: Sequence[Fit], note: str = "", **extra: Any) -> None:
+    """--save-fit's file, and the projection for --project's step (default: the small benchmark's)."""
+    if args.save_fit:
+        Path(args.save_fit).write_text(json.dumps({
+            "machine": describe(), "torch": torch.__version__, "device": args.device, "world": args.world,
+            "threads": args.threads, "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "fits": [asdict(f) for f in fits], **extra}, indent=1))
+        print(f"saved: {args.save_fit}")
+    step_ms, grad_mb, buckets_n = (float(x) for x in args.project.split(",")) if args.project else (
+        20.0, 1.36, 2.0)
+    print(f"\nprojection for a {step_ms:g} ms step with {grad_mb:g} MB of gradients in {buckets_n:g} buckets "
+          f"(on this machine's costs{note}):")
+    print_projection(fits, step_ms / 1e3, grad_mb * 1e6, buckets_n)
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    """The cost model: FIT_POINTS x (none, after, check1), each in launches of its own."""
+    points, jobs = fit_jobs(args, KINDS)
     load0 = os.getloadavg()
     t0 = time.monotonic()
     print(header(args.world, args.device, args.threads), flush=True)
@@ -742,17 +776,7 @@ def run_fit(args: argparse.Namespace) -> int:
         print(f"  nonfinite={f.mode!r:<8} {f.describe()}")
     print("\nextra (a..b): the extra time per step, and in brackets the same with a configuration's "
           "slowest launch against plain's fastest and its fastest against plain's slowest.")
-    if args.save_fit:
-        Path(args.save_fit).write_text(json.dumps({
-            "machine": describe(), "torch": torch.__version__, "device": args.device, "world": args.world,
-            "threads": args.threads, "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "fits": [asdict(f) for f in fits], "points": rows}, indent=1))
-        print(f"saved: {args.save_fit}")
-    step_ms, grad_mb, buckets_n = (float(x) for x in args.project.split(",")) if args.project else (
-        20.0, 1.36, 2.0)
-    print(f"\nprojection for a {step_ms:g} ms step with {grad_mb:g} MB of gradients in {buckets_n:g} buckets "
-          "(on this machine's costs):")
-    print_projection(fits, step_ms / 1e3, grad_mb * 1e6, buckets_n)
+    save_and_project(args, fits, points=rows)
     return 0
 
 
@@ -771,14 +795,8 @@ def run_paired(args: argparse.Namespace) -> int:
     "hook": the guard's comm hook or the bare one behind it), so that a launch's own speed, which
     moves by more than the check costs, cancels out. Mode "hook"'s figure is its cost over a bare
     Python comm hook (the floor, +1.4 to +2 % in the A/B)."""
-    default = FIT_POINTS_CUDA if args.device == "cuda" else FIT_POINTS
-    points = default if not args.points else tuple(
-        (s, int(b), float(c)) for s, b, c in (p.split(":") for p in args.points.split(",")))
     kinds = ("after", "check1")
-    jobs = {(point, kind): Job(kind, size=point[0], batch=point[1], bucket_cap_mb=point[2],
-                               rounds=args.rounds, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                               device=args.device, paired=True)
-            for point in points for kind in kinds}
+    points, jobs = fit_jobs(args, kinds, paired=True)
     load0 = os.getloadavg()
     t0 = time.monotonic()
     print(header(args.world, args.device, args.threads), flush=True)
@@ -821,17 +839,7 @@ def run_paired(args: argparse.Namespace) -> int:
         print(f"  nonfinite={f.mode!r:<8} {f.describe()}")
     print("\nextra (IQR): the median over every pair of rounds of (check on - check off), per step, and "
           "the quartiles of those differences. 'hook' is over a bare Python comm hook: add the floor.")
-    if args.save_fit:
-        Path(args.save_fit).write_text(json.dumps({
-            "machine": describe(), "torch": torch.__version__, "device": args.device, "world": args.world,
-            "threads": args.threads, "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "method": "paired", "fits": [asdict(f) for f in fits]}, indent=1))
-        print(f"saved: {args.save_fit}")
-    step_ms, grad_mb, buckets_n = (float(x) for x in args.project.split(",")) if args.project else (
-        20.0, 1.36, 2.0)
-    print(f"\nprojection for a {step_ms:g} ms step with {grad_mb:g} MB of gradients in {buckets_n:g} buckets "
-          "(on this machine's costs; 'hook' over the floor):")
-    print_projection(fits, step_ms / 1e3, grad_mb * 1e6, buckets_n)
+    save_and_project(args, fits, "; 'hook' over the floor", method="paired")
     return 0
 
 
