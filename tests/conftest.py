@@ -285,11 +285,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     the rest of the suite's waits leave idle, not 2 minutes of the suite's wall time. Under
     pytest-xdist worker gw0 builds it (every worker collects every test; the controller then hands
     the image tests to one of them), and a worker that runs them without having built it waits for
-    gw0's build (``deploy.image_build.wait_for_other``); the controller removes the image.
-
-    The slow files go first (``SLOW``, each whole, in their order): pytest-xdist hands files out in
-    this order, and a long file taken last leaves the other worker idle at the end of the run."""
-    items.sort(key=lambda i: i.nodeid.split("::", 1)[0] not in SLOW)  # stable: files stay whole
+    gw0's build (``deploy.image_build.wait_for_other``); the controller removes the image."""
     image = [i for i in items if i.nodeid.startswith(IMAGE_TESTS)]
     if not image:
         return
