@@ -655,15 +655,21 @@ class Auditor:
             there = done[(h, t)] if h is not None else None
             fault, why = rerun.nonfinite_fault(again.nonfinite,
                                                there.nonfinite if there is not None else None)
-            rows = [{"role": "rerun_same_gpu", "rank": t, "node": node_of(self.identities[t]),
-                     "nonfinite": again.nonfinite, "loss": again.loss_value, "loss_bits": again.loss_bits(),
-                     "grads_fingerprint": again.grads_digest()}]
-            if h is not None and there is not None:
-                rows.append({"role": "other_node", "rank": h, "node": node_of(self.identities[h]),
-                             "nonfinite": there.nonfinite, "loss": there.loss_value,
-                             "loss_bits": there.loss_bits(), "grads_fingerprint": there.grads_digest()})
+            rows = self._rerun_rows(t, again, h, there)
             out[t] = (fault, why, {"reruns": rows, "rerun_judgement": why})
         return out
+
+    def _rerun_rows(self, t: int, again: Any, h: int | None, there: Any) -> list[dict[str, Any]]:
+        """The verdict's ``reruns``: rank ``t``'s micro-batch computed again on its own GPU, and by
+        rank ``h`` (another node's GPU) where one computed it."""
+        rows = [{"role": "rerun_same_gpu", "rank": t, "node": node_of(self.identities[t]),
+                 "nonfinite": again.nonfinite, "loss": again.loss_value, "loss_bits": again.loss_bits(),
+                 "grads_fingerprint": again.grads_digest()}]
+        if h is not None and there is not None:
+            rows.append({"role": "other_node", "rank": h, "node": node_of(self.identities[h]),
+                         "nonfinite": there.nonfinite, "loss": there.loss_value,
+                         "loss_bits": there.loss_bits(), "grads_fingerprint": there.grads_digest()})
+        return rows
 
     def rerun_every(self, step: int) -> dict[int, tuple[bool, bool | None, list[dict[str, Any]]]]:
         """Check 1 in mode "after" saw NaN/Inf in the reduced gradients, whose rank it cannot see:
@@ -679,12 +685,6 @@ class Auditor:
         for t, h in helpers.items():
             again = done[(t, t)]
             there = done[(h, t)] if h is not None else None
-            rows = [{"role": "rerun_same_gpu", "rank": t, "node": node_of(self.identities[t]),
-                     "nonfinite": again.nonfinite, "loss": again.loss_value, "loss_bits": again.loss_bits(),
-                     "grads_fingerprint": again.grads_digest()}]
-            if h is not None and there is not None:
-                rows.append({"role": "other_node", "rank": h, "node": node_of(self.identities[h]),
-                             "nonfinite": there.nonfinite, "loss": there.loss_value,
-                             "loss_bits": there.loss_bits(), "grads_fingerprint": there.grads_digest()})
+            rows = self._rerun_rows(t, again, h, there)
             out[t] = (again.nonfinite, there.nonfinite if there is not None else None, rows)
         return out

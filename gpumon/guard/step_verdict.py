@@ -148,8 +148,16 @@ class StepVerdictMixin(WeightCheckMixin):
         names this rank at once); the guard's other checks go on."""
         if self._exchange_off is not None:
             return [self.rank]
-        vec = torch.zeros(self.world, dtype=torch.int32)
-        vec[self.rank] = 1
+        got = self._exchange_flags(step, [True], "all-reduce result has")
+        return [self.rank] if got is None else got[0]
+
+    def _exchange_flags(self, step: int, mine: list[bool], what: str) -> list[list[int]] | None:
+        """The ranks whose result is non-finite meet on the reduce-exchange group (bounded by its
+        timeout): for each of this rank's ``mine`` flags, the ranks that set it. None: not every rank
+        came (only some results were non-finite), logged once; that group is not used again."""
+        vec = torch.zeros(len(mine), self.world, dtype=torch.int32)
+        for i, flag in enumerate(mine):
+            vec[i, self.rank] = int(flag)
         try:
             dist.all_reduce(vec, group=self._reduce_group)
         except Exception as exc:
@@ -157,11 +165,11 @@ class StepVerdictMixin(WeightCheckMixin):
             # guard stays on, so that the next weight check, on its own group, names this replica,
             # which skipped an update the others applied.
             self._exchange_off = f"{type(exc).__name__}: {exc}"
-            log.error("gpumon.guard: step %d: this rank's all-reduce result has NaN/Inf and not every "
-                      "rank's does (%s); this rank skips the update the others apply, so its weights now "
-                      "differ from theirs and the weight check names it", step, self._exchange_off)
-            return [self.rank]
-        return [r for r in range(self.world) if vec[r]]
+            log.error("gpumon.guard: step %d: this rank's %s NaN/Inf and not every rank's does (%s); this "
+                      "rank skips the update the others apply, so its weights now differ from theirs and the "
+                      "weight check names it", step, what, self._exchange_off)
+            return None
+        return [[r for r in range(self.world) if vec[i, r]] for i in range(len(mine))]
 
     def _bad_params(self, flags: list[BucketFlags], *, local: bool) -> list[str]:
         """Names of this rank's parameters with non-finite gradients (only computed on an alarm; best
@@ -285,18 +293,10 @@ class StepVerdictMixin(WeightCheckMixin):
         names itself alone, as ``_exchange_reduced`` does (that group is then not used again)."""
         if self._exchange_off is not None:
             return [self.rank], ([self.rank] if loss_bad else [])
-        vec = torch.zeros(2, self.world, dtype=torch.int32)
-        vec[0, self.rank] = 1
-        vec[1, self.rank] = int(loss_bad)
-        try:
-            dist.all_reduce(vec, group=self._reduce_group)
-        except Exception as exc:
-            self._exchange_off = f"{type(exc).__name__}: {exc}"
-            log.error("gpumon.guard: step %d: this rank's reduced gradients have NaN/Inf and not every "
-                      "rank's do (%s); this rank skips the update the others apply, so its weights now "
-                      "differ from theirs and the weight check names it", step, self._exchange_off)
+        got = self._exchange_flags(step, [True, loss_bad], "reduced gradients have")
+        if got is None:
             return [self.rank], ([self.rank] if loss_bad else [])
-        return ([r for r in range(self.world) if vec[0, r]], [r for r in range(self.world) if vec[1, r]])
+        return got[0], got[1]
 
     def _bad_reduced_params(self) -> list[str]:
         """Names of the parameters whose reduced gradients are non-finite (the same on every rank;
