@@ -13,9 +13,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpumon import __version__
 from gpumon.agent import Agent
@@ -35,6 +35,9 @@ from gpumon.sim.scenario import Scenario, builtin_scenarios, load_scenario
 from gpumon.sim.simulation import Simulation
 from gpumon.usage import EXIT_USAGE, UsageParser
 from gpumon.why import cli as why_cli
+
+if TYPE_CHECKING:
+    from gpumon.health import Health
 
 EXIT_OK = 0
 EXIT_WARN = 1
@@ -129,6 +132,12 @@ def build_parser() -> UsageParser:
                        help="operator override: mark a component (default: the whole node) healthy")
     p.add_argument("component", nargs="?", default="node", help="node, gpu/<i>, nvlink/<gpu>/<link>, ...")
     p.add_argument("--reason", required=True, help="why (recorded with the event)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR", help="default: state_dir of the config")
+
+    p = sub.add_parser("record-reset", parents=[common],
+                       help="record a GPU reset done by hand: its reset_gpu faults then await a retest")
+    p.add_argument("component", help="gpu/<i> (the GPU reset), or node (every GPU reset, nvidia-smi -r)")
+    p.add_argument("--reason", required=True, help="what was done (recorded with the event)")
     p.add_argument("--state-dir", type=Path, metavar="DIR", help="default: state_dir of the config")
     return parser
 
@@ -254,6 +263,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
             return _status(config, args, scenario)
         if args.command == "set-healthy":
             return _set_healthy(config, args, scenario)
+        if args.command == "record-reset":
+            return _record_reset(config, args, scenario)
         # the one place that knows what kind of node this is: everything past it asks the machine
         machine: Machine = _start_simulation(args, scenario) if scenario is not None else Machine()
         agent = Agent(config, checks, machine, persist_state=args.command == "daemon", not_loaded=not_loaded)
@@ -512,9 +523,10 @@ _CORRUPT_HINT = (" (the daemon moves a corrupt store aside, as health.db.corrupt
                  "fresh one when it starts)")
 
 
-def _set_healthy(config: Config, args: argparse.Namespace, scenario: Scenario | None) -> int:
-    import getpass
-
+def _operator_event(config: Config, args: argparse.Namespace, scenario: Scenario | None, what: str,
+                    record: Callable[[Health], object]) -> None:
+    """Append an operator's event to the node's health store (the daemon, if it runs, reads it
+    from there); ``what`` names it in the error when it cannot be stored."""
     from gpumon.health import Health, StoreError
     from gpumon.hw.calls import BoundedCaller
     from gpumon.hw.hostfs import HostFs
@@ -523,16 +535,46 @@ def _set_healthy(config: Config, args: argparse.Namespace, scenario: Scenario | 
     boot = HostFs(host_root, BoundedCaller(), config.timeouts.sysfs_read_s).boot_id()
     health = Health.open(_state_dir(config, args, scenario), boot_id=boot)
     try:
-        health.set_healthy(args.component, who=getpass.getuser(), reason=args.reason)
+        record(health)
     except ValueError as exc:
-        raise ConfigError(str(exc), key="set-healthy") from None
+        raise ConfigError(str(exc), key=args.command) from None
     except StoreError as exc:
-        raise StartupError(f"could not record the override: {exc}"
+        raise StartupError(f"could not record {what}: {exc}"
                            + (_CORRUPT_HINT if exc.corrupt else "")) from None
     finally:
         health.close()
+
+
+def _set_healthy(config: Config, args: argparse.Namespace, scenario: Scenario | None) -> int:
+    import getpass
+
+    _operator_event(config, args, scenario, "the override",
+                    lambda h: h.set_healthy(args.component, who=getpass.getuser(), reason=args.reason))
     print(f"gpumon: {args.component} marked healthy ({args.reason}): its recorded faults are closed; a "
           "finding a check still repeats word for word is accepted (gpumon status lists it, /metrics "
           "gpumon_finding_accepted), and its fault is raised again as soon as the check says "
           "anything else about it")
+    return EXIT_OK
+
+
+def _record_reset(config: Config, args: argparse.Namespace, scenario: Scenario | None) -> int:
+    """A GPU reset gpumon did not do (``nvidia-smi -r``): its ``reset_gpu`` faults are then
+    remediated and close at the next passing retest, as after a reboot. A reset is recorded, not
+    proven: the retest is what brings the GPU back."""
+    import getpass
+
+    from gpumon.model import NODE, Action, is_component
+
+    component = args.component.strip()
+    if component != NODE and not (component.startswith("gpu/") and is_component(component)):
+        raise ConfigError(f"record-reset names gpu/<i> or node, not {component!r}", key="component")
+    if not args.reason.strip():
+        raise ConfigError("record-reset needs a reason", key="--reason")
+    _operator_event(config, args, scenario, "the reset",
+                    lambda h: h.remediation(Action.RESET_GPU, component, by=getpass.getuser(),
+                                            detail=args.reason))
+    which = "every GPU" if component == NODE else component
+    print(f"gpumon: reset of {which} recorded ({args.reason}): its reset_gpu faults await a retest; "
+          "they close when `gpumon run-bootstrap` passes, or when the check that raised them passes "
+          "again (`gpumon status` shows `remediated: awaiting retest` until then)")
     return EXIT_OK

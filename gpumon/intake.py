@@ -254,37 +254,48 @@ class IntakeServer:
                             timeout=0.2)
 
     def _serve(self, conn: socket.socket) -> None:
-        peer: Peer | None = None
+        reply: IntakeReply | None = None
         try:
-            try:
-                peer = peer_of(conn)
-                if not self._limit.allow(peer.uid):
-                    self._say_once(f"uid:{peer.uid}", f"intake: uid {peer.uid} sent more than "
-                                   f"{self._limit.limit} requests within a minute: refused "
-                                   "(daemon.intake_per_uid_per_min)")
-                    reply = refused(f"more than {self._limit.limit} requests from uid {peer.uid} within a "
-                                    "minute: refused (daemon.intake_per_uid_per_min)")
-                else:
-                    name, document = self._request(conn)
-                    reply = self._judge(name, document, peer)
-            except _Refusal as why:
-                reply = refused(str(why))
-                log.info("intake: refused a request from %s: %s", peer.describe() if peer else "?", why)
-            except OSError as exc:  # the client went away, or the socket failed
-                reply = refused(f"cannot read the request: {exc.strerror or exc}")
-                log.info("intake: %s: %s", peer.describe() if peer else "a client", reply.message)
-            self._reply(conn, reply, timeout=self._read_timeout_s)
+            reply = self._answer(conn)
         except Exception:  # the server's own bug: logged, and the next connection is served
             log.exception("intake: serving a connection")
-            with contextlib.suppress(OSError):
-                conn.close()
+        finally:
+            # the slot is free before the client has its answer: a client that sends its next
+            # request as soon as it reads this one's is never told the daemon is busy with it
+            self._slots.release()
+        try:
+            if reply is not None:
+                self._reply(conn, reply, timeout=self._read_timeout_s)
+            else:
+                with contextlib.suppress(OSError):
+                    conn.close()
+        finally:
+            with self._workers_lock:
+                self._workers.discard(threading.current_thread())
+
+    def _answer(self, conn: socket.socket) -> IntakeReply:
+        peer: Peer | None = None
+        try:
+            peer = peer_of(conn)
+            if not self._limit.allow(peer.uid):
+                self._say_once(f"uid:{peer.uid}", f"intake: uid {peer.uid} sent more than "
+                               f"{self._limit.limit} requests within a minute: refused "
+                               "(daemon.intake_per_uid_per_min)")
+                return refused(f"more than {self._limit.limit} requests from uid {peer.uid} within a "
+                               "minute: refused (daemon.intake_per_uid_per_min)")
+            name, document = self._request(conn)
+            return self._judge(name, document, peer)
+        except _Refusal as why:
+            log.info("intake: refused a request from %s: %s", peer.describe() if peer else "?", why)
+            return refused(str(why))
+        except OSError as exc:  # the client went away, or the socket failed
+            reply = refused(f"cannot read the request: {exc.strerror or exc}")
+            log.info("intake: %s: %s", peer.describe() if peer else "a client", reply.message)
+            return reply
         finally:
             if peer is not None and peer.pidfd is not None:
                 with contextlib.suppress(OSError):
                     os.close(peer.pidfd)
-            self._slots.release()
-            with self._workers_lock:
-                self._workers.discard(threading.current_thread())
 
     def _judge(self, name: str, document: dict[str, Any], peer: Peer) -> IntakeReply:
         try:

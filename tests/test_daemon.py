@@ -190,6 +190,24 @@ def test_status_and_set_healthy_after_a_daemon_run(tmp_path: Path) -> None:
     assert doc["node"]["state"] == "unhealthy"
     dbe = doc["components"]["gpu/6"]
     assert (dbe["state"], dbe["action"]) == ("unhealthy", "reset_gpu")
+    assert [f["status"] for f in dbe["why"]] == ["awaiting reset_gpu"], dbe["why"]
+    # a reset done by hand, recorded: the fault is remediated and waits for its retest (it stays
+    # unhealthy until then: a reset is said, not proven)
+    for bad, said in (("gpu/x", "names gpu/<i> or node"), ("nvlink/6/0", "names gpu/<i> or node")):
+        refused = subprocess.run([sys.executable, "-m", "gpumon", "record-reset", bad, "--reason", "r",
+                                  "--state-dir", state], capture_output=True, text=True, env=clean_env(),
+                                 timeout=60)
+        assert refused.returncode == 3 and said in refused.stderr, refused.stderr
+    reset = subprocess.run([sys.executable, "-m", "gpumon", "record-reset", "gpu/6", "--reason",
+                            "nvidia-smi -r -i 6", "--state-dir", state],
+                           capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert reset.returncode == 0 and "await a retest" in reset.stdout, reset.stderr
+    dbe = json.loads(subprocess.run([sys.executable, "-m", "gpumon", "status", "--json", "--state-dir",
+                                     state], capture_output=True, text=True, env=clean_env(),
+                                    timeout=60).stdout)["components"]["gpu/6"]
+    assert (dbe["state"], [f["status"] for f in dbe["why"]]) == ("unhealthy", ["remediated: awaiting retest"])
+    assert any(e["kind"] == "remediation" and e["payload"]["action"] == "reset_gpu"
+               and e["payload"]["detail"] == "nvidia-smi -r -i 6" for e in dbe["history"]), dbe["history"]
     override = subprocess.run([sys.executable, "-m", "gpumon", "set-healthy", "gpu/6", "--reason",
                                "swapped the GPU", "--state-dir", state],
                               capture_output=True, text=True, env=clean_env(), timeout=60)

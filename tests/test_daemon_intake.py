@@ -31,6 +31,7 @@ from conftest import clean_env
 from gpumon.guard import verdict as vf
 from gpumon.guard.handover import SOCKET_ENV
 from gpumon.intake import MAX_CONNECTIONS, IntakeServer, IntakeUnavailable, check_directory
+from gpumon.intake_protocol import IntakeReply
 from gpumon.sim.nvml_state import read_state
 
 NOBODY = 65534
@@ -342,6 +343,27 @@ def test_each_uid_is_rate_limited_on_its_own(node: Node) -> None:
     # another uid is served meanwhile
     assert "no check named" in raw(node.sock, b'{"check": "nope", "document": {}}')["message"]
     assert node.proc.poll() is None
+
+
+def test_a_client_that_asks_again_as_soon_as_it_is_answered_is_never_told_busy(tmp_path: Path) -> None:
+    """One slot, one client asking 200 times in a row: each answer comes after its slot is free, so
+    the next request never finds the daemon busy with the last (a guard's retries, a busy machine)."""
+    as_root()
+    d = tmp_path / "run"
+    d.mkdir(mode=0o755)
+    served: list[str] = []
+
+    def handle(name: str, document: dict[str, Any], peer: Any) -> IntakeReply:
+        served.append(name)
+        return IntakeReply(True)
+
+    server = IntakeServer(d / "intake.sock", handle, per_uid_per_min=1000, max_connections=1)
+    try:
+        replies = [raw(d / "intake.sock", b'{"check": "c", "document": {}}') for _ in range(200)]
+    finally:
+        server.stop()
+    busy = [r for r in replies if not r["accepted"]]
+    assert not busy and len(served) == 200, busy[:3]
 
 
 def test_without_a_daemon_the_guard_writes_its_spool_file_as_before(

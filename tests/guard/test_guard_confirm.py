@@ -127,8 +127,11 @@ def test_a_verdict_the_canary_does_not_reproduce_is_a_warning_and_the_node_serve
 def test_a_verdict_the_canary_reproduces_fails_its_gpu_with_the_confirmation_as_evidence(node: Node) -> None:
     v = verdict(node.uuids[3], bundle=str(node.spool / "bundles" / "x"))
     vf.write(v, node.spool)
-    node.wait("the confirmation", lambda: ("guard", "gpu/3", v.id) in node.report())
-    f = node.report()[("guard", "gpu/3", v.id)]
+    # a confirmed persistent verdict is reported by one guard run (its fault then stays in the health
+    # state): read from health.db, not report.json, which the next run rewrites within a second
+    node.wait("the confirmation", lambda: _finding(node, "gpu/3", v.id) is not None)
+    f = _finding(node, "gpu/3", v.id)
+    assert f is not None
     assert (f["severity"], f["action"]) == ("fail", "inspect_hardware"), f
     assert ("CONFIRMED on this node: the node's SDC canary reproduced it: GPU 3 computed wrong bits"
             in f["message"])
@@ -162,6 +165,14 @@ def test_a_verdict_on_a_busy_gpu_waits_for_it_with_the_node_out(node: Node) -> N
     assert said in node.log.read_text()
     assert "confirmed once it is free" in str((queue.status(v.id) or {}).get("waiting"))
     assert queue.result(v.id) is None
+
+
+def _finding(node: Node, component: str, key: str) -> dict[str, Any] | None:
+    """The guard's finding event on ``component`` for fault ``key`` (a verdict id) in health.db."""
+    for e in _events(node, component):
+        if "severity" in e and e.get("key") == key:
+            return e
+    return None
 
 
 def _events(node: Node, component: str, check: str = "guard") -> list[dict[str, Any]]:

@@ -282,6 +282,18 @@ def _why(c: Cluster, job: str) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(proc.stdout)
 
 
+def _explain(c: Cluster, doc: dict[str, Any]) -> str:
+    """What a failed verdict needs to be understood after the run: the verdict, its notes whole,
+    the job and nodes as `why` saw them, and each daemon's log (the test's tmp dir is gone by then)."""
+    parts = [json.dumps({k: doc.get(k) for k in ("verdict", "notes", "job", "nodes", "suspects")},
+                        indent=1, default=str)]
+    for h in c.net.hosts:
+        path = c.base / h.name / "daemon.log"
+        if path.exists():
+            parts.append(f"--- {h.name} daemon.log (tail)\n" + path.read_text(errors="replace")[-2500:])
+    return "\n".join(parts)
+
+
 def _comment(c: Cluster, job: str, log: str) -> str:
     """The job's AdminComment as the accounting database has it (``sacct -o AdminComment``): the
     one the epilog logged, lower-cased and without quotes (what sacctmgr 22.05 stores of it)."""
@@ -327,7 +339,7 @@ def test_application_exception_is_no_infrastructure_evidence(cluster: Cluster) -
     assert rc != 0 and "loss is NaN at step 20" in run.text()
     log = _epilog(c, run.job)
     code, doc = _why(c, run.job)
-    assert code == 0 and doc["verdict"] == "no_infrastructure_evidence", (doc["suspects"], doc["notes"])
+    assert code == 0 and doc["verdict"] == "no_infrastructure_evidence", _explain(c, doc)
     _common(doc, run, ended)
     assert doc["suspects"] == [] and doc["unreachable"] == [] and doc["culprits"] == []
     assert all(n["reachable"] for n in doc["nodes"])
@@ -374,7 +386,7 @@ def test_ib_port_down_past_the_collective_timeout_names_the_node_and_port(cluste
             f["component"] == "ib/mlx5_0/1" and "ongoing_outage_s" in f["evidence"] for f in doc["findings"]),
             "the IB port back up")
         code, doc = _why(c, run.job)
-        assert code == 2 and doc["verdict"] == "infrastructure", doc
+        assert code == 2 and doc["verdict"] == "infrastructure", _explain(c, doc)
         _common(doc, run, ended)
         top = doc["suspects"][0]
         assert (top["node"], top["component"], top["what"], top["tier"]) == ("node1", "ib/mlx5_0/1",
@@ -407,7 +419,7 @@ def test_a_node_whose_daemon_is_down_is_unreachable_and_the_others_are_judged(cl
         assert rc != 0
         log = _epilog(c, run.job)
         code, doc = _why(c, run.job)
-        assert code == 1 and doc["verdict"] == "inconclusive", (doc["suspects"], doc["job"])
+        assert code == 1 and doc["verdict"] == "inconclusive", _explain(c, doc)
         _common(doc, run, ended)
         assert doc["unreachable"] == ["node2"]
         by_node = {n["node"]: n for n in doc["nodes"]}
@@ -442,7 +454,7 @@ def test_gpu_fallen_off_the_bus_and_its_rank_dead_is_named(cluster: Cluster) -> 
     try:
         log = _epilog(c, run.job)
         code, doc = _why(c, run.job)
-        assert code == 2 and doc["verdict"] == "infrastructure", doc
+        assert code == 2 and doc["verdict"] == "infrastructure", _explain(c, doc)
         _common(doc, run, ended)
         top = doc["suspects"][0]
         assert (top["node"], top["component"], top["tier"]) == ("node0", "gpu/0", 1), doc["suspects"]
