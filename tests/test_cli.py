@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from conftest import clean_env, run_gpumon
 from gpumon.model import Phase
@@ -141,6 +142,26 @@ def test_hung_nvml_call_is_a_finding_within_its_bound(tmp_path: Path) -> None:
     assert elapsed < 15  # the 20 s hang was not waited out
 
 
+def _healthy(tmp_path: Path, cfg: Path, *checks: str) -> tuple[dict[str, float], float]:
+    """Each check's seconds and the whole command's on the same node without the hang, run now: this
+    machine's pace, to compare a run with a hang against (a busy machine slows both)."""
+    scenario = tmp_path / "healthy.yaml"
+    scenario.write_text("name: healthy\nsku: h100-sxm\ngpus: 8\nfaults: []\n")
+    start = time.monotonic()
+    proc = run_gpumon("--config", str(cfg), "check", *checks, "--simulate", str(scenario), "--json", "-v")
+    elapsed = time.monotonic() - start
+    assert proc.returncode in (0, 1), proc.stderr
+    return {c["check"]: float(c["seconds"]) for c in json.loads(proc.stdout)["checks"]}, elapsed
+
+
+def _within_one_bound(runs: dict[str, dict[str, Any]], healthy: dict[str, float], bound_s: float) -> None:
+    """Each check waited at most one bound: its healthy time (twice that, for a busy machine's noise)
+    plus one and a half bounds, where a check that waited the bound once per GPU would take 8."""
+    slow = {name: (r["seconds"], healthy.get(name)) for name, r in runs.items()
+            if float(r["seconds"]) > 2 * healthy.get(name, 0.0) + 1.5 * bound_s}
+    assert not slow, f"check: (seconds, seconds on the healthy node): {slow}"
+
+
 def test_a_hung_nvml_call_is_its_gpus_finding_within_its_bound_in_every_check(tmp_path: Path) -> None:
     """Issue 14 #1: one NVML function hangs on GPU 4 (30 s, bound 1 s). Every check that meets it
     reports it on gpu/4 within the bound + 1 s, naming that call, with the GPU-hang action; the
@@ -150,6 +171,7 @@ def test_a_hung_nvml_call_is_its_gpus_finding_within_its_bound_in_every_check(tm
     scenario = tmp_path / "hang.yaml"
     scenario.write_text("name: hang\nsku: h100-sxm\ngpus: 8\nfaults:\n"
                         "  - {kind: nvml_hang, gpu: 4, function: nvmlDeviceGetTemperature, seconds: 30}\n")
+    healthy, healthy_elapsed = _healthy(tmp_path, cfg)
     start = time.monotonic()
     proc = run_gpumon("--config", str(cfg), "check", "--simulate", str(scenario), "--json", "-v")
     elapsed = time.monotonic() - start
@@ -157,9 +179,10 @@ def test_a_hung_nvml_call_is_its_gpus_finding_within_its_bound_in_every_check(tm
     doc = json.loads(proc.stdout)
     runs = {c["check"]: c for c in doc["checks"]}
     assert {r["outcome"] for r in runs.values()} <= {"completed", "skipped"}, runs
-    # one hung call at a time on GPU 4: each check is done within its bound + 1 s
-    assert all(r["seconds"] <= 2.0 for r in runs.values()), runs
-    assert elapsed < 2.0 + 6.0  # + starting the process and rendering the node (not the 30 s hang)
+    # one hung call at a time on GPU 4: each check is done within about one bound
+    _within_one_bound(runs, healthy, 1.0)
+    # the command as a whole too (not the 30 s hang)
+    assert elapsed < 2 * healthy_elapsed + 1.5, (elapsed, healthy_elapsed)
     want = "hung after 1 s in nvmlDeviceGetTemperature(gpu/4)"
     found = {(f["check"], f["component"]): f for f in doc["findings"]}
     for check in ("thermal", "throttle"):  # both read the temperature of every GPU
@@ -185,13 +208,14 @@ def test_a_driver_wide_hang_names_every_gpu_within_one_bound(tmp_path: Path) -> 
     scenario.write_text("name: hang\nsku: h100-sxm\ngpus: 8\nfaults:\n" + "".join(
         f"  - {{kind: nvml_hang, gpu: {g}, function: {fn}, seconds: 30}}\n"
         for fn in functions for g in range(8)))
+    healthy, _ = _healthy(tmp_path, cfg, "thermal", "throttle", "memory")
     proc = run_gpumon("--config", str(cfg), "check", "thermal", "throttle", "memory", "--simulate",
                       str(scenario), "--json", "-v")
     assert proc.returncode == 2, proc.stderr
     doc = json.loads(proc.stdout)
     runs = {c["check"]: c for c in doc["checks"]}
     assert {r["outcome"] for r in runs.values()} == {"completed"}, runs
-    assert all(r["seconds"] <= 2.0 for r in runs.values()), runs  # bound + 1 s, not 8 bounds
+    _within_one_bound(runs, healthy, 1.0)  # one bound, not 8
     found = {(f["check"], f["component"]): f for f in doc["findings"]}
     for check, fn in (("thermal", functions[0]), ("throttle", functions[0]), ("memory", functions[1])):
         for g in range(8):
