@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import clean_env
+from gpumon.health import DB_NAME
 from gpumon.sim.scenario import Fault, Scenario
 
 
@@ -256,6 +259,19 @@ def test_metrics_show_the_node_unhealthy(tmp_path: Path) -> None:
             proc.wait(timeout=15)
 
 
+def _committed_xids(db: Path) -> int:
+    """The Xid findings a running daemon's store has committed (read-only; 0 before it exists)."""
+    if not db.exists():
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as conn:
+            row = conn.execute("SELECT count(*) FROM events WHERE check_name = 'xid' AND kind = 'finding'"
+                               ).fetchone()
+    except sqlite3.Error:  # not created yet, or its schema not yet written
+        return 0
+    return int(row[0])
+
+
 def test_kill_9_during_a_burst_keeps_committed_events_and_the_state(tmp_path: Path) -> None:
     """SIGKILL the daemon while faults pour in; what the store had committed is all there after."""
     simdir = tmp_path / "sim"
@@ -266,7 +282,13 @@ def test_kill_9_during_a_burst_keeps_committed_events_and_the_state(tmp_path: Pa
     cmd = [sys.executable, "-m", "gpumon", "daemon", "--simulate", str(scenario), "--sim-dir", str(simdir),
            "--listen", "127.0.0.1:0"]
     with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env()) as proc:
-        time.sleep(3.5)  # in the middle of the burst (1.0 .. 3.9 s)
+        # killed in the burst (1.0 .. 3.9 s of the node's time): as soon as the store has committed
+        # a few of its Xids, however long the daemon took to start on a busy machine
+        deadline = time.monotonic() + 60
+        while _committed_xids(simdir / "state" / DB_NAME) < 3:
+            assert proc.poll() is None, "the daemon exited"
+            assert time.monotonic() < deadline, "the daemon committed no Xid within 60 s"
+            time.sleep(0.05)
         proc.kill()
         proc.wait(timeout=10)
     state = str(simdir / "state")
