@@ -514,8 +514,10 @@ def _status(config: Config, args: argparse.Namespace, scenario: Scenario | None)
         if name not in shown:
             continue
         for e in events[-args.history:]:
-            console.print(f"  {when(e.time)} {name} {e.kind.value} {e.check} "
-                          f"{e.payload.get('message', e.payload.get('reason', ''))}", markup=False)
+            said = e.payload.get("message", e.payload.get("reason", ""))
+            # an event with no check or no words (a boot) leaves no blank field at the end of its line
+            words = [when(e.time), name, e.kind.value, e.check, "" if said is None else str(said)]
+            console.print("  " + " ".join(w for w in words if w), markup=False)
     return code
 
 

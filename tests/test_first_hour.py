@@ -162,6 +162,11 @@ def test_status_piped_pads_no_line(bad_node: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     lines = proc.stdout.splitlines()
     assert all(ln == ln.rstrip() for ln in lines), [ln for ln in lines if ln != ln.rstrip()]
+    # -v lists every component with its history, the node's boot (an event with no check and no
+    # words) among it
+    verbose = run_gpumon("status", "-v", "--state-dir", str(bad_node)).stdout.splitlines()
+    assert any(ln.endswith(" node boot") for ln in verbose), verbose
+    assert all(ln == ln.rstrip() for ln in verbose), [ln for ln in verbose if ln != ln.rstrip()]
     # each record is as long as what it says, not as the widest one (gpu/3 has seven reasons)
     header = next(ln for ln in lines if ln.startswith("component"))
     assert header.split() == ["component", "state", "action", "since", "why"] and len(header) < 100
