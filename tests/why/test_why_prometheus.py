@@ -111,10 +111,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             outage = next((o for e in doc["events"] if e["component"] == "ib/mlx5_2/1"
                            for o in e["evidence"].get("recent_outages") or []), None)
         assert outage is not None, "the IB outage never reached n-a's history"
-        time.sleep(2.0)  # two more scrapes of the port back up
+        # Prometheus has the whole outage: two scrapes of the port's downtime at its full length
+        # (the port back up), however late a busy machine's scrapes come
+        q = urllib.parse.urlencode({"query": 'gpumon_ib_downtime_seconds{instance="n-a.cluster.test",'
+                                             'component="ib/mlx5_2/1"}[60s]'})
+        scraped, deadline = 0, time.monotonic() + 60
+        while scraped < 2:
+            result = _json(f"{prom}/api/v1/query?{q}")["data"]["result"]
+            scraped = sum(float(v) >= outage["down_s"] - 0.5 for r in result for _, v in r["values"])
+            assert time.monotonic() < deadline, f"Prometheus did not scrape the outage: {result}"
+            time.sleep(0.3)
         _stop(procs.pop("n-a"))  # the node is gone
         end = time.time()
         q = urllib.parse.urlencode({"query": 'up{instance="n-a.cluster.test"}'})
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # Prometheus saw it go
             result = _json(f"{prom}/api/v1/query?{q}")["data"]["result"]
             if result and result[0]["value"][1] == "0":
