@@ -712,17 +712,25 @@ def save_and_project(args: argparse.Namespace, fits: Sequence[Fit], note: str = 
     print_projection(fits, step_ms / 1e3, grad_mb * 1e6, buckets_n)
 
 
-def run_fit(args: argparse.Namespace) -> int:
-    """The cost model: FIT_POINTS x (none, after, check1), each in launches of its own."""
-    points, jobs = fit_jobs(args, KINDS)
+def launch_fit_jobs(args: argparse.Namespace, jobs: dict[Any, Job]) -> tuple[dict[Any, list[Launched]], str]:
+    """Run the cost model's launches (the machine's header first); what they measured, and the
+    conditions they ran under (load average at start and end, wall time) in words."""
     load0 = os.getloadavg()
     t0 = time.monotonic()
     print(header(args.world, args.device, args.threads), flush=True)
     got = alternate(jobs, args.launches, args.world, max_other=args.max_other_cores)
     load1 = os.getloadavg()
+    return got, (f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at end; wall "
+                 f"{time.monotonic() - t0:.0f} s")
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    """The cost model: FIT_POINTS x (none, after, check1), each in launches of its own."""
+    points, jobs = fit_jobs(args, KINDS)
+    got, conditions = launch_fit_jobs(args, jobs)
     print(f"cost model: {len(points)} points x {len(KINDS)} configurations, {args.launches} launches each "
-          f"(alternating), {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; load "
-          f"average {load0[0]:.2f} at start, {load1[0]:.2f} at end; wall {time.monotonic() - t0:.0f} s\n")
+          f"(alternating), {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; "
+          f"{conditions}\n")
     print(f"{'model':<8}{'batch':>6}{'cap MB':>8}{'grad MB':>9}{'buckets':>8}{'plain step':>12}"
           f"{'after: extra (a..b)':>28}{'hook: extra (a..b)':>28}")
     data: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODE_OF.values()}
@@ -797,15 +805,10 @@ def run_paired(args: argparse.Namespace) -> int:
     Python comm hook (the floor, +1.4 to +2 % in the A/B)."""
     kinds = ("after", "check1")
     points, jobs = fit_jobs(args, kinds, paired=True)
-    load0 = os.getloadavg()
-    t0 = time.monotonic()
-    print(header(args.world, args.device, args.threads), flush=True)
-    got = alternate(jobs, args.launches, args.world, max_other=args.max_other_cores)
-    load1 = os.getloadavg()
+    got, conditions = launch_fit_jobs(args, jobs)
     print(f"paired cost model: {len(points)} points x {len(kinds)} modes, {args.launches} launch(es) each, "
           f"{args.rounds} pairs of rounds (check on, check off) x {args.steps} steps after 2 x {args.warmup} "
-          f"warm-up; load average {load0[0]:.2f} at start, {load1[0]:.2f} at end; wall "
-          f"{time.monotonic() - t0:.0f} s\n")
+          f"warm-up; {conditions}\n")
     print(f"{'model':<8}{'batch':>6}{'cap MB':>8}{'grad MB':>9}{'buckets':>8}{'off step':>11}"
           f"{'after: extra (IQR)':>28}{'hook over floor (IQR)':>28}")
     data: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODE_OF.values()}
