@@ -712,6 +712,19 @@ def save_and_project(args: argparse.Namespace, fits: Sequence[Fit], note: str = 
     print_projection(fits, step_ms / 1e3, grad_mb * 1e6, buckets_n)
 
 
+def print_fits(title: str, data: dict[str, list[tuple[float, float, float]]]) -> list[Fit]:
+    """Fit each mode's (buckets, gradient bytes, extra seconds) points and print the fits with each
+    point measured against the model."""
+    fits = [fit_cost(mode, pts) for mode, pts in data.items()]
+    print(title)
+    for f in fits:
+        print(f"  nonfinite={f.mode!r:<8} {f.describe()}")
+        for p in f.points:
+            print(f"    {p['grad_bytes'] / 1e6:6.2f} MB, {p['buckets']:3.0f} buckets: measured "
+                  f"{p['extra_s'] * 1e3:+.3f} ms, model {p['predicted_s'] * 1e3:+.3f} ms")
+    return fits
+
+
 def launch_fit_jobs(args: argparse.Namespace, jobs: dict[Any, Job]) -> tuple[dict[Any, list[Launched]], str]:
     """Run the cost model's launches (the machine's header first); what they measured, and the
     conditions they ran under (load average at start and end, wall time) in words."""
@@ -758,13 +771,8 @@ def run_fit(args: argparse.Namespace) -> int:
                      "launches": {k: [r.step for r in got[(point, k)]] for k in KINDS}})
         print(f"{point[0]:<8}{point[1]:>6}{point[2]:>8g}{grad / 1e6:>9.2f}{buckets:>8.0f}"
               f"{base * 1e3:>9.2f} ms{cells[0]:>28}{cells[1]:>28}")
-    fits = [fit_cost(mode, pts) for mode, pts in data.items()]
-    print("\nfitted: extra time per step = fixed + per bucket x buckets + per MB x gradient MB")
-    for f in fits:
-        print(f"  nonfinite={f.mode!r:<8} {f.describe()}")
-        for p in f.points:
-            print(f"    {p['grad_bytes'] / 1e6:6.2f} MB, {p['buckets']:3.0f} buckets: measured "
-                  f"{p['extra_s'] * 1e3:+.3f} ms, model {p['predicted_s'] * 1e3:+.3f} ms")
+    fits = print_fits("\nfitted: extra time per step = fixed + per bucket x buckets + per MB x gradient MB",
+                      data)
     print("\nmode after's own work by itself (its NaN/Inf pass over each model's gradients and the read of "
           "its flag, one process, timed 500 times, median): what the whole-step figures above cannot resolve "
           "when the launches spread by more than it")
@@ -830,13 +838,8 @@ def run_paired(args: argparse.Namespace) -> int:
             cells.append(f"{statistics.median(extra) * 1e3:+.3f} ms ({q[0] * 1e3:+.2f}..{q[2] * 1e3:+.2f})")
         print(f"{point[0]:<8}{point[1]:>6}{point[2]:>8g}{grad / 1e6:>9.2f}{buckets:>8.0f}{off * 1e3:>8.2f} ms"
               f"{cells[0]:>28}{cells[1]:>28}")
-    fits = [fit_cost(mode, pts) for mode, pts in data.items()]
-    print("\nfitted (wall): extra time per step = fixed + per bucket x buckets + per MB x gradient MB")
-    for f in fits:
-        print(f"  nonfinite={f.mode!r:<8} {f.describe()}")
-        for p in f.points:
-            print(f"    {p['grad_bytes'] / 1e6:6.2f} MB, {p['buckets']:3.0f} buckets: measured "
-                  f"{p['extra_s'] * 1e3:+.3f} ms, model {p['predicted_s'] * 1e3:+.3f} ms")
+    fits = print_fits("\nfitted (wall): extra time per step = fixed + per bucket x buckets + per MB x "
+                      "gradient MB", data)
     print("fitted (rank 0's CPU time):")
     for f in (fit_cost(mode, pts) for mode, pts in data_cpu.items()):
         print(f"  nonfinite={f.mode!r:<8} {f.describe()}")
