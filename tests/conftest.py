@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,43 @@ def run_gpumon(*args: str, env: dict[str, str] | None = None, timeout: float = 1
                cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gpumon", *args], capture_output=True, text=True,
                           env=env if env is not None else clean_env(), timeout=timeout, cwd=cwd)
+
+
+Findings = dict[tuple[str, str], dict[str, Any]]
+
+
+def daemon_until(args: list[str], report: Path, want: Callable[[Findings], bool], what: str, *,
+                 env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``gpumon ARGS`` (a daemon, its ``--duration`` longer than ``timeout``) until the findings of its
+    ``report`` (report.json, by (check, component)) satisfy ``want``; then stopped with SIGTERM as
+    systemd stops it. Its exit code and stderr. A daemon's checks run at its pace, not the test's: on
+    a busy machine a fixed ``--duration`` can end before a check has run."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "gpumon", *args], stdout=subprocess.DEVNULL,
+                                stderr=err, text=True, env=env if env is not None else clean_env())
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    err.seek(0)
+                    raise AssertionError(f"{what}: the daemon exited {proc.returncode} first\n"
+                                         + err.read()[-3000:])
+                with contextlib.suppress(OSError, ValueError):  # not written yet, or mid-rename
+                    doc = json.loads(report.read_text())
+                    if want({(f["check"], f["component"]): f for f in doc["findings"]}):
+                        break
+                if time.monotonic() > deadline:
+                    err.seek(0)
+                    raise AssertionError(f"{what}: not within {timeout:g} s\n" + err.read()[-3000:])
+                time.sleep(0.2)
+            proc.terminate()
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, "", err.read())
 
 
 def run_on_json(check: Any, ctx: Any) -> Any:

@@ -27,6 +27,7 @@ from conftest import clean_env
 from gpumon.health.keeper import Health
 from gpumon.health.store import DB_NAME
 from gpumon.model import Action, Finding, Severity
+from live_faults import end_fault, start_fault
 
 
 def _free_port() -> int:
@@ -88,6 +89,25 @@ def _report(simdir: Path) -> dict[str, Any]:
         return {}
 
 
+def _ran(simdir: Path, check: str) -> bool:
+    """The check's first run is in report.json (ok findings folded into one per check)."""
+    return any(f["check"] == check for f in _report(simdir).get("findings", []))
+
+
+def _finding(simdir: Path, component: str) -> dict[str, Any] | None:
+    """The component's finding in report.json: one that is not ok (ok ones are folded)."""
+    return next((f for f in _report(simdir).get("findings", []) if f["component"] == component), None)
+
+
+def _findings_stored(simdir: Path, component: str) -> list[dict[str, Any]]:
+    """The component's finding events in the health store, oldest first."""
+    status = _status(simdir / "state")
+    if status.returncode not in (0, 1, 2):
+        return []
+    port = json.loads(status.stdout)["components"].get(component, {})
+    return [e["payload"] for e in port.get("history", []) if e["kind"] == "finding"]
+
+
 # -- 1. history is transitions, not every new number ---------------------------------------------
 
 
@@ -96,10 +116,20 @@ def test_an_ib_outage_is_stored_as_its_transitions_not_one_event_a_second(tmp_pa
     with a new N each second, warn for 7 s, then fail. Stored: the transitions (ok -> warn ->
     fail), not one event per new number (~11 before); what status says is the newest words."""
     simdir = tmp_path / "sim"
-    scenario = _scenario(tmp_path, "outage",
-                         "  - {at_s: 2, kind: ib_down, device: mlx5_2, port: 1, duration_s: 10}\n")
+    scenario = _scenario(tmp_path, "outage", "  []\n")
     log = tmp_path / "daemon.log"
-    with _daemon(scenario, simdir, "--duration", "15", "--listen", "127.0.0.1:0", log=log) as proc:
+    comp = "ib/mlx5_2/1"
+    with _daemon(scenario, simdir, "--duration", "300", "--listen", "127.0.0.1:0", log=log) as proc:
+        # the port down while the daemon watches (tests/live_faults.py: a scenario's time counts from
+        # the node's start, which a daemon slow to start on a busy machine would partly miss), until
+        # its finding fails (7 s), then up again
+        assert _wait(lambda: _ran(simdir, "ib"), 60), log.read_text()
+        start_fault(scenario, simdir, {"kind": "ib_down", "device": "mlx5_2", "port": 1})
+        assert _wait(lambda: (_finding(simdir, comp) or {}).get("severity") == "fail", 60), log.read_text()
+        end_fault(scenario, simdir, "ib_down")
+        assert _wait(lambda: (_finding(simdir, comp) or {}).get("message", "").startswith("an outage of "),
+                     60), log.read_text()
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()
     assert "ib ib/mlx5_2/1: warn -> fail" in log.read_text()
     db = sqlite3.connect(simdir / "state" / DB_NAME)
@@ -125,13 +155,22 @@ def test_an_ib_blip_that_never_left_ok_is_recorded(tmp_path: Path) -> None:
     evidence counts the outage (link_downed). That finding is stored: the blip is history,
     where before nothing but the port's first ok was."""
     simdir = tmp_path / "sim"
-    scenario = _scenario(tmp_path, "blip",
-                         "  - {at_s: 3, kind: ib_down, device: mlx5_3, port: 1, duration_s: 3}\n")
+    scenario = _scenario(tmp_path, "blip", "  []\n")
     cfg = tmp_path / "c.yaml"
     cfg.write_text("daemon:\n  jitter: 0\nchecks:\n  ib:\n    interval_s: 10\n")
     log = tmp_path / "daemon.log"
-    with _daemon(scenario, simdir, "--duration", "12", "--listen", "127.0.0.1:0", config=cfg,
+    comp = "ib/mlx5_3/1"
+    with _daemon(scenario, simdir, "--duration", "300", "--listen", "127.0.0.1:0", config=cfg,
                  log=log) as proc:
+        # down for 2 s right after the port's first sample, up long before its next one (10 s later)
+        assert _wait(lambda: _ran(simdir, "ib"), 60), log.read_text()
+        start_fault(scenario, simdir, {"kind": "ib_down", "device": "mlx5_3", "port": 1})
+        time.sleep(2)  # the outage's length
+        end_fault(scenario, simdir, "ib_down")
+        # the port's next sample, ok again, its finding counting the outage (a stored transition: the
+        # report folds ok findings into the check's one line)
+        assert _wait(lambda: len(_findings_stored(simdir, comp)) == 2, 60, step=0.5), log.read_text()
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()
     assert "ib/mlx5_3/1: ok -> warn" not in log.read_text(), "a sample saw the port down: not a blip"
     status = _status(simdir / "state")
@@ -164,7 +203,7 @@ def test_report_json_follows_metrics_within_a_second(tmp_path: Path) -> None:
 
     with _daemon(scenario, simdir, "--duration", "20", "--listen", f"127.0.0.1:{port}") as proc:
         try:
-            assert _wait(lambda: want in _scrape(port), 15), _scrape(port)
+            assert _wait(lambda: want in _scrape(port), 60), _scrape(port)
             seen = time.monotonic()
             assert _wait(lambda: count() == 2, 12)
             lag = time.monotonic() - seen

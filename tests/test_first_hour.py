@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, run_gpumon
+from conftest import Findings, clean_env, daemon_until, run_gpumon
 from gpumon.model import Phase
 from gpumon.registry import load_checks
 from gpumon.sim.scenario import Fault, load_scenario
@@ -123,10 +123,14 @@ def bad_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("bad")
     scenario = d / "bad.yaml"
     scenario.write_text(BAD)
-    proc = run_gpumon("daemon", "--simulate", str(scenario), "--sim-dir", str(d / "sim"), "--duration", "3",
-                      "--listen", "127.0.0.1:0", timeout=90)
+    state = d / "sim" / "state"
+    proc = daemon_until(["daemon", "--simulate", str(scenario), "--sim-dir", str(d / "sim"), "--duration",
+                         "300", "--listen", "127.0.0.1:0"], state / "report.json",
+                        lambda found: all(found.get(f, {}).get("severity") == "fail"
+                                          for f in (("xid", "gpu/3"), ("throttle", "gpu/1"))),
+                        "both faults judged")
     assert proc.returncode == 0, proc.stderr
-    return d / "sim" / "state"
+    return state
 
 
 # --------------------------------------------------------------------- 4: piped output breaks no word
@@ -252,8 +256,12 @@ def test_one_lost_gpu_is_one_warning_line_in_the_daemons_log(tmp_path: Path) -> 
     config = tmp_path / "fast.yaml"
     config.write_text("checks:\n" + "".join(f"  {name}:\n    interval_s: 1\n" for name in (
         "gpu_presence", "memory", "nvlink", "nvswitch", "thermal", "throttle", "xid")))
-    proc = run_gpumon("--config", str(config), "daemon", "--simulate", str(scenario), "--sim-dir",
-                      str(tmp_path / "sim"), "--duration", "7", "--listen", "127.0.0.1:0", timeout=90)
+    def judged(found: Findings) -> bool:  # five checks failed gpu/3 (the asserts below need 1 + 4)
+        return (len({c for (c, comp), f in found.items() if comp == "gpu/3" and f["severity"] == "fail"}) >= 5
+                and found.get(("throttle", "gpu/1"), {}).get("severity") == "fail")
+    proc = daemon_until(["--config", str(config), "daemon", "--simulate", str(scenario), "--sim-dir",
+                         str(tmp_path / "sim"), "--duration", "300", "--listen", "127.0.0.1:0"],
+                        tmp_path / "sim" / "state" / "report.json", judged, "the loss seen by five checks")
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if " gpu/3: " in ln]
     warnings = [ln for ln in lines if " gpumon WARNING " in ln]

@@ -7,6 +7,13 @@ CFS balancer paired it with a neighbour). The slowed rank moves into ``slow``, c
 every 5 ms; a quota is at least 1 ms): 0.4 of its healthy pace. A rank moves itself by writing its pid
 to ``cgroup.procs`` (``join``).
 
+The group as a whole has the largest CPU weight the kernel takes (``cpu.shares`` 262144, ``cpu.weight``
+10000), so its ranks get their quotas whatever else the machine runs: they stand in for GPUs, which no
+neighbour shares. At the default weight a busy neighbour took the healthy ranks' share too (two CPU
+hogs on a 2-core machine left the group about a third of a core): every rank slowed towards the
+capped one, and the slowed rank read pace 0.9, then 0.6, then 0.45, named a window late. What is
+left to the rest of the machine is at least 0.8 of a CPU (two ranks at half a CPU, the slowed at 20 %).
+
 The periods are short beside a step (~15 ms of CPU, pace_ranks.py): a step that ends just after its
 period's quota ran out waits for the next period, so a period comparable to a step makes healthy
 steps' times jump by a whole period (with 5 ms periods and 3 ms steps, a CI run read a healthy rank
@@ -22,6 +29,8 @@ from pathlib import Path
 
 SHARE = (1000, 2000)  # (quota, period) µs: half a CPU
 SLOW = (1000, 5000)  # 20 %: a quota is at least 1 ms, so a 5 ms period
+V1_MAX_SHARES = 262144  # the kernel's MAX_SHARES (kernel/sched/sched.h)
+V2_MAX_WEIGHT = 10000  # CGROUP_WEIGHT_MAX (include/linux/cgroup.h)
 
 
 def make(name: str, children: Iterable[str]) -> Path:
@@ -31,6 +40,7 @@ def make(name: str, children: Iterable[str]) -> Path:
     if (v1 / "cpu.cfs_quota_us").exists() or (v1 / "tasks").exists():
         top = v1 / name
         top.mkdir(exist_ok=True)
+        (top / "cpu.shares").write_text(f"{V1_MAX_SHARES}\n")
         for child, (quota, period) in shares.items():
             d = top / child
             d.mkdir(exist_ok=True)
@@ -43,6 +53,7 @@ def make(name: str, children: Iterable[str]) -> Path:
             (v2 / "cgroup.subtree_control").write_text("+cpu\n")
         top = v2 / name
         top.mkdir(exist_ok=True)
+        (top / "cpu.weight").write_text(f"{V2_MAX_WEIGHT}\n")
         (top / "cgroup.subtree_control").write_text("+cpu\n")
         for child, (quota, period) in shares.items():
             d = top / child

@@ -21,7 +21,6 @@ seconds apart on a busy machine, so scenario times alone would not say which nod
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import time
@@ -31,12 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from fabric.netns import TestNet
 
 from conftest import clean_env
-from gpumon.sim.render import SimNode
-from gpumon.sim.scenario import load_scenario
+from live_faults import start_fault
 
 BIN = Path(sys.executable).parent
 SKEWED = Path(__file__).with_name("skewed_clock.py")
@@ -95,21 +92,6 @@ class Nodes:
         return proc.returncode, json.loads(proc.stdout)
 
 
-def _render_fault(d: Path, fault: dict[str, Any], skew: float) -> None:
-    """Append ``fault`` to the node's scenario at its scenario time now (on its own clock, ``skew``
-    ahead of ours) and render the node there: what its daemon's clock would have rendered had the
-    fault been in the scenario from the start. (The time is rounded down: a fault a few ms after the
-    time rendered would not show yet.)"""
-    path = d / "s.yaml"
-    data = yaml.safe_load(path.read_text())
-    t = time.time() + skew - float(json.loads((d / "sim" / "sim.json").read_text())["start_wall"])
-    data["faults"] = [*(data.get("faults") or []), {**fault, "at_s": math.floor(t * 100) / 100}]
-    path.write_text(yaml.safe_dump(data))
-    sim = SimNode(load_scenario(str(path)), d / "sim", resume=True)
-    assert sim.resumed, "the daemon's node is not in its sim dir"
-    sim.render(t)
-
-
 def _xid(doc: dict[str, Any], component: str) -> dict[str, Any] | None:
     return next((e for e in doc["events"] if e["check"] == "xid" and e["component"] == component
                  and e["kind"] == "finding"), None)
@@ -140,7 +122,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
         made.wait("node0", "/api/v1/findings", lambda doc: True, "the API")
         while time.time() < early["time"] + EARLIER_S:  # the order and distance the jobs below need
             time.sleep(0.1)
-        _render_fault(base / "node0", {"kind": "xid", "gpu": 1, "code": 79}, SKEW_S)
+        d0 = base / "node0"
+        start_fault(d0 / "s.yaml", d0 / "sim", {"kind": "xid", "gpu": 1, "code": 79}, SKEW_S)
         made.wait("node0", "/api/v1/events?limit=10000", lambda doc: _xid(doc, "gpu/1"),
                   "the Xid 79 on gpu/1")
         made.wait("node3", "/api/v1/events?limit=10000", lambda doc: _xid(doc, "node"),

@@ -5,8 +5,10 @@ Two ``gpumon daemon --simulate`` processes on loopback, scraped every second by 
 name, here with a domain to show it is matched; ``host`` the short name, for
 ``--prometheus-node-label``):
 
-- ``n-a``: Xid 79 on GPU 3 at 1 s, then InfiniBand mlx5_2 port 1 down for 6 s from 2 s; once its
-  history has the outage, its daemon is stopped: the node is gone, its API refuses;
+- ``n-a``: Xid 79 on GPU 3, then InfiniBand mlx5_2 port 1 down for 5 s (both rendered into its
+  simulated node once Prometheus has scraped its IB port up: a scenario's fault times count from the
+  node's start, which a daemon slow to start on a busy machine would miss); once its history has the
+  outage, its daemon is stopped: the node is gone, its API refuses;
 - ``n-b``: healthy, left running;
 
 and ``n-c``, a node Prometheus never scraped. Before ``n-a`` goes, its own API's outage record is
@@ -22,21 +24,21 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from conftest import clean_env, need_tool, run_gpumon
+from live_faults import end_fault, start_fault
 
-SCENARIOS = {
-    "n-a": "faults:\n  - {at_s: 1, kind: xid, gpu: 3, code: 79}\n"
-           "  - {at_s: 2, kind: ib_down, device: mlx5_2, port: 1, duration_s: 6}\n",
-    "n-b": "faults: []\n",
-}
-# NCCL_IB_TIMEOUT=17: a 3.76 s retry window, which the 6 s outage outlasts
+NODES = ("n-a", "n-b")
+# past NCCL_IB_TIMEOUT=17's 3.76 s retry window, short of the ib check's 7 s fail threshold
+OUTAGE_S = 5.0
+# NCCL_IB_TIMEOUT=17: a 3.76 s retry window, which the 5 s outage outlasts
 NCCL = ("--nccl-env", "NCCL_IB_TIMEOUT=17", "--nccl-version", "2.18.3")
 
 
@@ -69,16 +71,40 @@ def _stop(p: subprocess.Popen[bytes]) -> None:
         p.wait()
 
 
+def _downtime(prom: str) -> list[float]:
+    """Every value of n-a's ``gpumon_ib_downtime_seconds`` of its mlx5_2 port 1 that Prometheus
+    holds from the last minute."""
+    q = urllib.parse.urlencode({"query": 'gpumon_ib_downtime_seconds{instance="n-a.cluster.test",'
+                                         'component="ib/mlx5_2/1"}[60s]'})
+    return [float(v) for r in _json(f"{prom}/api/v1/query?{q}")["data"]["result"] for _, v in r["values"]]
+
+
+def _until(what: str, probe: Callable[[], Any], log: Path, timeout: float = 60) -> Any:
+    """``probe()`` until it answers something true (an unreachable API is not an answer yet); the
+    daemon's ``log`` says why not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            found = probe()
+        except OSError:
+            found = None
+        if found:
+            return found
+        assert time.monotonic() < deadline, (f"{what}: not within {timeout} s\n"
+                                             + log.read_text(errors="replace")[-4000:])
+        time.sleep(0.3)
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     prometheus = need_tool("prometheus", "prometheus")
     tmp = tmp_path_factory.mktemp("why-prom")
-    ports = {name: _free_port() for name in SCENARIOS}
+    ports = {name: _free_port() for name in NODES}
     prom_port = _free_port()
     config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
               "scrape_configs": [{"job_name": "gpumon", "static_configs": [
                   {"targets": [f"127.0.0.1:{ports[n]}"],
-                   "labels": {"instance": f"{n}.cluster.test", "host": n}} for n in SCENARIOS]}]}
+                   "labels": {"instance": f"{n}.cluster.test", "host": n}} for n in NODES]}]}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = []
@@ -87,10 +113,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{prom_port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for name, faults in SCENARIOS.items():
+    for name in NODES:
         d = tmp / name
         d.mkdir()
-        (d / "s.yaml").write_text(f"name: {name}\nsku: h100-sxm\n{faults}")
+        (d / "s.yaml").write_text(f"name: {name}\nsku: h100-sxm\nfaults: []\n")
         (d / "gpumon.yaml").write_text(f"node_name: {name}\n")
         logs.append(open(d / "daemon.log", "w"))  # noqa: SIM115 (closed at teardown)
         procs[name] = subprocess.Popen(
@@ -99,39 +125,39 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
              "--listen", f"127.0.0.1:{ports[name]}"],
             stdout=subprocess.DEVNULL, stderr=logs[-1], env=clean_env())
     prom = f"http://127.0.0.1:{prom_port}"
+    port = "ib/mlx5_2/1"
+    api = f"http://127.0.0.1:{ports['n-a']}/api/v1"
     try:
-        deadline = time.monotonic() + 60
-        outage: dict[str, Any] | None = None
-        while outage is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-            try:
-                doc = _json(f"http://127.0.0.1:{ports['n-a']}/api/v1/events?limit=10000")
-            except OSError:
-                continue
-            outage = next((o for e in doc["events"] if e["component"] == "ib/mlx5_2/1"
-                           for o in e["evidence"].get("recent_outages") or []), None)
-        assert outage is not None, "the IB outage never reached n-a's history"
+        # n-a watched and scraped: Prometheus holds its port up (no downtime)
+        a = tmp / "n-a"
+        log = a / "daemon.log"
+        _until("Prometheus scraping n-a's IB port", lambda: _downtime(prom), log)
+        start_fault(a / "s.yaml", a / "sim", {"kind": "xid", "gpu": 3, "code": 79})
+        start_fault(a / "s.yaml", a / "sim", {"kind": "ib_down", "device": "mlx5_2", "port": 1})
+        # down for OUTAGE_S as n-a's ib check measures it, however late a busy machine runs it
+        _until(f"n-a's ib check seeing its port down {OUTAGE_S:g} s", lambda: any(
+            f["component"] == port and f["evidence"].get("ongoing_outage_s", 0) >= OUTAGE_S
+            for f in _json(f"{api}/findings")["findings"]), log)
+        end_fault(a / "s.yaml", a / "sim", "ib_down")
+        # the state's record, in the event of the port's recovery (warn -> ok), or if a busy
+        # machine's check measured it past the ib check's 7 s fail threshold, in its current
+        # finding (kept at fail: no new event). A sample can read the port's link_downed counter
+        # risen before its state goes down: an outage "between two samples" of its own, not this one.
+        def ended() -> dict[str, Any] | None:
+            seen = _json(f"{api}/events?limit=10000")["events"] + _json(f"{api}/findings")["findings"]
+            return next((o for e in seen if e["component"] == port
+                         for o in e["evidence"].get("recent_outages") or []
+                         if o.get("end") is not None and o["seen_by"] == "state"), None)
+        outage: dict[str, Any] = _until("the IB outage, ended, in n-a's history", ended, log)
         # Prometheus has the whole outage: two scrapes of the port's downtime at its full length
         # (the port back up), however late a busy machine's scrapes come
-        q = urllib.parse.urlencode({"query": 'gpumon_ib_downtime_seconds{instance="n-a.cluster.test",'
-                                             'component="ib/mlx5_2/1"}[60s]'})
-        scraped, deadline = 0, time.monotonic() + 60
-        while scraped < 2:
-            result = _json(f"{prom}/api/v1/query?{q}")["data"]["result"]
-            scraped = sum(float(v) >= outage["down_s"] - 0.5 for r in result for _, v in r["values"])
-            assert time.monotonic() < deadline, f"Prometheus did not scrape the outage: {result}"
-            time.sleep(0.3)
+        _until("Prometheus scraping the whole outage", lambda: sum(
+            v >= outage["down_s"] - 0.5 for v in _downtime(prom)) >= 2, log)
         _stop(procs.pop("n-a"))  # the node is gone
         end = time.time()
         q = urllib.parse.urlencode({"query": 'up{instance="n-a.cluster.test"}'})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # Prometheus saw it go
-            result = _json(f"{prom}/api/v1/query?{q}")["data"]["result"]
-            if result and result[0]["value"][1] == "0":
-                break
-            time.sleep(0.3)
-        else:
-            pytest.fail("Prometheus never saw n-a go down")
+        _until("Prometheus seeing n-a go down", lambda: any(
+            r["value"][1] == "0" for r in _json(f"{prom}/api/v1/query?{q}")["data"]["result"]), log)
         yield Fleet(prom, ports, start, end, outage)
     finally:
         for p in procs.values():
@@ -147,10 +173,28 @@ def _why(fleet: Fleet, nodes: str, *extra: str) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(proc.stdout)
 
 
+def _explain(fleet: Fleet, doc: dict[str, Any]) -> str:
+    """What a wrong answer was made from: the verdict's timeline and n-a's IB series as Prometheus
+    holds them (every raw sample), beside the outage n-a's own API recorded."""
+    raw = {}
+    for metric in ("gpumon_ib_downtime_seconds", "gpumon_ib_outages", "gpumon_build_info", "up"):
+        sel = 'instance="n-a.cluster.test"' + (',component="ib/mlx5_2/1"' if "_ib_" in metric else "")
+        span = max(1, round(time.time() - fleet.start + 5))
+        q = urllib.parse.urlencode({"query": f"{metric}{{{sel}}}[{span}s]", "time": repr(time.time())})
+        result = _json(f"{fleet.prom}/api/v1/query?{q}")["data"]["result"]
+        raw[metric] = [(float(t) - fleet.start, v) for r in result for t, v in r["values"]]
+    return json.dumps({"outage_by_api": {k: (v - fleet.start if k in ("start", "end") and v else v)
+                                         for k, v in fleet.outage.items()},
+                       "fleet_end": fleet.end - fleet.start, "verdict": doc.get("verdict"),
+                       "suspects": doc.get("suspects"), "timeline": doc.get("timeline"),
+                       "notes": doc.get("notes"), "raw_samples_from_fleet_start": raw}, indent=1, default=str)
+
+
 def test_a_node_that_is_gone_is_named_from_prometheus_alone(fleet: Fleet) -> None:
     code, doc = _why(fleet, "n-a,n-b,n-c", "--prometheus", fleet.prom, "--prometheus-only", *NCCL)
     assert code == 2 and doc["verdict"] == "infrastructure", doc
-    ib = next(s for s in doc["suspects"] if s["what"] == "ib_outage")
+    ib = next((s for s in doc["suspects"] if s["what"] == "ib_outage"), None)
+    assert ib is not None, _explain(fleet, doc)
     assert (ib["node"], ib["component"], ib["tier"]) == ("n-a", "ib/mlx5_2/1", 1), ib
     assert "longer than NCCL's IB retry window of 3.76 s" in ib["why"]
     # the outage as the node's own API recorded it, to one 1 s scrape (and the check's 1 s sampling)
@@ -186,12 +230,13 @@ def test_prometheus_answers_only_for_the_nodes_whose_api_does_not(fleet: Fleet) 
     assert by["n-a"]["source"] == "prometheus" and by["n-a"]["reachable"] is True
     assert any(n.startswith("n-a: its API did not answer") and "cannot connect" in n and
                "judged from Prometheus" in n for n in doc["notes"]), doc["notes"]
-    assert {(s["node"], s["what"]) for s in doc["suspects"]} >= {("n-a", "ib_outage"), ("n-a", "xid")}
+    assert {(s["node"], s["what"]) for s in doc["suspects"]} >= {("n-a", "ib_outage"), ("n-a", "xid")}, \
+        _explain(fleet, doc)
     assert doc["unreachable"] == []
 
 
 def test_the_nccl_default_window_and_a_healthy_node_from_prometheus(fleet: Fleet) -> None:
-    # NCCL >= 2.23 retries for 30 s: the 6 s outage is context, not a suspect
+    # NCCL >= 2.23 retries for 30 s: the 5 s outage is context, not a suspect
     code, doc = _why(fleet, "n-a", "--prometheus", fleet.prom, "--prometheus-only",
                      "--nccl-version", "2.23.4")
     assert code == 2 and [s["what"] for s in doc["suspects"] if s["tier"] == 1] == ["xid"], doc["suspects"]

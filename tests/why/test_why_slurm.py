@@ -30,7 +30,6 @@ in the job's AdminComment through ``sacctmgr modify job`` (a finished job's is i
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import stat
@@ -49,8 +48,7 @@ from fabric.probe_run import rank_env
 from fabric.slurm_cluster import SlurmCluster, require_slurm
 
 from conftest import clean_env
-from gpumon.sim.render import SimNode
-from gpumon.sim.scenario import load_scenario
+from live_faults import end_fault, start_fault
 
 ROOT = Path(__file__).resolve().parents[2]
 EPILOG = ROOT / "contrib" / "slurm-epilog-why.sh"
@@ -127,36 +125,11 @@ class Cluster:
         self.wait_api(node, lambda doc: doc["count"] > 0, "the daemon's first events", path="/api/v1/events")
 
     def fault(self, node: str, fault: dict[str, Any]) -> dict[str, Any]:
-        """Append ``fault`` to the node's scenario at the node's current scenario time and render
-        the node there, with the simulator's own renderer (what the daemon's clock would do had
-        the fault been in the scenario from the start). Returns the fault as written. (Its time is
-        rounded down: a fault a few ms after the time rendered would not show yet.)"""
-        def add(faults: list[dict[str, Any]], t: float) -> dict[str, Any]:
-            faults.append({**fault, "at_s": math.floor(t * 100) / 100})
-            return faults[-1]
-        return self._rewrite(node, add)
+        """``fault`` rendered into the node now, while its daemon watches (tests/live_faults.py)."""
+        return start_fault(self.scenario(node), self.sim_dir(node), fault)
 
     def end_fault(self, node: str, kind: str) -> None:
-        """The last fault of ``kind`` ends now (its duration set to now), rendered."""
-        def end(faults: list[dict[str, Any]], t: float) -> dict[str, Any]:
-            f = next(f for f in reversed(faults) if f["kind"] == kind)
-            # rounded down, or the fault would still be on at the time rendered
-            f["duration_s"] = max(0.01, math.floor((t - float(f["at_s"])) * 100) / 100)
-            return f
-        self._rewrite(node, end)
-
-    def _rewrite(self, node: str, change: Any) -> dict[str, Any]:
-        path = self.scenario(node)
-        data = yaml.safe_load(path.read_text())
-        start = float(json.loads((self.sim_dir(node) / "sim.json").read_text())["start_wall"])
-        t = time.time() - start
-        data["faults"] = list(data.get("faults") or [])
-        written = change(data["faults"], t)
-        path.write_text(yaml.safe_dump(data))
-        sim = SimNode(load_scenario(str(path)), self.sim_dir(node), resume=True)
-        assert sim.resumed, "the daemon's node is not in its sim dir"
-        sim.render(t)
-        return dict(written)
+        end_fault(self.scenario(node), self.sim_dir(node), kind)
 
 
 def _epilog_wrapper(base: Path) -> Path:
