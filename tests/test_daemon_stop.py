@@ -29,6 +29,13 @@ def _wait_for(path: Path, text: str, timeout: float) -> str:
     raise AssertionError(f"{text!r} not in {path.read_text() if path.exists() else ''}")
 
 
+def _checks_reported(report: Path) -> set[str]:
+    try:
+        return {f["check"] for f in json.loads(report.read_text())["findings"]}
+    except (OSError, ValueError):
+        return set()
+
+
 def test_a_second_sigint_exits_at_once_while_a_hung_check_holds_the_graceful_stop(tmp_path: Path) -> None:
     # throttle's NVML call hangs 100 s (bound 90 s): its run holds the graceful stop, which waits up
     # to shutdown_grace_s (120 s) for running checks
@@ -46,7 +53,14 @@ def test_a_second_sigint_exits_at_once_while_a_hung_check_holds_the_graceful_sto
             stdout=subprocess.DEVNULL, stderr=err, env=clean_env()) as proc:
         try:
             _wait_for(log, "gpumon daemon on", 30)
-            time.sleep(1.5)  # every check starts at once: throttle is in its hung call
+            # every check starts at once: once the others' first runs are in the report (throttle's
+            # is not: it hangs), throttle has had their time to reach its hung call
+            report = tmp_path / "sim" / "state" / "report.json"
+            deadline = time.monotonic() + 60
+            while len(ran := _checks_reported(report)) < 5:
+                assert time.monotonic() < deadline, f"only {ran} reported\n{log.read_text()}"
+                time.sleep(0.1)
+            assert "throttle" not in ran, ran
             proc.send_signal(signal.SIGTERM)
             _wait_for(log, "shutting down", 10)
             time.sleep(2.0)
