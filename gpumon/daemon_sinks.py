@@ -161,8 +161,11 @@ class RemediationSink(Sink):
 
     def record(self, run: CheckRun) -> None:
         self._seen.add(run.check)
-        if self._checks <= self._seen:
+        if not self.loop.ready.is_set() and self._checks <= self._seen:
             self.loop.ready.set()
+            # a change that came before this (a fatal Xid read at start-up) woke a loop that was
+            # not ready yet: it would otherwise wait a whole interval to act on it
+            self.loop.wake.set()
         self._wake_on_change()
 
     def health_changed(self) -> None:

@@ -20,7 +20,7 @@ from gpumon.agent import Agent
 from gpumon.config import RemediationSettings, SlurmSettings, load_config
 from gpumon.daemon import Daemon
 from gpumon.daemon_report import ReportSink, ReportWriter
-from gpumon.daemon_sinks import ExporterSink, HealthSink, Sink, Sinks
+from gpumon.daemon_sinks import ExporterSink, HealthSink, RemediationSink, Sink, Sinks
 from gpumon.export.prometheus import SnapshotHolder, make_registry
 from gpumon.health import Health
 from gpumon.health.store import load_view
@@ -167,6 +167,33 @@ def test_the_health_state_has_each_run_before_remediation_and_the_exporter_read_
     assert published.runs["thermal"] is d.latest["thermal"]
     assert published.health["gpu/1"] == ("unhealthy", "reset_gpu")
     assert d.sinks.errors == dict.fromkeys(d.sinks.names, 0)
+
+
+def test_remediation_is_woken_when_the_last_check_reports_after_the_node_changed(health: Health) -> None:
+    """The loop decides nothing until every continuous check has reported once. A node that became
+    unhealthy before that (a fatal Xid read at start-up, while nvlink's first run was still going)
+    was drained one remediation interval (60 s) late: its change woke a loop not yet ready, and
+    the last check's report, which changed nothing, did not wake it again (seen in the suite on a
+    busy machine)."""
+    loop = RemediationLoop.build(RemediationSettings(backend="slurm", mode="observe",
+                                                     slurm=SlurmSettings(node_name="node-1")),
+                                 health, None, ToolRunner(default_timeout=5))
+    assert loop is not None  # built, never started: no scheduler is asked anything
+    health_sink = HealthSink(health)
+    sink = RemediationSink(loop, health, {"xid", "nvlink"})
+
+    def record(run: CheckRun) -> None:
+        health_sink.record(run)
+        sink.record(run)
+
+    record(_run("xid", Severity.FAIL, Action.RESET_GPU))
+    assert loop.wake.is_set() and not loop.ready.is_set()
+    loop.wake.clear()  # the loop woke, was not ready, and sleeps for its interval
+    record(_run("nvlink", Severity.OK))
+    assert loop.ready.is_set() and loop.wake.is_set()
+    loop.wake.clear()
+    record(_run("nvlink", Severity.OK))  # once ready, only a change of the node wakes it
+    assert not loop.wake.is_set()
 
 
 def test_an_order_that_breaks_a_declared_one_is_refused(health: Health, tmp_path: Path) -> None:
