@@ -409,6 +409,7 @@ class Reasoner:
             by_id[e.get("id")] = e
         events = [by_id.get(e.get("id"), e) if e.get("id") is not None else e for e in events]
         lost: set[str] = set()
+        lost_first: dict[str, Item] = {}  # a loss an NVML check reported before any Xid said it
         for e in events:
             kind = e.get("kind")
             t, until = _span(e)
@@ -458,6 +459,13 @@ class Reasoner:
                         # the loss (Xid 79) the NVML checks report too, each at its next run: they
                         # are this fault seen later, not a loss of their own that began then
                         lost.add(comp)
+                        seen = lost_first.pop(comp, None)
+                        if seen is not None:
+                            # an NVML check saw the loss before the xid check read its Xid (a kernel
+                            # log read late, a busy node): one fault, named by its Xid, from when it
+                            # was first seen
+                            out[:] = [i for i in out if i is not seen]
+                            base["time"] = min(t, seen.time)
                     out.append(Item(**base, what="xid", tier=1, summary=message,
                                     why=f"Xid {code}: gpumon's Xid catalog says {action}: the GPU's work "
                                         "(the rank's kernels) is lost or stalled",
@@ -471,10 +479,12 @@ class Reasoner:
                 if comp in lost:
                     continue  # every NVML check reports the same loss: the first one says it
                 lost.add(comp)
-                out.append(Item(**base, what="gpu_lost", tier=1, summary=f"{comp} lost: {message}",
-                                why="a GPU that fell off the bus stops its rank inside the collective; the "
-                                    "others wait for it until the watchdog fires",
-                                action=action if action in _HW_ACTIONS else "reboot_node"))
+                lost_first[comp] = Item(
+                    **base, what="gpu_lost", tier=1, summary=f"{comp} lost: {message}",
+                    why="a GPU that fell off the bus stops its rank inside the collective; the others wait "
+                        "for it until the watchdog fires",
+                    action=action if action in _HW_ACTIONS else "reboot_node")
+                out.append(lost_first[comp])
             elif "hung_in" in evidence:
                 out.append(Item(**base, what="hung_call", tier=2 if sev == "fail" else 3, summary=message,
                                 why="a driver or tool call that does not return on the node: the GPU or "

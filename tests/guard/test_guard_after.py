@@ -252,5 +252,9 @@ def test_the_straggler_meter_stops_at_the_end_of_each_ranks_own_backward(after: 
     for res in ranks:
         first = res["pace"]["windows"][0]
         assert first["named"] == [2], first
-        assert first["pace"][2] < 0.2 and min(first["pace"][:2]) > 0.5, first
-        assert first["compute_ms"][2] > 25 > 10 > max(first["compute_ms"][:2]), first
+        assert first["pace"][2] < 0.5 and min(first["pace"][:2]) > 0.5, first
+        # the others' compute leaves out their wait for rank 2: 20 ms short of its (a 30 ms sleep
+        # in it), whatever a busy machine adds to everyone's work (with the wait counted, theirs
+        # would be about rank 2's)
+        slow = first["compute_ms"][2]
+        assert slow > 25 and max(first["compute_ms"][:2]) < slow - 20, first

@@ -72,6 +72,27 @@ def test_culprits_are_tier1_hardware_one_per_node_with_gpumons_reason() -> None:
                                 "on gpu/3"}]
 
 
+def test_a_loss_an_nvml_check_saw_before_its_xid_was_read_is_named_by_the_xid() -> None:
+    """GPU 3 falls off the bus: the thermal check's NVML call answered GPU_IS_LOST 2 s before the
+    xid check read Xid 79 from the kernel log (a busy node). One fault, named by its Xid (the drain
+    reason says Xid 79 whichever check saw it first), from when it was first seen."""
+    def lost(t: float) -> dict[str, Any]:
+        return _finding(t, "thermal", "gpu/3", "fail", "reboot_node",
+                        "GPU lost (nvmlDeviceGetTemperature(gpu/3)): GPU is lost", gpu_lost=True)
+
+    def xid(t: float) -> dict[str, Any]:
+        return {**_finding(t, "xid", "gpu/3", "fail", "reboot_node",
+                           "Xid 79 GPU_HAS_FALLEN_OFF_THE_BUS on gpu/3", code=79, gpu_lost=True), "id": 3}
+
+    # the NVML check first, then the Xid; and the usual order, the Xid first
+    for events in ([lost(T0 + 498), xid(T0 + 500)], [xid(T0 + 498), lost(T0 + 500)]):
+        doc = _judge(_node("n1", events))
+        assert [(s["what"], s["component"]) for s in doc["suspects"]] == [("xid", "gpu/3")], doc["suspects"]
+        assert doc["suspects"][0]["relative_s"] == -102.0, doc["suspects"]
+        [culprit] = doc["culprits"]
+        assert culprit["drain_reason"].startswith("gpumon: reboot_node: why job 42: gpu/3: Xid 79"), culprit
+
+
 def test_no_culprit_on_an_inconclusive_verdict_and_the_comment_says_who_did_not_answer() -> None:
     down = NodeEvidence("n2", "http://n2:9426", error="cannot connect: refused")
     doc = _judge(_node("n1", []), down)
