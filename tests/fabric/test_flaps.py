@@ -126,7 +126,9 @@ def test_every_run_measures_every_pair_of_four_hosts_and_a_seed_repeats_the_data
         run = start_static(net, tmp_path / f"run{k}", next(_ports), args, collectives=["all_reduce"])
         run.wait(60)
         report = run.report()
-        assert report["status"] == "ok", run.logs()
+        # the pairs' speed is other tests' subject: on a busy machine a pair carried by the CPU can
+        # read slow in one run and be retested (a warning); the run still measures every pair
+        assert report["status"] in ("ok", "warn"), (report.get("findings"), run.logs())
         seed = report["seed"]
         assert isinstance(seed, int), report
         rounds: dict[int, set[tuple[str, str]]] = {}
