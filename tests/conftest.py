@@ -104,6 +104,14 @@ def run_gpumon(*args: str, env: dict[str, str] | None = None, timeout: float = 1
 Findings = dict[tuple[str, str], dict[str, Any]]
 
 
+def report_findings(report: Path) -> Findings:
+    """The findings of a daemon's report.json by (check, component); none while it is not written."""
+    try:
+        return {(f["check"], f["component"]): f for f in json.loads(report.read_text())["findings"]}
+    except (OSError, ValueError):
+        return {}
+
+
 def daemon_until(args: list[str], report: Path, want: Callable[[Findings], bool], what: str, *,
                  env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``gpumon ARGS`` (a daemon, its ``--duration`` longer than ``timeout``) until the findings of its
@@ -120,10 +128,8 @@ def daemon_until(args: list[str], report: Path, want: Callable[[Findings], bool]
                     err.seek(0)
                     raise AssertionError(f"{what}: the daemon exited {proc.returncode} first\n"
                                          + err.read()[-3000:])
-                with contextlib.suppress(OSError, ValueError):  # not written yet, or mid-rename
-                    doc = json.loads(report.read_text())
-                    if want({(f["check"], f["component"]): f for f in doc["findings"]}):
-                        break
+                if want(report_findings(report)):
+                    break
                 if time.monotonic() > deadline:
                     err.seek(0)
                     raise AssertionError(f"{what}: not within {timeout:g} s\n" + err.read()[-3000:])

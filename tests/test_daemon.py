@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import Findings, clean_env, daemon_until
+from conftest import Findings, clean_env, daemon_until, report_findings
 from gpumon.health import DB_NAME
 from gpumon.sim.scenario import Fault, Scenario
 
@@ -166,14 +166,11 @@ def test_restart_keeps_check_state_and_does_not_count_old_lines_twice(tmp_path: 
     argv = ["daemon", "--simulate", str(scenario), "--sim-dir", str(simdir), "--listen", "127.0.0.1:0"]
     report = simdir / "state" / "report.json"
 
-    def findings() -> Findings:
-        return {(f["check"], f["component"]): f for f in json.loads(report.read_text())["findings"]}
-
     # the fault is logged 1 s in
     proc = daemon_until([*argv, "--duration", "300"], report, lambda found: ("xid", "gpu/4") in found,
                         "the Xid 31")
     assert proc.returncode == 0, proc.stderr
-    assert findings()[("xid", "gpu/4")]["evidence"]["count"] == 1
+    assert report_findings(report)[("xid", "gpu/4")]["evidence"]["count"] == 1
     boot = (simdir / "host/proc/sys/kernel/random/boot_id").read_text()
     # same node, same boot: the kernel ring is read from its start again (a fixed run: what is
     # asserted is that the count did not grow, which a busy machine cannot make true by itself)
@@ -181,7 +178,7 @@ def test_restart_keeps_check_state_and_does_not_count_old_lines_twice(tmp_path: 
                            capture_output=True, text=True, env=clean_env(), timeout=60)
     assert proc2.returncode == 0, proc2.stderr
     assert (simdir / "host/proc/sys/kernel/random/boot_id").read_text() == boot
-    assert findings()[("xid", "gpu/4")]["evidence"]["count"] == 1
+    assert report_findings(report)[("xid", "gpu/4")]["evidence"]["count"] == 1
     assert (simdir / "state" / "checks" / "xid.json").is_file()
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from conftest import clean_env
+from conftest import clean_env, report_findings
 from gpumon.daemon import FORCED_EXIT
 
 
@@ -27,13 +27,6 @@ def _wait_for(path: Path, text: str, timeout: float) -> str:
             return said
         time.sleep(0.1)
     raise AssertionError(f"{text!r} not in {path.read_text() if path.exists() else ''}")
-
-
-def _checks_reported(report: Path) -> set[str]:
-    try:
-        return {f["check"] for f in json.loads(report.read_text())["findings"]}
-    except (OSError, ValueError):
-        return set()
 
 
 def test_a_second_sigint_exits_at_once_while_a_hung_check_holds_the_graceful_stop(tmp_path: Path) -> None:
@@ -57,7 +50,7 @@ def test_a_second_sigint_exits_at_once_while_a_hung_check_holds_the_graceful_sto
             # is not: it hangs), throttle has had their time to reach its hung call
             report = tmp_path / "sim" / "state" / "report.json"
             deadline = time.monotonic() + 60
-            while len(ran := _checks_reported(report)) < 5:
+            while len(ran := {check for check, _ in report_findings(report)}) < 5:
                 assert time.monotonic() < deadline, f"only {ran} reported\n{log.read_text()}"
                 time.sleep(0.1)
             assert "throttle" not in ran, ran
