@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from conftest import clean_env
+from gpumon.daemon_report import REPORT_MIN_INTERVAL_S
 from gpumon.health.keeper import Health
 from gpumon.health.store import DB_NAME
 from gpumon.model import Action, Finding, Severity
@@ -188,7 +189,7 @@ def test_an_ib_blip_that_never_left_ok_is_recorded(tmp_path: Path) -> None:
 
 def test_report_json_follows_metrics_within_a_second(tmp_path: Path) -> None:
     """A second Xid 48 on GPU 6 changes /metrics (xid_events_total 1 -> 2) but no severity:
-    report.json says so within a second (it lagged up to 10 s)."""
+    report.json says so at its next write, not its periodic one."""
     simdir = tmp_path / "sim"
     scenario = _scenario(tmp_path, "xid2", "  - {at_s: 2, kind: xid, gpu: 6, code: 48}\n"
                                            "  - {at_s: 5, kind: xid, gpu: 6, code: 48}\n")
@@ -207,7 +208,10 @@ def test_report_json_follows_metrics_within_a_second(tmp_path: Path) -> None:
             seen = time.monotonic()
             assert _wait(lambda: count() == 2, 12)
             lag = time.monotonic() - seen
-            assert lag < 1.5, f"report.json {lag:.1f} s behind /metrics"
+            # one write per REPORT_MIN_INTERVAL_S, and 2 s for a busy machine to run the writer and
+            # this poll: a report that waited for its periodic rewrite (REPORT_MAX_AGE_S) misses the
+            # 12 s wait above
+            assert lag < REPORT_MIN_INTERVAL_S + 2.0, f"report.json {lag:.1f} s behind /metrics"
             # and it was replaced whole, never seen half written (no temporary file left)
             assert not [p.name for p in (simdir / "state").iterdir() if p.name.endswith(".tmp")]
         finally:
@@ -411,6 +415,7 @@ def test_status_on_a_full_disk(tmp_path: Path) -> None:
 
 _WRITER = """
 import sys
+from gpumon.daemon_report import REPORT_MIN_INTERVAL_S
 from gpumon.health.keeper import Health
 from gpumon.model import Action, Finding, Severity
 h = Health.open(sys.argv[1], boot_id="boot-1")

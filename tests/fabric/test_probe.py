@@ -101,7 +101,10 @@ def test_a_slow_host_and_only_it_is_named_two_runs_of_two(testnet: Any, tmp_path
         verdicts = _verdicts(report)
         assert verdicts["node2"] == ("fail", "check_cables"), (attempt, report["findings"]["node2"],
                                                                run.logs())
-        assert all(v == ("ok", "none") for n, v in verdicts.items() if n != "node2"), (attempt, verdicts)
+        # a healthy node named: its whole finding and the pairs, to tell noise from a real fault
+        others = {n: report["findings"][n] for n, v in verdicts.items()
+                  if n != "node2" and v != ("ok", "none")}
+        assert not others, (attempt, others, report["isolation"], run.logs())
         fault = report["findings"]["node2"]["evidence"]["node_fault"]
         assert len(fault["slow_partners"]) >= 2 and fault["kinds"], fault
         assert run.codes[0] == 2 and all(run.codes[i] == 0 for i in (1, 2, 3)), run.codes
