@@ -37,16 +37,19 @@ class FabricCpu:
                   "(1/40 of the reference); 0.15 sits between the two"})
     latency_factor: float = field(default=10.0, metadata={
         "min": 1.0, "source": "measurement, same runs: 8 B p95 0.4-12 ms on healthy pairs (scheduler)"})
-    latency_floor_us: float = field(default=20000.0, metadata={
-        "min": 0.0, "source": "measurement, same runs: healthy 8 B p95 up to 12 ms; above 20 ms is not "
-                              "scheduler noise on that VM"})
+    latency_floor_us: float = field(default=100000.0, metadata={
+        "min": 0.0,
+        "source": "measurement: healthy 8 B p95 up to 12 ms in the runs above; up to 31 ms on the same VM "
+                  "with one core kept busy by another process (a CI run of 2026-12-07: two healthy "
+                  "pairs at 27 and 31 ms failed a healthy host at a 20 ms floor), while a link down for "
+                  "1-2 s stalls a call by 1-3 s; 100 ms is three times the first and a tenth of the second"})
     stall_factor: float = field(default=10.0, metadata={
         "min": 1.0, "source": "as checks.fabric.stall_factor"})
     stall_floor_s: float = field(default=0.5, metadata={
         "min": 0.0,
         "source": "argued, not yet measured as a distribution: a link down for 1-2 s stalls a call by "
                   "1-3 s (TCP retransmits back off from 200 ms), scheduler noise of test hosts sharing "
-                  "two cores stays in tens of ms (healthy 8 B p95 up to 12 ms, cpu.latency_floor_us); "
+                  "two cores stays in tens of ms (healthy 8 B p95 up to 31 ms, cpu.latency_floor_us); "
                   "in the tests/fabric runs of 2026-12-02 no healthy call passed it once the first "
                   "call of an operation (one-time setup, 1.7 s) was left out"})
 
