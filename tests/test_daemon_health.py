@@ -342,16 +342,17 @@ def test_a_full_disk_is_said_as_such_and_leaves_no_temporary_files(tmp_path: Pat
     there is room again."""
     simdir = tmp_path / "sim"
     state = simdir / "state"
-    scenario = _scenario(tmp_path, "full", "".join(
-        f"  - {{at_s: {t}, kind: xid, gpu: {g}, code: 48}}\n" for t, g in ((4, 6), (5, 5), (6, 4))))
+    scenario = _scenario(tmp_path, "full", "  []\n")
     port = _free_port()
     log = tmp_path / "daemon.log"
     with _tmpfs(state, "1m"), _daemon(scenario, simdir, "--listen", f"127.0.0.1:{port}", log=log) as proc:
         try:
-            assert _wait(lambda: (state / "report.json").is_file() and (state / DB_NAME).is_file(), 20)
-            start = json.loads((simdir / "sim.json").read_text())["start_wall"]
-            assert time.time() - start < 3.5, "the daemon started too late to fill the disk before the faults"
+            assert _wait(lambda: (state / "report.json").is_file() and (state / DB_NAME).is_file(), 60)
             filler = _fill(state)
+            # the faults once the disk is full, whenever a busy machine's daemon got this far
+            # (tests/live_faults.py)
+            for gpu in (6, 5, 4):
+                start_fault(scenario, simdir, {"kind": "xid", "gpu": gpu, "code": 48})
             store = 'gpumon_finding_severity{check="health_store",component="node"} 3.0'
             assert _wait(lambda: store in _scrape(port), 20), log.read_text()
             assert _wait(lambda: "xid gpu/4: new -> fail" in log.read_text(), 20), log.read_text()
