@@ -68,7 +68,7 @@ def test_a_rank_slowed_by_a_cpu_quota_is_named_within_need_windows_on_its_node(
 
 
 def test_a_rank_slow_on_every_third_step_is_named(ranks: tuple[Path, list[dict[str, Any]]]) -> None:
-    """Rank 2's forward 60 ms longer on every third step only: its median step is the group's, yet
+    """Rank 2's forward 100 ms longer on every third step only: its median step is the group's, yet
     the job waits for it on a third of its steps. Scored on what the job pays (the mean of its steps,
     the slowest 10 % left out), it is named within the same windows as a rank slow throughout
     (before: scored on medians, never named)."""
