@@ -340,6 +340,7 @@ def test_ib_port_down_past_the_collective_timeout_names_the_node_and_port(cluste
     cut = time.time()
     c.net.link_down(i)
     c.fault("node1", {"kind": "ib_down", "device": "mlx5_0", "port": 1})
+    rendered = time.time()  # a busy machine may take seconds to cut the link and render the port down
     try:
         # the ranks on node0 and node2 give up after the collective timeout
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S + 60
@@ -368,7 +369,7 @@ def test_ib_port_down_past_the_collective_timeout_names_the_node_and_port(cluste
                                                                            "ib_outage", 1), doc["suspects"]
         # the outage's start, relative to the job's end: before it, by about the collective timeout
         # and more (the job ends once node1 is back)
-        assert top["evidence"]["start"] == pytest.approx(cut, abs=2.0)
+        assert cut - 2.0 <= top["evidence"]["start"] <= rendered + 2.0, (cut, rendered, top)
         assert -60 < top["relative_s"] <= -(COLLECTIVE_TIMEOUT_S - 2), top
         assert top["evidence"]["down_s"] > doc["nccl"]["retry_window_s"] and top["evidence"]["end"], top
         assert not [s for s in doc["suspects"] if s["node"] != "node1"], doc["suspects"]
