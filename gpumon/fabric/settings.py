@@ -39,10 +39,9 @@ class FabricCpu:
         "min": 1.0, "source": "measurement, same runs: 8 B p95 0.4-12 ms on healthy pairs (scheduler)"})
     latency_floor_us: float = field(default=100000.0, metadata={
         "min": 0.0,
-        "source": "measurement: healthy 8 B p95 up to 12 ms in the runs above; up to 31 ms on the same VM "
-                  "with one core kept busy by another process (a CI run of 2026-12-07: two healthy "
-                  "pairs at 27 and 31 ms failed a healthy host at a 20 ms floor), while a link down for "
-                  "1-2 s stalls a call by 1-3 s; 100 ms is three times the first and a tenth of the second"})
+        "source": "measurement, 2-core CI VM: healthy 8 B p95 up to 12 ms idle and up to 31 ms with one "
+                  "core kept busy by another process, while a link down for 1-2 s stalls a call by "
+                  "1-3 s; 100 ms is three times the first and a tenth of the second"})
     stall_factor: float = field(default=10.0, metadata={
         "min": 1.0, "source": "as checks.fabric.stall_factor"})
     stall_floor_s: float = field(default=0.5, metadata={
