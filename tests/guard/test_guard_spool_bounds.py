@@ -382,6 +382,18 @@ def _without_gc(fn: Callable[[], T], spent: list[float]) -> T:
     return out
 
 
+def _first_reads(d: Daemon) -> list[float]:
+    """The CPU time of each run until every file of ``d``'s spool has been read once."""
+    spent: list[float] = []
+    for _ in range(math.ceil(20_000 / d.options.max_files) + 2):
+        found = _without_gc(lambda: d.run(record=False), spent)
+        d.health.record_findings("guard", found, complete=True)
+        if not keyed(found, "spool-backlog"):
+            break
+    assert not keyed(found, "spool-backlog")  # every file read once, within the bounded runs
+    return spent
+
+
 def test_a_run_over_20000_files_costs_about_what_listing_them_does(daemon: Callable[..., Daemon]) -> None:
     """Bounded against baselines measured here, in CPU time of this process (other load on the
     machine does not count): a spool of max_files such files (its first run reads them all, then
@@ -396,13 +408,11 @@ def test_a_run_over_20000_files_costs_about_what_listing_them_does(daemon: Calla
     big = daemon("flood")
     flood(big.spool, 20_000)
     t_lstat = min(_cpu(lambda: _list_and_lstat(big.spool)) for _ in range(3))
-    first: list[float] = []
-    for _ in range(math.ceil(20_000 / big.options.max_files) + 2):
-        found = _without_gc(lambda: big.run(record=False), first)
-        big.health.record_findings("guard", found, complete=True)
-        if not keyed(found, "spool-backlog"):
-            break
-    assert not keyed(found, "spool-backlog")  # every file read once, within the bounded runs
+    # the first reads twice, on two spools alike, each run taken at the least of its two: one run
+    # beside a busy neighbour once cost 0.5 s where the runs around it cost 0.3 s (a CI run)
+    again = daemon("flood-again")
+    flood(again.spool, 20_000)
+    first = [min(a, b) for a, b in zip(_first_reads(big), _first_reads(again), strict=True)]
     assert max(first) <= 3 * (t_budget + t_lstat), (first, t_budget, t_lstat)
     # read once, the 20,000 cost about their listing (the least of five: noise only adds)
     t_base = min(_cpu(lambda: base.run(record=False)) for _ in range(5))
