@@ -332,9 +332,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     pytest-xdist worker gw0 builds it (every worker collects every test; the controller then hands
     the image tests to one of them), and a worker that runs them without having built it waits for
     gw0's build (``deploy.image_build.wait_for_other``); the controller removes the image."""
-    # the slow files first, each test file to one worker as a whole (--dist loadfile, and
-    # --no-loadscope-reorder keeps this order): a file of one or two minute-long tests handed out
-    # last, after the thousands of short ones, left one worker running alone at the end
+    # the slow files first, each test file to one worker as a whole (--dist loadfile), the short
+    # ones filling in after them (--no-loadscope-reorder keeps this order: xdist's own orders files
+    # by their number of tests, which hands a file of one or two minute-long tests out last)
     items.sort(key=lambda i: i.nodeid.split("::", 1)[0] not in SLOW)
     image = [i for i in items if i.nodeid.startswith(IMAGE_TESTS)]
     if not image:

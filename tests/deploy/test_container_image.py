@@ -4,7 +4,7 @@ builder (buildah, chroot isolation: what builds on a machine without a container
 The registry's python image cannot be pulled here, so the test makes a Debian base of its own with
 mmdebstrap (python3, python3-venv, apt: what the Containerfile needs of its base) and passes it as
 ``BASE``; every RUN step of the recipe runs as written (image_build.py). The build costs about 2.2
-minutes alone on 2 cores (105 s of CPU); it starts with the session at the lowest CPU priority and
+minutes alone on 2 cores (105 s of CPU); it starts with the session at a lower CPU priority (nice 5) and
 these tests run last, so it takes only the CPU the rest of the suite leaves idle. The compute target
 (torch, several GB) is not built here — see "Container images" in docs/operators/deploy.md.
 """
