@@ -325,17 +325,12 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(trylast=True)  # after -k/-m have deselected: only a selected image test builds
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
-    """The slow files are handed out first and the container image tests last; their image is
-    built from the start of the session in the background at a low CPU priority
-    (tests/deploy/image_build.py): ~2 minutes of CPU that
+    """The container image tests run last, and their image is built from the start of the session in
+    the background at the lowest CPU priority (tests/deploy/image_build.py): ~2 minutes of CPU that
     the rest of the suite's waits leave idle, not 2 minutes of the suite's wall time. Under
     pytest-xdist worker gw0 builds it (every worker collects every test; the controller then hands
     the image tests to one of them), and a worker that runs them without having built it waits for
     gw0's build (``deploy.image_build.wait_for_other``); the controller removes the image."""
-    # the slow files first, each test file to one worker as a whole (--dist loadfile), the short
-    # ones filling in after them (--no-loadscope-reorder keeps this order: xdist's own orders files
-    # by their number of tests, which hands a file of one or two minute-long tests out last)
-    items.sort(key=lambda i: i.nodeid.split("::", 1)[0] not in SLOW)
     image = [i for i in items if i.nodeid.startswith(IMAGE_TESTS)]
     if not image:
         return
