@@ -248,7 +248,8 @@ def test_why_says_the_job_waited_for_the_node_without_the_hung_signature(nodes: 
         == {(n, f"gpu/{g}") for n in ("n-wait1", "n-wait2") for g in (0, 1)}
 
     code, doc = _why(nodes, "n-wait1", "n-wait2", "n-ok")
-    assert code == 0 and doc["verdict"] == "no_infrastructure_evidence", doc
+    assert code == 0 and doc["verdict"] == "no_infrastructure_evidence", \
+        (doc["verdict"], doc.get("missing_evidence"), doc["notes"], doc["suspects"])
     assert any("not on n-ok: the job's collectives waited for n-ok; no infrastructure event" in n
                for n in doc["notes"]), doc["notes"]
 
