@@ -370,7 +370,10 @@ def test_ib_port_down_past_the_collective_timeout_names_the_node_and_port(cluste
         # the outage's start, relative to the job's end: before it, by about the collective timeout
         # and more (the job ends once node1 is back)
         assert cut - 2.0 <= top["evidence"]["start"] <= rendered + 2.0, (cut, rendered, top)
-        assert -60 < top["relative_s"] <= -(COLLECTIVE_TIMEOUT_S - 2), top
+        # (counted from the recorded start: beside a CPU hog the port was rendered down 2.5 s after
+        # the cut, and the job still failed a collective timeout after the cut, not after that)
+        late = top["evidence"]["start"] - cut
+        assert -60 < top["relative_s"] <= late - (COLLECTIVE_TIMEOUT_S - 2), (late, top)
         assert top["evidence"]["down_s"] > doc["nccl"]["retry_window_s"] and top["evidence"]["end"], top
         assert not [s for s in doc["suspects"] if s["node"] != "node1"], doc["suspects"]
         # the epilog: the suspect in the AdminComment, node1 drained with gpumon's reason
