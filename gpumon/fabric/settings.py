@@ -41,7 +41,7 @@ class FabricCpu:
         "min": 0.0,
         "source": "measurement, 2-core CI VM: healthy 8 B p95 up to 12 ms idle and up to 31 ms with one "
                   "core kept busy by another process, while a link down for 1-2 s stalls a call by "
-                  "1-3 s; 100 ms is three times the first and a tenth of the second"})
+                  "1-3 s; 100 ms is three times the busy figure and a tenth of the stall"})
     stall_factor: float = field(default=10.0, metadata={
         "min": 1.0, "source": "as checks.fabric.stall_factor"})
     stall_floor_s: float = field(default=0.5, metadata={
